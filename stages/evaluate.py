@@ -1,0 +1,114 @@
+"""Stage `evaluate` (and `evaluate_base`): held-out pass@1, pass@k and greedy accuracy of one checkpoint.
+
+Evaluates checkpoint k on the test split with the same generation backend and sandbox as training:
+one greedy sample per prompt (greedy accuracy) and n sampled ones (pass@k by the unbiased estimator of
+Chen et al. 2021). `evaluate_base` is the same stage on the base model, run once per run, stored as
+iteration -1 in `base/eval.parquet`. A sample is correct when every test passed (status "ok").
+"""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from math import comb
+
+import numpy as np
+import pyarrow as pa
+
+from stages.common import StageContext, StageInputError, exit_with
+from stages.generation import make_backend
+from stages.generation.base import GenerationRequest, SamplingSpec, sample_seed
+from stages.models import load_tokenizer
+from stages.sampling import encode_prompts, generate_with_progress
+from stages.sandbox import ScoreJob
+from stages.score import score_with_progress
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k from n samples of which c are correct: 1 - C(n-c, k) / C(n, k) (Chen et al. 2021).
+
+    Requires k <= n. With n - c < k every size-k subset holds a correct sample, so the value is 1.
+    """
+    if not 0 <= c <= n or not 1 <= k <= n:
+        raise ValueError(f"pass@k needs 0 <= c <= n and 1 <= k <= n, got n={n}, c={c}, k={k}")
+    if n - c < k:
+        return 1.0
+    return 1.0 - comb(n - c, k) / comb(n, k)
+
+
+def aggregate(rows: list[dict], ks: list[int]) -> dict[str, float]:
+    """Per-dataset summary: greedy accuracy, mean pass@k over prompts, mean response length."""
+    sampled: dict[str, list[bool]] = defaultdict(list)
+    greedy = [row["correct"] for row in rows if row["mode"] == "greedy"]
+    for row in rows:
+        if row["mode"] == "sampled":
+            sampled[row["prompt_id"]].append(row["correct"])
+    summary: dict[str, float] = {"prompts": float(len({row["prompt_id"] for row in rows}))}
+    if greedy:
+        summary["greedy_accuracy"] = float(np.mean(greedy))
+    for k in ks:
+        values = [pass_at_k(len(c), sum(c), k) for c in sampled.values() if len(c) >= k]
+        if values:
+            summary[f"pass@{k}"] = float(np.mean(values))
+    summary["mean_num_tokens"] = float(np.mean([row["num_tokens"] for row in rows])) if rows else 0.0
+    return summary
+
+
+def run(ctx: StageContext) -> None:
+    ev = ctx.config.evaluate
+    gen = ctx.config.generate
+    prompts = [row for row in ctx.read_input("prompts").to_pylist() if row["split"] == "test"]
+    if not prompts:
+        raise StageInputError(f"{ctx.inputs['prompts'].path}: no test prompts")
+    by_id = {row["prompt_id"]: row for row in prompts}
+    model_dir = ctx.policy_dir()
+    encoded = encode_prompts(
+        load_tokenizer(model_dir), list(by_id), [row["messages"] for row in by_id.values()],
+        gen.max_prompt_tokens, gen.overlong_prompt,
+    )
+
+    backend = make_backend(gen.backend, model_dir, gen)
+    plan: list[tuple[str, str, int]] = []  # (prompt_id, mode, sample_idx) per generated sample
+    samples = []
+    try:
+        for mode, n, spec in [
+            ("greedy", 1 if ev.greedy else 0, SamplingSpec(temperature=0.0, max_new_tokens=ev.max_new_tokens)),
+            ("sampled", ev.n_samples, SamplingSpec(
+                temperature=ev.temperature, top_p=ev.top_p, max_new_tokens=ev.max_new_tokens)),
+        ]:
+            requests = []
+            for prompt_id, token_ids in zip(encoded.prompt_ids, encoded.token_ids, strict=True):
+                for sample_idx in range(n):
+                    # Evaluation seeds do not depend on the iteration: every checkpoint is judged on the
+                    # same random draws, which removes sampling noise from the before/after comparison.
+                    seed = sample_seed(ctx.config.seed, -1, prompt_id, sample_idx)
+                    requests.append(GenerationRequest(token_ids, seed))
+                    plan.append((prompt_id, mode, sample_idx))
+            if requests:
+                label = f"{ctx.spec.name} {mode}"
+                samples += generate_with_progress(backend, requests, spec, label).samples
+    finally:
+        backend.close()
+
+    jobs = [
+        ScoreJob(sample.text, json.loads(by_id[pid]["reward_spec"]))
+        for (pid, _, _), sample in zip(plan, samples, strict=True)
+    ]
+    results = score_with_progress(ctx, jobs, f"{ctx.spec.name} score")
+    rows = [
+        {
+            "run_id": ctx.run_id, "iteration": ctx.iteration, "policy_version": ctx.inputs["policy"].sha256,
+            "dataset": by_id[pid]["dataset"], "prompt_id": pid, "mode": mode, "sample_idx": sample_idx,
+            "correct": result.status == "ok", "reward": result.reward, "status": result.status,
+            "num_tokens": len(sample.token_ids), "response_text": sample.text,
+        }
+        for (pid, mode, sample_idx), sample, result in zip(plan, samples, results, strict=True)
+    ]
+    metrics: dict[str, object] = {"prompts_skipped_overlong": encoded.skipped}
+    for dataset in sorted({row["dataset"] for row in rows}):
+        metrics[dataset] = aggregate([row for row in rows if row["dataset"] == dataset], ev.k)
+    ctx.write_table("eval", pa.Table.from_pylist(rows), metrics)
+
+
+if __name__ == "__main__":
+    exit_with("evaluate", run)

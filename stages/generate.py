@@ -1,0 +1,103 @@
+"""Stage `generate`: sample n responses per training prompt with the current policy.
+
+Iteration k generates with checkpoint k-1 (iteration 0 with the base model) and stamps every row with that
+checkpoint's content hash (`policy_version`). Which prompts an iteration uses is a deterministic function of
+(run seed, iteration): the training set is shuffled once per epoch by a hash and walked in order, so a
+rerun picks the same prompts and every prompt is seen once per epoch. Each sample's seed is derived from
+(run seed, iteration, round, prompt, sample index), never from batch position, so a rerun of the stage on the
+same machine with a deterministic backend reproduces the table byte for byte.
+
+The table is written once, at the end, atomically. Engine start time is recorded apart from generation
+time in the manifest.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import pyarrow as pa
+
+from stages.common import StageContext, StageInputError, exit_with
+from stages.generation import make_backend
+from stages.generation.base import GenerationRequest, SamplingSpec, sample_seed
+from stages.models import load_tokenizer
+from stages.sampling import encode_prompts, generate_with_progress
+
+
+def select_prompts(train_prompt_ids: list[str], run_seed: int, iteration: int, per_iteration: int) -> list[str]:
+    """The prompts of one iteration: walk a per-epoch hash shuffle of the training set in order."""
+    if not train_prompt_ids:
+        return []
+    ordered = sorted(set(train_prompt_ids))
+    chosen: list[str] = []
+    start = iteration * per_iteration
+    for position in range(start, start + min(per_iteration, len(ordered))):
+        epoch, offset = divmod(position, len(ordered))
+        shuffled = sorted(
+            ordered, key=lambda pid: hashlib.sha256(f"{run_seed}:{epoch}:{pid}".encode()).hexdigest()
+        )
+        chosen.append(shuffled[offset])
+    return chosen
+
+
+def sampling_spec(ctx: StageContext) -> SamplingSpec:
+    cfg = ctx.config.generate
+    return SamplingSpec(
+        temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
+        max_new_tokens=cfg.max_new_tokens, stop=list(cfg.stop),
+    )
+
+
+def run(ctx: StageContext, round_idx: int = 0) -> None:
+    cfg = ctx.config.generate
+    prompts = ctx.read_input("prompts").to_pylist()
+    train = {row["prompt_id"]: row for row in prompts if row["split"] == "train"}
+    selected = select_prompts(list(train), ctx.config.seed, ctx.iteration, cfg.prompts_per_iteration)
+    if not selected:
+        raise StageInputError(f"{ctx.inputs['prompts'].path}: no train prompts")
+
+    model_dir = ctx.policy_dir()
+    tokenizer = load_tokenizer(model_dir)
+    encoded = encode_prompts(
+        tokenizer, selected, [train[pid]["messages"] for pid in selected], cfg.max_prompt_tokens,
+        cfg.overlong_prompt,
+    )
+    requests, keys = [], []
+    for prompt_id, token_ids in zip(encoded.prompt_ids, encoded.token_ids, strict=True):
+        for sample_idx in range(cfg.n_samples):
+            seed = sample_seed(ctx.config.seed, ctx.iteration, prompt_id, sample_idx, round_idx)
+            requests.append(GenerationRequest(token_ids, seed))
+            keys.append((prompt_id, sample_idx, seed))
+
+    backend = make_backend(cfg.backend, model_dir, cfg)
+    try:
+        result = generate_with_progress(backend, requests, sampling_spec(ctx), f"generate iter={ctx.iteration}")
+    finally:
+        backend.close()
+
+    policy_version = ctx.inputs["policy"].sha256
+    rows = []
+    for request, (prompt_id, sample_idx, seed), sample in zip(requests, keys, result.samples, strict=True):
+        rows.append({
+            "run_id": ctx.run_id, "iteration": ctx.iteration, "round": round_idx,
+            "prompt_id": prompt_id, "sample_idx": sample_idx, "policy_version": policy_version,
+            "prompt_token_ids": request.prompt_token_ids, "response_token_ids": sample.token_ids,
+            "response_logprobs": sample.logprobs, "response_text": sample.text,
+            "finish_reason": sample.finish_reason, "truncated": sample.finish_reason == "length",
+            "num_tokens": len(sample.token_ids), "seed": seed, "backend": backend.name,
+        })
+    ctx.write_table("rollouts", pa.Table.from_pylist(rows), {
+        "backend": backend.name,
+        "deterministic": backend.deterministic,
+        "engine_start_seconds": round(backend.engine_start_seconds, 3),
+        "generation_seconds": round(result.seconds, 3),
+        "generated_tokens": result.tokens,
+        "tokens_per_second": round(result.tokens_per_second, 2),
+        "prompts": len(encoded.prompt_ids),
+        "prompts_skipped_overlong": encoded.skipped,
+        "prompts_truncated": encoded.truncated,
+    })
+
+
+if __name__ == "__main__":
+    exit_with("generate", run)

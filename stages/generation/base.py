@@ -1,0 +1,66 @@
+"""The contract every generation backend meets: token ids in, sampled token ids and their logprobs out.
+
+Backends take already chat-formatted, already tokenized prompts, so that the prompt tokens stored in the
+rollouts table are exactly what the model saw, whatever the backend. Each request carries its own seed,
+derived from (run seed, iteration, prompt, sample), so a rerun of the stage reproduces its table on the same
+machine where the backend can promise that (`Backend.deterministic`).
+
+`Sample.logprobs` are the sampler's log-probabilities of each sampled token under the distribution the
+token was actually drawn from: logits / temperature, then top-k and top-p filtering and renormalisation.
+For greedy decoding (temperature 0) they are the log-softmax of the raw logits.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+
+@dataclass(frozen=True)
+class SamplingSpec:
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    max_new_tokens: int = 256
+    stop: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    prompt_token_ids: list[int]
+    seed: int
+
+
+@dataclass
+class Sample:
+    token_ids: list[int]
+    logprobs: list[float]
+    text: str
+    finish_reason: str  # "stop" (eos or a stop string) | "length"
+
+
+# Called after each finished chunk with (requests done, tokens generated in the chunk).
+ProgressCallback = Callable[[int, int], None]
+
+
+class Backend(Protocol):
+    name: str
+    deterministic: bool
+    engine_start_seconds: float
+
+    def generate(
+        self,
+        requests: list[GenerationRequest],
+        sampling: SamplingSpec,
+        progress: ProgressCallback | None = None,
+    ) -> list[Sample]: ...
+
+    def close(self) -> None: ...
+
+
+def sample_seed(run_seed: int, iteration: int, prompt_id: str, sample_idx: int, round_idx: int = 0) -> int:
+    """A 63-bit seed that depends only on what identifies the sample, never on batch order."""
+    text = f"{run_seed}:{iteration}:{round_idx}:{prompt_id}:{sample_idx}"
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "big") >> 1

@@ -1,0 +1,281 @@
+"""Policy-gradient losses, loss aggregation, KL estimators and rollout correction, as pure tensor functions.
+
+Layout: `_BT` tensors are (sequences, response tokens), right-padded; `mask_BT` is 1.0 on response tokens
+that take part in the loss and 0.0 on padding and on tokens rejected by rollout correction. Log-probs are
+of the sampled tokens only (see stages/rl/logprobs.py). Every function returns per-token values; the
+reduction to one scalar happens once, in `aggregate`, so that every loss term (policy, KL, entropy) is
+reduced the same way and micro-batches can be summed into exactly the minibatch loss.
+
+Three policies appear (verl's "decoupled" naming): the behaviour policy pi_b that sampled the tokens (the
+sampler's logprobs, e.g. vLLM in bf16), the old policy pi_old (the same weights, recomputed by the
+trainer before the update) and the current policy pi_theta. PPO clips pi_theta / pi_old; rollout
+correction reweights or rejects by pi_old / pi_b; in bypass mode pi_old := pi_b.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+LossAggregation = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+KLEstimator = Literal["k1", "k2", "k3"]
+RejectionMode = Literal[
+    "token_k1", "token_k2", "token_k3", "seq_sum_k1", "seq_mean_k1", "seq_mean_k2", "seq_mean_k3",
+    "seq_max_k2", "seq_max_k3",
+]  # fmt: skip
+
+# Log-ratios are clamped before exp() so one wild token cannot overflow to inf (verl uses the same bound).
+LOG_RATIO_LIMIT = 20.0
+
+
+def masked_sum(values_BT: torch.Tensor, mask_BT: torch.Tensor) -> torch.Tensor:
+    return (values_BT * mask_BT).sum()
+
+
+def masked_mean(values_BT: torch.Tensor, mask_BT: torch.Tensor) -> torch.Tensor:
+    """Mean over unmasked entries; 0 when nothing is unmasked (instead of 0 / 0)."""
+    return (values_BT * mask_BT).sum() / mask_BT.sum().clamp(min=1.0)
+
+
+def log_ratio(logp_BT: torch.Tensor, base_logp_BT: torch.Tensor) -> torch.Tensor:
+    """log(pi / pi_base) per token, clamped to +-LOG_RATIO_LIMIT."""
+    return (logp_BT - base_logp_BT).clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)
+
+
+# --------------------------------------------------------------------------------------------------------
+# Policy losses (per token; lower is better)
+
+
+@dataclass
+class PolicyLossOutput:
+    loss_BT: torch.Tensor  # per-token loss, to be aggregated
+    ratio_BT: torch.Tensor  # pi_theta / pi_old (detached)
+    clipped_low_BT: torch.Tensor  # 1.0 where the low clip (ratio < 1 - eps_low, A < 0) zeroes the gradient
+    clipped_high_BT: torch.Tensor  # 1.0 where the high clip (ratio > 1 + eps_high, A > 0) zeroes the gradient
+    clipped_dual_BT: torch.Tensor  # 1.0 where the dual clip (A < 0, ratio > c) caps the loss
+
+
+def ppo_clip_loss(
+    logp_BT: torch.Tensor,
+    old_logp_BT: torch.Tensor,
+    advantages_BT: torch.Tensor,
+    clip_low: float = 0.2,
+    clip_high: float = 0.2,
+    dual_clip: float | None = None,
+) -> PolicyLossOutput:
+    """PPO clipped surrogate with separate low/high bounds (clip-higher) and optional dual clip.
+
+    r = exp(logp - old_logp);  L = max(-A * r, -A * clip(r, 1 - eps_low, 1 + eps_high))   (Schulman 2017;
+    DAPO's clip-higher sets eps_high > eps_low, e.g. 0.28 / 0.2).
+    Dual clip (Ye et al. 2020), only for A < 0: L = min(L, -A * c) with c > 1 (typically 3), which bounds
+    the loss of a negative-advantage token whose ratio has grown large.
+    """
+    if dual_clip is not None and dual_clip <= 1.0:
+        raise ValueError(f"dual_clip must be > 1 (got {dual_clip})")
+    ratio_BT = torch.exp(log_ratio(logp_BT, old_logp_BT))
+    unclipped_BT = -advantages_BT * ratio_BT
+    clipped_BT = -advantages_BT * ratio_BT.clamp(1.0 - clip_low, 1.0 + clip_high)
+    loss_BT = torch.maximum(unclipped_BT, clipped_BT)
+    with torch.no_grad():
+        ratio_d_BT = ratio_BT.detach()
+        clipped_low_BT = ((ratio_d_BT < 1.0 - clip_low) & (advantages_BT < 0)).float()
+        clipped_high_BT = ((ratio_d_BT > 1.0 + clip_high) & (advantages_BT > 0)).float()
+        clipped_dual_BT = torch.zeros_like(ratio_d_BT)
+    if dual_clip is not None:
+        capped_BT = -advantages_BT * dual_clip
+        negative_BT = advantages_BT < 0
+        loss_BT = torch.where(negative_BT, torch.minimum(loss_BT, capped_BT), loss_BT)
+        clipped_dual_BT = (negative_BT & (ratio_d_BT > dual_clip)).float()
+    return PolicyLossOutput(loss_BT, ratio_d_BT, clipped_low_BT, clipped_high_BT, clipped_dual_BT)
+
+
+def reinforce_is_loss(
+    logp_BT: torch.Tensor, old_logp_BT: torch.Tensor, advantages_BT: torch.Tensor
+) -> PolicyLossOutput:
+    """No clip: L = -A * r, r = exp(logp - old_logp) (REINFORCE with an importance weight).
+
+    Its gradient is -A * r * grad(logp): at r = 1 (the first on-policy step) exactly REINFORCE.
+    """
+    ratio_BT = torch.exp(log_ratio(logp_BT, old_logp_BT))
+    zeros_BT = torch.zeros_like(ratio_BT).detach()
+    return PolicyLossOutput(-advantages_BT * ratio_BT, ratio_BT.detach(), zeros_BT, zeros_BT, zeros_BT)
+
+
+# --------------------------------------------------------------------------------------------------------
+# Aggregation
+
+
+def aggregate(
+    values_BT: torch.Tensor,
+    mask_BT: torch.Tensor,
+    mode: LossAggregation,
+    num_sequences: float | None = None,
+    num_tokens: float | None = None,
+    norm_length: float | None = None,
+) -> torch.Tensor:
+    """Reduce per-token values to the scalar loss.
+
+    With m the mask, S the sequences that have at least one unmasked token and T_norm a constant length:
+      token-mean:              sum_{b,t} v m / sum_{b,t} m                       (DAPO; every token equal)
+      seq-mean-token-sum:      (1/|S|) sum_b sum_t v m
+      seq-mean-token-mean:     (1/|S|) sum_b (sum_t v m / sum_t m)               (original GRPO)
+      seq-mean-token-sum-norm: sum_{b,t} v m / (|S| * T_norm)                     (Dr. GRPO; no length bias)
+    `num_sequences` / `num_tokens` override |S| and sum m: pass the minibatch's totals when this call sees
+    one micro-batch of it, so that the micro-batch results add up to the minibatch's loss exactly (gradient
+    accumulation without reweighting). `norm_length` defaults to the padded width T.
+    """
+    mask_BT = mask_BT.to(values_BT.dtype)
+    tokens_B = mask_BT.sum(-1)
+    if num_sequences is None:
+        num_sequences = float((tokens_B > 0).sum().item())
+    if num_tokens is None:
+        num_tokens = float(tokens_B.sum().item())
+    num_sequences = max(num_sequences, 1.0)
+    num_tokens = max(num_tokens, 1.0)
+    if mode == "token-mean":
+        return masked_sum(values_BT, mask_BT) / num_tokens
+    if mode == "seq-mean-token-sum":
+        return masked_sum(values_BT, mask_BT) / num_sequences
+    if mode == "seq-mean-token-mean":
+        per_seq_B = (values_BT * mask_BT).sum(-1) / tokens_B.clamp(min=1.0)
+        return per_seq_B.sum() / num_sequences
+    if mode == "seq-mean-token-sum-norm":
+        length = float(norm_length if norm_length is not None else values_BT.shape[-1])
+        return masked_sum(values_BT, mask_BT) / (num_sequences * length)
+    raise ValueError(f"unknown loss aggregation {mode!r}")
+
+
+# --------------------------------------------------------------------------------------------------------
+# KL estimators (Schulman, "Approximating KL divergence", 2020). Samples come from pi; d = logp - ref_logp.
+
+
+def kl_k1(logp_BT: torch.Tensor, ref_logp_BT: torch.Tensor) -> torch.Tensor:
+    """k1 = d = log(pi / pi_ref). Unbiased for KL(pi || pi_ref), high variance, can be negative."""
+    return log_ratio(logp_BT, ref_logp_BT)
+
+
+def kl_k2(logp_BT: torch.Tensor, ref_logp_BT: torch.Tensor) -> torch.Tensor:
+    """k2 = d^2 / 2. Biased, low variance, >= 0; its gradient is that of KL to first order."""
+    return 0.5 * log_ratio(logp_BT, ref_logp_BT) ** 2
+
+
+def kl_k3(logp_BT: torch.Tensor, ref_logp_BT: torch.Tensor) -> torch.Tensor:
+    """k3 = exp(-d) - 1 + d = pi_ref/pi - 1 - log(pi_ref/pi). Unbiased, low variance, >= 0 (GRPO's KL).
+
+    Clamped to <= 10 like verl's low_var_kl, so one token far from the reference cannot dominate the loss.
+    """
+    d_BT = log_ratio(logp_BT, ref_logp_BT)
+    return (torch.exp(-d_BT) - 1.0 + d_BT).clamp(max=10.0)
+
+
+def kl_estimate(logp_BT: torch.Tensor, ref_logp_BT: torch.Tensor, estimator: KLEstimator) -> torch.Tensor:
+    if estimator == "k1":
+        return kl_k1(logp_BT, ref_logp_BT)
+    if estimator == "k2":
+        return kl_k2(logp_BT, ref_logp_BT)
+    if estimator == "k3":
+        return kl_k3(logp_BT, ref_logp_BT)
+    raise ValueError(f"unknown KL estimator {estimator!r}")
+
+
+# --------------------------------------------------------------------------------------------------------
+# Rollout correction: the sampler (pi_b) and the trainer (pi_old) disagree a little even with equal weights.
+
+
+def truncated_is_weights(
+    old_logp_BT: torch.Tensor,
+    behaviour_logp_BT: torch.Tensor,
+    mask_BT: torch.Tensor,
+    level: Literal["token", "sequence"],
+    threshold: float,
+) -> torch.Tensor:
+    """Truncated importance weights w (detached), broadcast to tokens, 0 on masked-out tokens.
+
+    token:    w_t = min(pi_old(t) / pi_b(t), C)                    (TIS, Yao et al. 2025)
+    sequence: w_t = min(prod_t' pi_old(t') / pi_b(t'), C) for every t of the sequence
+    """
+    with torch.no_grad():
+        mask_BT = mask_BT.to(old_logp_BT.dtype)
+        log_rho_BT = log_ratio(old_logp_BT, behaviour_logp_BT) * mask_BT
+        if level == "token":
+            weights_BT = torch.exp(log_rho_BT)
+        elif level == "sequence":
+            log_rho_B = log_rho_BT.sum(-1).clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)
+            weights_BT = torch.exp(log_rho_B)[:, None].expand_as(log_rho_BT)
+        else:
+            raise ValueError(f"unknown importance-weight level {level!r}")
+        return weights_BT.clamp(max=threshold) * mask_BT
+
+
+def rejection_mask(
+    old_logp_BT: torch.Tensor,
+    behaviour_logp_BT: torch.Tensor,
+    mask_BT: torch.Tensor,
+    modes: list[RejectionMode] | tuple[RejectionMode, ...],
+    ratio_low: float = 0.5,
+    ratio_high: float = 2.0,
+    divergence_max: float = 2.0,
+) -> torch.Tensor:
+    """1.0 for tokens kept, 0.0 for tokens rejected (and for padding). Criteria combine with AND.
+
+    With l_t = log(pi_old(t) / pi_b(t)) over the sequence's response tokens:
+      token_k1:    reject token t if exp(l_t) is outside [ratio_low, ratio_high]
+      token_k2/k3: reject token t if k(l_t) > divergence_max,  k2 = l^2 / 2,  k3 = exp(l) - 1 - l
+      seq_sum_k1:  reject the sequence if exp(sum_t l_t) is outside [ratio_low, ratio_high]
+      seq_mean_k1: reject the sequence if exp(mean_t l_t) (geometric-mean ratio) is outside the range
+      seq_mean_k2/k3: reject the sequence if mean_t k(l_t) > divergence_max
+      seq_max_k2/k3:  reject the sequence if max_t k(l_t) > divergence_max
+    (the option names follow verl's rollout_rs). Rejected tokens leave the loss and its denominator.
+    """
+    with torch.no_grad():
+        keep_BT = mask_BT.to(old_logp_BT.dtype).clone()
+        valid_BT = keep_BT > 0
+        log_rho_BT = log_ratio(old_logp_BT, behaviour_logp_BT).masked_fill(~valid_BT, 0.0)
+        tokens_B = valid_BT.sum(-1).clamp(min=1)
+        k2_BT = 0.5 * log_rho_BT**2
+        k3_BT = torch.exp(log_rho_BT) - 1.0 - log_rho_BT
+        lo, hi = torch.log(torch.tensor(ratio_low)), torch.log(torch.tensor(ratio_high))
+        for mode in modes:
+            if mode == "token_k1":
+                keep_BT *= ((log_rho_BT >= lo) & (log_rho_BT <= hi)).to(keep_BT.dtype)
+                continue
+            if mode in ("token_k2", "token_k3"):
+                div_BT = k2_BT if mode == "token_k2" else k3_BT
+                keep_BT *= (div_BT <= divergence_max).to(keep_BT.dtype)
+                continue
+            if mode == "seq_sum_k1":
+                seq_log_B = log_rho_BT.sum(-1)
+                keep_B = (seq_log_B >= lo) & (seq_log_B <= hi)
+            elif mode == "seq_mean_k1":
+                seq_log_B = log_rho_BT.sum(-1) / tokens_B
+                keep_B = (seq_log_B >= lo) & (seq_log_B <= hi)
+            elif mode in ("seq_mean_k2", "seq_mean_k3"):
+                div_BT = k2_BT if mode == "seq_mean_k2" else k3_BT
+                keep_B = div_BT.sum(-1) / tokens_B <= divergence_max
+            elif mode in ("seq_max_k2", "seq_max_k3"):
+                div_BT = k2_BT if mode == "seq_max_k2" else k3_BT
+                keep_B = div_BT.max(-1).values <= divergence_max
+            else:
+                raise ValueError(f"unknown rejection mode {mode!r}")
+            keep_BT *= keep_B[:, None].to(keep_BT.dtype)
+        return keep_BT
+
+
+@dataclass
+class WeightStats:
+    mean: float
+    min: float
+    max: float
+    ess: float  # effective sample size as a fraction of the tokens: (sum w)^2 / (n * sum w^2), in (0, 1]
+
+
+def weight_stats(weights_BT: torch.Tensor, mask_BT: torch.Tensor) -> WeightStats:
+    """Mean/min/max of the weights over unmasked tokens and the normalised ESS (Kong 1992): 1 = all equal."""
+    with torch.no_grad():
+        w_N = weights_BT[mask_BT > 0].double()
+        if w_N.numel() == 0:
+            return WeightStats(1.0, 1.0, 1.0, 1.0)
+        ess = float(w_N.sum() ** 2 / (w_N.numel() * (w_N**2).sum()).clamp(min=1e-300))
+        return WeightStats(float(w_N.mean()), float(w_N.min()), float(w_N.max()), ess)

@@ -1,0 +1,108 @@
+"""Split a HumanEval-style `check(candidate)` into individually scored tests, for the trusted judge.
+
+HumanEval's `test` field defines `check(candidate)`, whose body is mostly a sequence of asserts, with
+some setup (imports, helper functions, loops over random inputs). We keep the dataset's code as it is
+and only cut it at statement boundaries: each top-level statement of `check` that contains an `assert`
+is one test; every other statement is setup that runs, in order, between them. The judge executes these
+statements itself (see judge.py), with `candidate` bound to a proxy that calls the real function in the
+sandbox and returns plain values, so no assert is ever evaluated where the candidate's code runs.
+
+When the body cannot be cut (a `return` or `yield` in `check`, no assert at the top level), the whole
+`check(candidate)` call is one test, as the brief asks.
+"""
+
+from __future__ import annotations
+
+import ast
+from dataclasses import dataclass
+from types import CodeType
+
+
+class TestSpecError(ValueError):
+    """The reward spec's test code is unusable (no check function, a syntax error)."""
+
+
+@dataclass(frozen=True)
+class Step:
+    """One statement (or the whole check call) executed by the judge; `name` is set for tests."""
+
+    code: CodeType
+    name: str | None
+
+    @property
+    def is_test(self) -> bool:
+        return self.name is not None
+
+
+@dataclass(frozen=True)
+class CheckPlan:
+    module: CodeType  # preamble + test module: helper functions, METADATA, the check definition
+    parameter: str  # the name check() gives the candidate, usually "candidate"
+    steps: tuple[Step, ...]
+    split: bool  # False when the whole check(candidate) call is one test
+
+    @property
+    def test_names(self) -> list[str]:
+        return [step.name for step in self.steps if step.name is not None]
+
+
+def _label(source: str, node: ast.stmt) -> str:
+    segment = ast.get_source_segment(source, node) or ast.dump(node)[:80]
+    first_line = segment.strip().splitlines()[0] if segment.strip() else segment
+    text = " ".join(first_line.split())
+    return text if len(text) <= 120 else text[:117] + "..."
+
+
+def _own_nodes(statement: ast.stmt) -> list[ast.AST]:
+    """The nodes of a statement outside any nested function or class body (those are not check's)."""
+    found: list[ast.AST] = []
+    pending: list[ast.AST] = [statement]
+    while pending:
+        node = pending.pop()
+        found.append(node)
+        for child in ast.iter_child_nodes(node):
+            if not isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda | ast.ClassDef):
+                pending.append(child)
+    return found
+
+
+def _splittable(body: list[ast.stmt]) -> bool:
+    # Statements of check() run at module level in the judge's namespace; these would change meaning
+    # (or not compile) there.
+    forbidden = (ast.Return, ast.Yield, ast.YieldFrom, ast.Nonlocal, ast.Await)
+    return not any(isinstance(node, forbidden) for stmt in body for node in _own_nodes(stmt))
+
+
+def _is_test(stmt: ast.stmt) -> bool:
+    if isinstance(stmt, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+        return False
+    return any(isinstance(node, ast.Assert) for node in _own_nodes(stmt))
+
+
+def _compile(nodes: list[ast.stmt], filename: str) -> CodeType:
+    return compile(ast.Module(body=nodes, type_ignores=[]), filename, "exec")
+
+
+def plan_checks(preamble: str, test: str) -> CheckPlan:
+    """Cut `test` into the judge's steps; raises TestSpecError when there is no usable check()."""
+    try:
+        module = ast.parse(preamble + "\n" + test if preamble else test)
+    except SyntaxError as error:
+        raise TestSpecError(f"test code does not parse: {error}") from None
+    checks = [node for node in module.body if isinstance(node, ast.FunctionDef) and node.name == "check"]
+    if not checks:
+        raise TestSpecError("test code defines no check(candidate) function")
+    check = checks[-1]
+    if not check.args.args:
+        raise TestSpecError("check() takes no candidate argument")
+    parameter = check.args.args[0].arg
+    module_code = _compile(module.body, "<test>")
+    source = preamble + "\n" + test if preamble else test
+    body = check.body
+    if _splittable(body) and any(_is_test(stmt) for stmt in body):
+        steps = tuple(
+            Step(_compile([stmt], "<test>"), _label(source, stmt) if _is_test(stmt) else None) for stmt in body
+        )
+        return CheckPlan(module_code, parameter, steps, split=True)
+    whole = compile(f"check({parameter})", "<test>", "exec")
+    return CheckPlan(module_code, parameter, (Step(whole, "check(candidate)"),), split=False)

@@ -1,0 +1,64 @@
+"""Stage `score`: run every rollout's code (or check its answer) in the sandbox and record the reward.
+
+One sandbox (a pool of warm workers) serves the whole stage. Each score row carries the reward, the number
+of tests passed out of total, a status (ok / fail / timeout / error / no_code), the per-test results, the
+extracted code, and the sandbox time, so `rlpipe show` can tell a sample's whole story.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections import Counter
+
+import pyarrow as pa
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from stages.common import StageContext, StageInputError, exit_with
+from stages.sandbox import Sandbox, ScoreJob, ScoreResult
+
+
+def score_with_progress(ctx: StageContext, jobs: list[ScoreJob], label: str) -> list[ScoreResult]:
+    with Sandbox.from_config(ctx.config.score) as sandbox, Progress(
+        TextColumn(f"[bold]{label}[/]"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn()
+    ) as progress:
+        task = progress.add_task(label, total=len(jobs))
+        return sandbox.score(jobs, progress=lambda done: progress.update(task, advance=done))
+
+
+def run(ctx: StageContext) -> None:
+    prompts = {row["prompt_id"]: row for row in ctx.read_input("prompts").to_pylist()}
+    rollouts = ctx.read_input("rollouts").to_pylist()
+    jobs = []
+    for row in rollouts:
+        prompt = prompts.get(row["prompt_id"])
+        if prompt is None:
+            raise StageInputError(
+                f"{ctx.inputs['rollouts'].path}: prompt_id {row['prompt_id']} is not in the prompts table"
+            )
+        jobs.append(ScoreJob(response_text=row["response_text"], reward_spec=json.loads(prompt["reward_spec"])))
+
+    started = time.monotonic()
+    results = score_with_progress(ctx, jobs, f"score iter={ctx.iteration}")
+    seconds = time.monotonic() - started
+
+    key_columns = ("run_id", "iteration", "round", "prompt_id", "sample_idx")
+    rows = [
+        {
+            **{column: row[column] for column in key_columns},
+            "reward": result.reward, "passed": result.passed, "total": result.total, "status": result.status,
+            "tests": json.dumps(result.tests), "code": result.code, "sandbox_seconds": result.seconds,
+        }
+        for row, result in zip(rollouts, results, strict=True)
+    ]
+    statuses = Counter(result.status for result in results)
+    ctx.write_table("scores", pa.Table.from_pylist(rows, schema=None), {
+        "status_counts": dict(statuses),
+        "mean_reward": sum(r.reward for r in results) / max(len(results), 1),
+        "programs_per_second": round(len(results) / seconds, 2) if seconds > 0 else None,
+        "sandbox_wall_seconds": round(seconds, 3),
+    })
+
+
+if __name__ == "__main__":
+    exit_with("score", run)

@@ -1,0 +1,74 @@
+"""Where a run's files live, the same under a local folder or an `s3://` URL.
+
+    <root>/runs/<run_id>/config.yaml
+    <root>/runs/<run_id>/prompts.parquet                     (+ .manifest.json)
+    <root>/runs/<run_id>/base/eval.parquet                   evaluation of the base model
+    <root>/runs/<run_id>/iter=0003/<table>.parquet           rollouts, scores, batch, train_metrics, eval
+    <root>/runs/<run_id>/checkpoints/base/manifest.json      points at the base model directory
+    <root>/runs/<run_id>/checkpoints/iter=0003/              HF model dir + optimizer.pt + manifest.json
+
+`iter=NNNN` is Hive-style so DuckDB reads `runs/*/iter=*/rollouts.parquet` with the iteration as a column.
+Every output's manifest sits beside it (`<file>.manifest.json`, or `manifest.json` inside a checkpoint dir).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import fsspec
+
+from storage.fs import filesystem, join, normalize_root
+
+BASE = -1  # the "iteration" of the base model: its checkpoint and its evaluation
+
+
+def iteration_name(iteration: int) -> str:
+    return "base" if iteration == BASE else f"iter={iteration:04d}"
+
+
+@dataclass(frozen=True)
+class RunLayout:
+    root: str
+    run_id: str
+
+    @classmethod
+    def create(cls, root: str, run_id: str) -> RunLayout:
+        return cls(normalize_root(root), run_id)
+
+    @property
+    def fs(self) -> fsspec.AbstractFileSystem:
+        return filesystem(self.root)
+
+    @property
+    def runs_dir(self) -> str:
+        return join(self.root, "runs")
+
+    @property
+    def run_dir(self) -> str:
+        return join(self.runs_dir, self.run_id)
+
+    @property
+    def config_path(self) -> str:
+        return join(self.run_dir, "config.yaml")
+
+    @property
+    def prompts_path(self) -> str:
+        return join(self.run_dir, "prompts.parquet")
+
+    def iteration_dir(self, iteration: int) -> str:
+        return join(self.run_dir, iteration_name(iteration))
+
+    def table_path(self, table: str, iteration: int) -> str:
+        if table == "prompts":
+            return self.prompts_path
+        return join(self.iteration_dir(iteration), f"{table}.parquet")
+
+    def checkpoint_dir(self, iteration: int) -> str:
+        return join(self.run_dir, "checkpoints", iteration_name(iteration))
+
+    def lock_path(self) -> str:
+        return join(self.run_dir, "run.lock")
+
+
+def manifest_path_for(output_path: str, kind: str) -> str:
+    return join(output_path, "manifest.json") if kind == "checkpoint" else output_path + ".manifest.json"
