@@ -24,6 +24,7 @@ import yaml
 from rich.console import Console
 
 from schemas.config import ConfigError, RunConfig, apply_overrides, dump_config, load_config, parse_config
+from storage.layout import RunLayout
 
 console = Console()
 DEFAULT_ROOT = "./rlpipe-data"
@@ -42,10 +43,9 @@ def _validate_data(config: RunConfig) -> None:
         raise ConfigError(str(error)) from None
 
 
-def _start_or_check_run(config: RunConfig, root: str, replace_config: bool) -> None:
+def start_run(config: RunConfig, root: str, replace_config: bool = False) -> RunLayout:
     """Write the run's config.yaml, or check that the existing one is the same run."""
     from storage.fs import atomic_write_bytes
-    from storage.layout import RunLayout
 
     layout = RunLayout.create(root, config.run_id)
     fs = layout.fs
@@ -58,15 +58,15 @@ def _start_or_check_run(config: RunConfig, root: str, replace_config: bool) -> N
                 f"use `rlpipe resume {config.run_id} --set section.field=value` to change it deliberately "
                 "(changed stages and everything downstream of them are redone)"
             )
-        return
+        return layout
     atomic_write_bytes(fs, layout.config_path, text.encode())
+    return layout
 
 
 def _drive(root: str, run_id: str) -> int:
     from flows.execute import StageFailed
     from flows.status import status_table
     from stages.common import read_run_config
-    from storage.layout import RunLayout
     from storage.lock import RunLocked, run_lock
 
     layout = RunLayout.create(root, run_id)
@@ -92,13 +92,12 @@ def cmd_run(args: argparse.Namespace) -> int:
     config = parse_config(values, args.config or "<defaults>")
     _validate_data(config)
     root = _root(args, config)
-    _start_or_check_run(config, root, replace_config=False)
+    start_run(config, root, replace_config=False)
     return _drive(root, config.run_id)
 
 
 def cmd_resume(args: argparse.Namespace) -> int:
     from stages.common import read_run_config
-    from storage.layout import RunLayout
 
     root = _root(args)
     layout = RunLayout.create(root, args.run)
@@ -107,14 +106,13 @@ def cmd_resume(args: argparse.Namespace) -> int:
         values = apply_overrides(config.model_dump(mode="json"), args.set)
         config = parse_config(values, f"{layout.config_path} with overrides {' '.join(args.set)}")
         _validate_data(config)
-        _start_or_check_run(config, root, replace_config=True)
+        start_run(config, root, replace_config=True)
     return _drive(root, args.run)
 
 
 def cmd_status(args: argparse.Namespace) -> int:
     from flows.status import status_table
     from stages.common import read_run_config
-    from storage.layout import RunLayout
 
     layout = RunLayout.create(_root(args), args.run)
     console.print(status_table(layout, read_run_config(layout)))

@@ -95,25 +95,97 @@ class ScoreConfig(Section):
 
 
 class AdvantageConfig(Section):
+    # Estimators and their edge cases are documented in stages/rl/advantages.py.
     estimator: Literal["grpo", "dr_grpo", "rloo", "reinforce_pp_baseline", "opo", "mean_centered"] = "grpo"
     # GRPO divides by (std + epsilon); std is the population std of the group (ddof=0).
     std_epsilon: float = Field(1e-6, gt=0)
+    # DAPO dynamic sampling: groups whose (shaped) rewards are all equal carry no signal and are dropped.
     drop_zero_variance_groups: bool = True
+    # Success-rate range filter: keep a group only if min_group_mean <= mean reward <= max_group_mean
+    # (None = no bound on that side).
+    min_group_mean: float | None = None
+    max_group_mean: float | None = None
+    # DAPO soft overlong punishment: 0 = off; otherwise the last `overlong_buffer` tokens before
+    # `overlong_max_length` (None = generate.max_new_tokens) cost up to `overlong_penalty_factor` reward.
+    overlong_buffer: int = Field(0, ge=0)
+    overlong_max_length: int | None = Field(None, ge=1)
+    overlong_penalty_factor: float = Field(1.0, ge=0)
+    # Truncated responses (finish_reason "length") leave the loss but keep their place in the group baseline.
+    mask_truncated: bool = False
+    # Dynamic sampling target: keep at most this many groups (None = all that pass the filters); the flow
+    # generates further rounds while fewer are kept, at most `max_generation_rounds` rounds in all.
+    target_groups: int | None = Field(None, ge=1)
+    max_generation_rounds: int = Field(1, ge=1)
 
 
 class TrainConfig(Section):
     lr: float = Field(1e-5, gt=0)
     weight_decay: float = Field(0.0, ge=0)
+    adam_beta1: float = Field(0.9, ge=0, lt=1)
+    adam_beta2: float = Field(0.999, ge=0, lt=1)
+    adam_eps: float = Field(1e-8, gt=0)
+    # Learning rate: linear warmup over `warmup_steps` optimizer steps, then constant / linear / cosine decay
+    # to lr * lr_min_ratio at `lr_decay_steps`. Steps count across iterations (kept in the checkpoint).
+    warmup_steps: int = Field(0, ge=0)
+    lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
+    lr_decay_steps: int = Field(1000, ge=1)
+    lr_min_ratio: float = Field(0.0, ge=0, le=1)
+    # One batch is trained for `epochs` passes, each split into `minibatches` optimizer steps; with more
+    # than one step in all, old-policy logprobs are recomputed before the first step (off-policy after it).
     epochs: int = Field(1, ge=1)
     minibatches: int = Field(1, ge=1)
+    # Micro-batches are packed to at most this many padded tokens (sequences x longest); gradients
+    # accumulate over the micro-batches of a minibatch.
     micro_batch_tokens: int = Field(2048, ge=16)
+    # The LM head + log-softmax run over this many response tokens at a time (memory: chunk x vocab x 4 B).
+    logprob_chunk_tokens: int = Field(512, ge=1)
+    # Policy loss: PPO clip (clip_low / clip_high: DAPO clip-higher when high > low; dual_clip > 1 caps
+    # negative-advantage tokens) or "reinforce" (no clip, -A * ratio).
+    policy_loss: Literal["ppo_clip", "reinforce"] = "ppo_clip"
     clip_low: float = Field(0.2, ge=0)
     clip_high: float = Field(0.2, ge=0)
-    max_grad_norm: float = Field(1.0, gt=0)
+    dual_clip: float | None = Field(None, gt=1)
     loss_aggregation: Literal[
         "token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"
     ] = "token-mean"
+    # seq-mean-token-sum-norm divides by this constant length (None = generate.max_new_tokens).
+    loss_norm_length: int | None = Field(None, ge=1)
+    # KL penalty to the frozen base model inside the loss (0 = off, and no reference model is loaded).
+    kl_coef: float = Field(0.0, ge=0)
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    entropy_coef: float = Field(0.0, ge=0)
+    # Rollout correction for the sampler/trainer mismatch (stages/rl/losses.py): truncated importance
+    # weights pi_old / pi_sampler per token or per sequence, rejection of tokens/sequences whose ratio
+    # leaves a range, or `bypass`: the sampler's logprobs are the old policy (no recompute pass).
+    is_level: Literal["none", "token", "sequence"] = "none"
+    is_threshold: float = Field(2.0, gt=0)
+    rejection: list[
+        Literal[
+            "token_k1", "token_k2", "token_k3", "seq_sum_k1", "seq_mean_k1", "seq_mean_k2", "seq_mean_k3",
+            "seq_max_k2", "seq_max_k3",
+        ]
+    ] = Field(default_factory=list)
+    rejection_ratio_low: float = Field(0.5, gt=0)
+    rejection_ratio_high: float = Field(2.0, gt=0)
+    rejection_divergence_max: float = Field(2.0, gt=0)
+    bypass_old_logprobs: bool = False
+    max_grad_norm: float = Field(1.0, gt=0)
+    # float32, or bfloat16 autocast (weights and optimizer state stay float32).
     dtype: Literal["float32", "bfloat16"] = "float32"
+    gradient_checkpointing: bool = False
+    # LoRA (peft) when lora_rank > 0; the saved checkpoint has the adapters merged into the weights.
+    lora_rank: int = Field(0, ge=0)
+    lora_alpha: int = Field(32, ge=1)
+    lora_dropout: float = Field(0.0, ge=0, lt=1)
+    lora_target_modules: list[str] = Field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    )
+    # "torch": one process, torch AdamW. "deepspeed": the DeepSpeed launcher with `processes` ranks and ZeRO
+    # stage `zero_stage` (gloo on CPU), still torch AdamW as the client optimizer (no op compilation).
+    backend: Literal["torch", "deepspeed"] = "torch"
+    processes: int = Field(1, ge=1)
+    zero_stage: int = Field(1, ge=0, le=3)
+    save_optimizer: bool = True
     seed: int = 0
 
 

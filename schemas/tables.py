@@ -121,26 +121,34 @@ BATCH = TableSchema(
 
 TRAIN_METRICS = TableSchema(
     name="train_metrics",
-    version=1,
+    # v2: kl_ref, clip_frac_dual, is_ess, rejected_frac, loss_tokens, padding_frac. Definitions of every
+    # column are in stages/rl/trainer.py (`PolicyTrainer._step`); a skipped step is one row, skipped = True.
+    version=2,
     schema=_schema(
         [
             ("run_id", pa.string()),
             ("iteration", pa.int32()),
-            ("step", pa.int32()),
+            ("step", pa.int32()),  # optimizer step, counted over the whole run
             ("epoch", pa.int32()),
             ("skipped", pa.bool_()),
-            ("loss", pa.float64()),
+            ("loss", pa.float64()),  # policy loss + kl_coef * KL term - entropy_coef * entropy term
             ("policy_loss", pa.float64()),
-            ("clip_frac_low", pa.float64()),
-            ("clip_frac_high", pa.float64()),
-            ("approx_kl", pa.float64()),
-            ("entropy", pa.float64()),
-            ("is_ratio_mean", pa.float64()),
+            ("clip_frac_low", pa.float64()),  # loss tokens whose low clip is active (A < 0, r < 1 - eps_low)
+            ("clip_frac_high", pa.float64()),  # loss tokens whose high clip is active (A > 0, r > 1 + eps_high)
+            ("clip_frac_dual", pa.float64()),  # loss tokens capped by the dual clip
+            ("approx_kl", pa.float64()),  # k3 estimate of KL(pi_old || pi_theta) per loss token
+            ("kl_ref", pa.float64()),  # the configured estimator of KL(pi_theta || pi_ref) per token; 0 if off
+            ("entropy", pa.float64()),  # mean entropy of pi_theta over loss tokens
+            ("is_ratio_mean", pa.float64()),  # pi_old / pi_sampler over response tokens (before truncation)
             ("is_ratio_min", pa.float64()),
             ("is_ratio_max", pa.float64()),
-            ("grad_norm", pa.float64()),
+            ("is_ess", pa.float64()),  # (sum w)^2 / (n sum w^2) of those ratios, in (0, 1]
+            ("rejected_frac", pa.float64()),  # response tokens rejected by rollout correction
+            ("grad_norm", pa.float64()),  # before clipping
             ("lr", pa.float64()),
-            ("tokens", pa.int64()),
+            ("tokens", pa.int64()),  # non-padding tokens forwarded (prompt + response)
+            ("loss_tokens", pa.int64()),  # response tokens in the loss
+            ("padding_frac", pa.float64()),  # padded positions / all positions of the micro-batches
             ("sequences", pa.int32()),
             ("seconds", pa.float64()),
         ]

@@ -136,7 +136,12 @@ def code_tests_spec(prompt: str, test: str, entry_point: str) -> dict[str, Any]:
         compile(test, "<test>", "exec")
     except SyntaxError as error:
         raise _RowError("test", f"is not valid Python: {error.msg} (line {error.lineno})") from None
-    return {"kind": "code_tests", "entry_point": entry_point, "preamble": prompt[: match.start()], "test": test}
+    return {
+        "kind": "code_tests",
+        "entry_point": entry_point,
+        "preamble": prompt[: match.start()],
+        "test": test,
+    }
 
 
 def _present(row: dict[str, Any], field: str) -> bool:
@@ -206,9 +211,7 @@ def _stdio_spec(row: dict[str, Any]) -> dict[str, Any]:
     if not inputs:
         raise _RowError(prefix + "inputs", "is empty: a problem needs at least one test")
     if len(inputs) != len(outputs):
-        raise _RowError(
-            prefix + "outputs", f"has {len(outputs)} items but {prefix}inputs has {len(inputs)}"
-        )
+        raise _RowError(prefix + "outputs", f"has {len(outputs)} items but {prefix}inputs has {len(inputs)}")
     return {"kind": "code_stdio", "inputs": inputs, "outputs": outputs}
 
 
@@ -255,7 +258,7 @@ def build_prompt(row: dict[str, Any], source_row: int) -> PromptRow:
         # row of an unknown format: name the fields.
         nulls = [f for f in ("test", "test_cases", "inputs", "outputs", "gt_answer", "answer") if f in row]
         if nulls:
-            raise _RowError(nulls[0], f"is null (as are {nulls}): a problem needs tests or an answer")
+            raise _RowError(nulls[0], f"is null (null fields: {nulls}): a problem needs tests or an answer")
         raise _RowError(
             None, f"no tests or answer (unknown format): the row has fields {sorted(row)}; {_FORMATS_HELP}"
         )

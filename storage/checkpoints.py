@@ -1,9 +1,10 @@
 """Checkpoint directories: content hashes, upload with per-file hashes, verified download.
 
 A checkpoint's content hash (the `policy_version` stamped on every rollout it generates) is the sha256 of
-the sorted list of (relative path, file sha256) of every file in the directory except its manifest and
-hash cache. Per-file hashes go into the manifest's `files`, so a download is verified file by file and a
-tampered or truncated file is named.
+the sorted list of (relative path, file sha256) of the files that define what the model does: weights,
+config, tokenizer. Optimizer state is left out, so saving it (or not) does not change the policy's identity.
+Every file, optimizer state included, goes into the manifest's `files` with its own hash, so a download is
+verified file by file and a tampered or truncated file is named.
 
 Hashing a 517 MB model takes 1–2 s; the per-file hashes are cached in a sidecar keyed on (size, mtime_ns),
 so hashing the same unchanged directory again is free.
@@ -11,6 +12,7 @@ so hashing the same unchanged directory again is free.
 
 from __future__ import annotations
 
+import fnmatch
 import hashlib
 import json
 import os
@@ -26,9 +28,14 @@ from storage.manifest import Manifest, sha256_file
 
 HASH_CACHE_NAME = ".rlpipe-hashes.json"
 EXCLUDED = {"manifest.json", HASH_CACHE_NAME}
+# The files that define what a model does (the policy identity).
+POLICY_PATTERNS = (
+    "*.safetensors", "*.safetensors.index.json", "pytorch_model*.bin", "config.json", "generation_config.json",
+    "tokenizer*", "special_tokens_map.json", "added_tokens.json", "vocab.json", "merges.txt", "chat_template.jinja",
+)
 
 
-def _file_sha256(path: Path) -> str:
+def sha256_local_file(path: Path) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as handle:
         while chunk := handle.read(8 << 20):
@@ -54,7 +61,7 @@ def directory_files(local_dir: Path) -> dict[str, dict[str, Any]]:
         if cached and cached["bytes"] == stat.st_size and cached["mtime_ns"] == stat.st_mtime_ns:
             files[relative] = {"bytes": stat.st_size, "sha256": cached["sha256"]}
             continue
-        files[relative] = {"bytes": stat.st_size, "sha256": _file_sha256(path)}
+        files[relative] = {"bytes": stat.st_size, "sha256": sha256_local_file(path)}
         cache[relative] = {**files[relative], "mtime_ns": stat.st_mtime_ns}
         changed = True
     if changed:
@@ -65,8 +72,17 @@ def directory_files(local_dir: Path) -> dict[str, dict[str, Any]]:
     return files
 
 
+def is_policy_file(relative: str) -> bool:
+    return "/" not in relative and any(fnmatch.fnmatch(relative, pattern) for pattern in POLICY_PATTERNS)
+
+
 def digest_of_files(files: dict[str, dict[str, Any]]) -> str:
-    lines = "".join(f"{relative}\t{info['sha256']}\n" for relative, info in sorted(files.items()))
+    """sha256 over the sorted (path, file sha256) lines of the policy-defining files among `files`."""
+    lines = "".join(
+        f"{relative}\t{info['sha256']}\n" for relative, info in sorted(files.items()) if is_policy_file(relative)
+    )
+    if not lines:
+        raise ValueError("checkpoint holds none of the files that define a model (weights, config, tokenizer)")
     return hashlib.sha256(lines.encode()).hexdigest()
 
 
@@ -108,7 +124,7 @@ def verify_checkpoint(fs: fsspec.AbstractFileSystem, manifest: Manifest) -> list
 def fetch_checkpoint(fs: fsspec.AbstractFileSystem, manifest: Manifest, cache_root: Path) -> Path:
     """A local, verified copy of a remote checkpoint, cached by content hash."""
     target = cache_root / manifest.sha256
-    if target.is_dir() and digest_of_files(directory_files(target)) == manifest.sha256:
+    if target.is_dir() and directory_files(target) == manifest.files:
         return target
     staging = cache_root / f".{manifest.sha256}.tmp-{uuid.uuid4().hex[:8]}"
     staging.mkdir(parents=True)

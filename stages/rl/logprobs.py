@@ -131,6 +131,61 @@ def _chunk_logprobs(
     return logp_N, entropy_N
 
 
+class ResponseLogprobs(torch.nn.Module):
+    """The policy as a module whose forward returns (logp_N, entropy_N) of a micro-batch's response tokens.
+
+    A module rather than a function so that DeepSpeed can wrap it: under ZeRO-3 the engine's forward hooks
+    gather partitioned parameters, which only works if the forward goes through the engine.
+    """
+
+    def __init__(self, model: torch.nn.Module, temperature: float = 1.0, chunk_tokens: int = 512):
+        super().__init__()
+        self.model = model
+        self.inv_temperature = 1.0 / temperature if temperature > 0 else 1.0
+        self.chunk_tokens = chunk_tokens
+
+    def forward(
+        self,
+        input_ids_BL: torch.Tensor,
+        attention_mask_BL: torch.Tensor,
+        rows_N: torch.Tensor,
+        positions_N: torch.Tensor,
+        targets_N: torch.Tensor,
+        entropy_grad: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        decoder = self.model.get_decoder()
+        head = self.model.get_output_embeddings()
+        hidden_BLH = decoder(input_ids=input_ids_BL, attention_mask=attention_mask_BL, use_cache=False)[0]
+        hidden_NH = hidden_BLH[rows_N, positions_N]
+        use_checkpoint = torch.is_grad_enabled() and hidden_NH.requires_grad
+        logps, entropies = [], []
+        for start in range(0, hidden_NH.shape[0], self.chunk_tokens):
+            chunk_NH = hidden_NH[start : start + self.chunk_tokens]
+            chunk_targets_N = targets_N[start : start + self.chunk_tokens]
+            if use_checkpoint:
+                logp_N, entropy_N = checkpoint(
+                    _chunk_logprobs, chunk_NH, chunk_targets_N, head, self.inv_temperature, use_reentrant=False
+                )
+            else:
+                logp_N, entropy_N = _chunk_logprobs(chunk_NH, chunk_targets_N, head, self.inv_temperature)
+            logps.append(logp_N)
+            entropies.append(entropy_N if entropy_grad else entropy_N.detach())
+        if not logps:
+            empty_N = hidden_NH.new_zeros((0,), dtype=torch.float32)
+            return empty_N, empty_N
+        return torch.cat(logps), torch.cat(entropies)
+
+
+def micro_logprobs(
+    policy: torch.nn.Module, micro: MicroBatch, entropy_grad: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(logp_BT, entropy_BT) of `micro` through a ResponseLogprobs module (or a DeepSpeed engine around one)."""
+    logp_N, entropy_N = policy(
+        micro.input_ids_BL, micro.attention_mask_BL, micro.rows_N, micro.positions_N, micro.targets_N, entropy_grad
+    )
+    return micro.to_BT(logp_N), micro.to_BT(entropy_N)
+
+
 def response_logprobs(
     model: torch.nn.Module,
     micro: MicroBatch,
@@ -143,28 +198,7 @@ def response_logprobs(
     Gradients flow into logp_BT when grad mode is on; into entropy_BT only if `entropy_grad` (an entropy
     bonus), otherwise entropy is a detached metric.
     """
-    decoder = model.get_decoder()
-    head = model.get_output_embeddings()
-    hidden_BLH = decoder(input_ids=micro.input_ids_BL, attention_mask=micro.attention_mask_BL, use_cache=False)[0]
-    hidden_NH = hidden_BLH[micro.rows_N, micro.positions_N]
-    inv_temperature = 1.0 / temperature if temperature > 0 else 1.0
-    logps, entropies = [], []
-    use_checkpoint = torch.is_grad_enabled() and hidden_NH.requires_grad
-    for start in range(0, hidden_NH.shape[0], chunk_tokens):
-        chunk_NH = hidden_NH[start : start + chunk_tokens]
-        targets_N = micro.targets_N[start : start + chunk_tokens]
-        if use_checkpoint:
-            logp_N, entropy_N = checkpoint(
-                _chunk_logprobs, chunk_NH, targets_N, head, inv_temperature, use_reentrant=False
-            )
-        else:
-            logp_N, entropy_N = _chunk_logprobs(chunk_NH, targets_N, head, inv_temperature)
-        logps.append(logp_N)
-        entropies.append(entropy_N if entropy_grad else entropy_N.detach())
-    if not logps:
-        empty_N = hidden_NH.new_zeros((0,), dtype=torch.float32)
-        return micro.to_BT(empty_N), micro.to_BT(empty_N)
-    return micro.to_BT(torch.cat(logps)), micro.to_BT(torch.cat(entropies))
+    return micro_logprobs(ResponseLogprobs(model, temperature, chunk_tokens), micro, entropy_grad)
 
 
 def full_softmax_logprobs(

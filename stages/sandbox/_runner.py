@@ -11,101 +11,171 @@ Modes:
   each request names the entry point and carries arguments; the reply carries the return value in the
   restricted format below, or the exception the candidate raised. The candidate never sees a test or an
   expected value: the trusted side runs the test code and compares.
+- `zygote`: a fork server. Starting an interpreter per job costs more CPU than most HumanEval programs
+  do, so each worker keeps one warm interpreter that does nothing but fork: on a command from the worker
+  (with the job's pipes attached), the zygote forks, and the child isolates itself (cgroups, rlimits,
+  uid) and then runs `script` or `serve` in-process. The zygote never receives job data (sources, tests,
+  arguments travel on the child's own pipes), so a child's inherited memory holds nothing of any other
+  job: this is why the worker, which does see tests, is never the one that forks jobs without exec.
+  The zygote reaps its children and reports the job process's exit status.
+- `probe`: start-up check that the interpreter and its standard library work inside the sandbox.
 
 Nothing this process says is trusted beyond "these are plain values": the candidate can replace any of
 the code below (it runs in the same interpreter), so the trusted side decodes replies into builtin types
 only and draws every verdict itself.
 
-Wire format: frames of a 4-byte big-endian length and a JSON document. Values are JSON with tags for
-what JSON lacks: lists are arrays; tuple, dict, set, frozenset, bytes and complex are one-key objects
-({"t": [...]}, {"d": [[k, v], ...]}, {"s": [...]}, {"f": [...]}, {"b": "hex"}, {"c": [re, im]}); floats
-keep nan/inf through Python's JSON extensions. Only exact builtin types are encoded: a subclass (an int
-whose __eq__ always answers True, say) is refused, so what the trusted side compares is what it decoded.
+Wire format: frames of a 4-byte big-endian length and one value. A value is a tag byte and its body:
+N None, T True, F False, i int (length + hex digits, so no decimal-digit limit applies), f float and c
+complex (IEEE doubles, nan/inf kept), s str (length + UTF-8, surrogates passed), b bytes, l list, t tuple,
+S set, z frozenset (count + items), d dict (count + key/value pairs). Only exact builtin types are
+encoded: a subclass (an int whose __eq__ always answers True, say) is refused, so what the trusted side
+compares is what it decoded. The format is ours rather than JSON because importing `json` (and `re` with
+it) doubled the child's start-up time, and start-up is most of a short job's cost.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import struct
 import sys
 
 HEADER = struct.Struct(">I")
-# The trusted side refuses deeper values before they can exhaust its stack.
+_COUNT = struct.Struct(">I")
+_DOUBLE = struct.Struct(">d")
+# Deeper values are refused on both sides before they can exhaust a stack.
 MAX_DEPTH = 100
 
 
 class ValueFormatError(ValueError):
-    """A value that is not made of plain builtin types (or a frame that does not decode into one)."""
+    """A value that is not made of plain builtin types (or bytes that do not decode into one)."""
 
 
-def _encode(value: object, depth: int) -> object:
+_SEQUENCE_TAGS = {list: b"l", tuple: b"t", set: b"S", frozenset: b"z"}
+
+
+def _encode(value: object, out: list, depth: int) -> None:
     if depth > MAX_DEPTH:
         raise ValueFormatError("value nested too deeply")
     kind = type(value)
-    if value is None or kind is bool or kind is int or kind is float or kind is str:
-        return value
-    if kind is list:
-        return [_encode(item, depth + 1) for item in value]
-    if kind is tuple:
-        return {"t": [_encode(item, depth + 1) for item in value]}
-    if kind is dict:
-        return {"d": [[_encode(k, depth + 1), _encode(v, depth + 1)] for k, v in value.items()]}
-    if kind is set:
-        return {"s": [_encode(item, depth + 1) for item in value]}
-    if kind is frozenset:
-        return {"f": [_encode(item, depth + 1) for item in value]}
-    if kind is bytes:
-        return {"b": value.hex()}
-    if kind is complex:
-        return {"c": [value.real, value.imag]}
-    raise ValueFormatError(f"a {kind.__name__} object is not a plain builtin value")
+    if value is None:
+        out.append(b"N")
+    elif value is True:
+        out.append(b"T")
+    elif value is False:
+        out.append(b"F")
+    elif kind is int:
+        digits = format(value, "x").encode()
+        out.append(b"i" + _COUNT.pack(len(digits)) + digits)
+    elif kind is float:
+        out.append(b"f" + _DOUBLE.pack(value))
+    elif kind is complex:
+        out.append(b"c" + _DOUBLE.pack(value.real) + _DOUBLE.pack(value.imag))
+    elif kind is str:
+        data = value.encode("utf-8", "surrogatepass")
+        out.append(b"s" + _COUNT.pack(len(data)) + data)
+    elif kind is bytes:
+        out.append(b"b" + _COUNT.pack(len(value)) + value)
+    elif kind in _SEQUENCE_TAGS:
+        out.append(_SEQUENCE_TAGS[kind] + _COUNT.pack(len(value)))
+        for item in value:
+            _encode(item, out, depth + 1)
+    elif kind is dict:
+        out.append(b"d" + _COUNT.pack(len(value)))
+        for key, item in value.items():
+            _encode(key, out, depth + 1)
+            _encode(item, out, depth + 1)
+    else:
+        raise ValueFormatError(f"a {kind.__name__} object is not a plain builtin value")
 
 
-def encode_value(value: object) -> object:
-    """Plain builtin value -> JSON-ready structure; refuses anything else (including subclasses)."""
-    return _encode(value, 0)
-
-
-def _decode(node: object, depth: int) -> object:
-    if depth > MAX_DEPTH:
-        raise ValueFormatError("value nested too deeply")
-    kind = type(node)
-    if node is None or kind is bool or kind is int or kind is float or kind is str:
-        return node
-    if kind is list:
-        return [_decode(item, depth + 1) for item in node]
-    if kind is dict and len(node) == 1:
-        ((tag, body),) = node.items()
-        if tag == "b" and type(body) is str:
-            return bytes.fromhex(body)
-        if type(body) is not list:
-            raise ValueFormatError(f"bad tagged value {tag!r}")
-        if tag == "c" and len(body) == 2 and all(type(x) in (int, float) for x in body):
-            return complex(body[0], body[1])
-        items = [_decode(item, depth + 1) for item in body]
-        try:
-            if tag == "t":
-                return tuple(items)
-            if tag == "s":
-                return set(items)
-            if tag == "f":
-                return frozenset(items)
-            if tag == "d":
-                if not all(type(pair) is list and len(pair) == 2 for pair in items):
-                    raise ValueFormatError("dict items must be pairs")
-                return {k: v for k, v in items}
-        except TypeError as error:  # an unhashable key or set member
-            raise ValueFormatError(str(error)) from None
-    raise ValueFormatError(f"not a value in the wire format: {type(node).__name__}")
-
-
-def decode_value(node: object) -> object:
-    """JSON structure -> value built from builtin types only (the trusted side's half)."""
+def encode_value(value: object) -> bytes:
+    """Plain builtin value -> bytes; refuses anything else (subclasses of builtins included)."""
+    out: list = []
     try:
-        return _decode(node, 0)
+        _encode(value, out, 0)
     except RecursionError:
         raise ValueFormatError("value nested too deeply") from None
+    return b"".join(out)
+
+
+class _Reader:
+    def __init__(self, data: bytes) -> None:
+        self.data = data
+        self.position = 0
+
+    def take(self, size: int) -> bytes:
+        end = self.position + size
+        if end > len(self.data):
+            raise ValueFormatError("truncated value")
+        chunk = self.data[self.position : end]
+        self.position = end
+        return chunk
+
+    def count(self) -> int:
+        return _COUNT.unpack(self.take(4))[0]
+
+    def value(self, depth: int) -> object:
+        if depth > MAX_DEPTH:
+            raise ValueFormatError("value nested too deeply")
+        tag = self.take(1)
+        if tag == b"N":
+            return None
+        if tag == b"T":
+            return True
+        if tag == b"F":
+            return False
+        if tag == b"i":
+            try:
+                return int(self.take(self.count()).decode("ascii"), 16)
+            except (UnicodeDecodeError, ValueError):
+                raise ValueFormatError("bad int") from None
+        if tag == b"f":
+            return _DOUBLE.unpack(self.take(8))[0]
+        if tag == b"c":
+            return complex(_DOUBLE.unpack(self.take(8))[0], _DOUBLE.unpack(self.take(8))[0])
+        if tag == b"s":
+            try:
+                return self.take(self.count()).decode("utf-8", "surrogatepass")
+            except UnicodeDecodeError:
+                raise ValueFormatError("bad str") from None
+        if tag == b"b":
+            return self.take(self.count())
+        if tag in (b"l", b"t", b"S", b"z"):
+            # Each item takes at least one byte, so a count larger than what is left is a lie.
+            size = self.count()
+            if size > len(self.data) - self.position:
+                raise ValueFormatError("truncated value")
+            items = [self.value(depth + 1) for _ in range(size)]
+            try:
+                if tag == b"l":
+                    return items
+                if tag == b"t":
+                    return tuple(items)
+                return set(items) if tag == b"S" else frozenset(items)
+            except TypeError as error:  # an unhashable member
+                raise ValueFormatError(str(error)) from None
+        if tag == b"d":
+            size = self.count()
+            if size > len(self.data) - self.position:
+                raise ValueFormatError("truncated value")
+            result = {}
+            for _ in range(size):
+                key = self.value(depth + 1)
+                try:
+                    result[key] = self.value(depth + 1)
+                except TypeError as error:
+                    raise ValueFormatError(str(error)) from None
+            return result
+        raise ValueFormatError(f"unknown tag {tag!r}")
+
+
+def decode_value(data: bytes) -> object:
+    """Bytes -> a value built from builtin types only (the trusted side's half); exactly one value."""
+    reader = _Reader(data)
+    value = reader.value(0)
+    if reader.position != len(data):
+        raise ValueFormatError("trailing bytes after the value")
+    return value
 
 
 def read_frame(fd: int) -> bytes | None:
@@ -135,8 +205,8 @@ def write_frame(fd: int, payload: bytes) -> None:
         data = data[written:]
 
 
-def _reply(fd: int, message: dict) -> None:
-    write_frame(fd, json.dumps(message).encode())
+def _reply(fd: int, *message: object) -> None:
+    write_frame(fd, encode_value(message))
 
 
 def _describe(error: BaseException) -> str:
@@ -151,51 +221,217 @@ def _load(source: str, name: str) -> dict:
 
 
 def _serve(requests: int, replies: int) -> None:
+    """Protocol: ("load", source, entry_point) -> ("loaded",) | ("error", text); then each
+    ("call", args, kwargs) -> ("value", v) | ("raised", type_name, text) | ("unencodable", text)."""
     raw = read_frame(requests)
     if raw is None:
         return
-    load = json.loads(raw)
+    _, source, entry_point = decode_value(raw)
     try:
         # Not "__main__": HumanEval's own harness executes the program in a dict whose __name__ resolves
         # to "builtins", so `if __name__ == "__main__":` blocks (doctest runs, input() prompts) stay off.
-        namespace = _load(load["source"], "__candidate__")
-        function = namespace.get(load["entry_point"])
+        namespace = _load(source, "__candidate__")
+        function = namespace.get(entry_point)
         if not callable(function):
-            _reply(replies, {"error": f"NameError: entry point {load['entry_point']!r} is not defined"})
+            _reply(replies, "error", f"NameError: entry point {entry_point!r} is not defined")
             return
     except BaseException as error:  # SystemExit included: a program that exits on import did not load
-        _reply(replies, {"error": _describe(error)})
+        _reply(replies, "error", _describe(error))
         return
-    _reply(replies, {"loaded": True})
+    _reply(replies, "loaded")
     while True:
         raw = read_frame(requests)
         if raw is None:
             return
-        request = json.loads(raw)
-        args = decode_value(request["args"])
-        kwargs = decode_value(request["kwargs"])
+        _, args, kwargs = decode_value(raw)
         try:
             result = function(*args, **kwargs)
         except BaseException as error:
-            _reply(replies, {"raised": [type(error).__name__, _describe(error)]})
+            _reply(replies, "raised", type(error).__name__, _describe(error))
             continue
         try:
-            _reply(replies, {"value": encode_value(result)})
-        except (ValueFormatError, RecursionError) as error:
-            _reply(replies, {"unencodable": str(error)})
+            encoded = encode_value(result)
+        except ValueFormatError as error:
+            _reply(replies, "unencodable", str(error))
+            continue
+        write_frame(replies, b"t" + _COUNT.pack(2) + encode_value("value") + encoded)
 
 
 def _script(requests: int) -> None:
     raw = read_frame(requests)
     os.close(requests)
-    source = json.loads(raw)["source"] if raw else ""
+    source = decode_value(raw)[1] if raw else ""
     _load(source, "__main__")
+
+
+def _exit_code(error: SystemExit) -> int:
+    code = error.code
+    if code is None:
+        return 0
+    if type(code) is int:
+        return code & 0xFF
+    try:
+        sys.stderr.write(f"{code}\n")
+    except BaseException:
+        pass
+    return 1
+
+
+def _finish(code: int) -> None:
+    """Leave like an interpreter would (threads joined, atexit run, buffers flushed), then _exit: a
+    forked child must never unwind into the zygote's loop."""
+    try:
+        if "threading" in sys.modules:
+            sys.modules["threading"]._shutdown()
+        if "atexit" in sys.modules:
+            sys.modules["atexit"]._run_exitfuncs()
+    except BaseException:
+        pass
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except BaseException:
+            pass
+    os._exit(code)
+
+
+def run_mode(mode: str) -> None:
+    """Run the job in this process and exit with its status (never returns)."""
+    code = 0
+    try:
+        if mode == "serve":
+            _serve(3, 4)
+        elif mode == "script":
+            _script(3)
+        elif mode == "probe":
+            import json  # noqa: F401 - proves the standard library is readable from inside the sandbox
+    except SystemExit as error:
+        code = _exit_code(error)
+    except BaseException:
+        sys.excepthook(*sys.exc_info())
+        code = 1
+    _finish(code)
+
+
+# -- isolation applied by the job's own process (exec path and zygote path alike) -------------------
+
+
+def isolate(setup: dict, cpu_budget_s: float) -> None:
+    """Join the job's cgroups, lower the rlimits, drop to the job's uid: in that order, because joining
+    a root-owned cgroup and changing uid both need root, and the rlimits are meant for the job only."""
+    import resource
+
+    pid = str(os.getpid()).encode()
+    for path in setup.get("procs_files", ()):
+        fd = os.open(path, os.O_WRONLY)
+        try:
+            os.write(fd, pid)
+        finally:
+            os.close(fd)
+    if setup.get("setsid"):
+        os.setsid()
+    limits = setup["limits"]
+    cpu = max(1, int(cpu_budget_s + 0.999)) + 1
+    resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))
+    for name in ("RLIMIT_AS", "RLIMIT_FSIZE", "RLIMIT_NOFILE", "RLIMIT_CORE", "RLIMIT_NPROC"):
+        resource.setrlimit(getattr(resource, name), (limits[name], limits[name]))
+    uid = setup.get("uid")
+    if uid is not None:
+        os.setgroups([])
+        os.setresgid(uid, uid, uid)
+        os.setresuid(uid, uid, uid)
+
+
+# -- the fork server ------------------------------------------------------------------------------
+
+
+def _zygote(control_fd: int) -> None:
+    """Protocol on a SOCK_SEQPACKET socket: first ("setup", dict) -> ("ready",); then each
+    ("fork", mode, cpu_budget_s, workdir) with the job's fds attached -> ("pid", pid) at once and
+    ("exit", pid, code) when that child has been reaped. End of input ends the zygote."""
+    import ctypes
+    import select
+    import signal
+    import socket
+
+    # Orphans of a job (a daemonized grandchild) become ours, so their zombies are reaped here too.
+    ctypes.CDLL(None).prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER
+    control = socket.socket(fileno=control_fd)
+    wake_read, wake_write = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+    signal.set_wakeup_fd(wake_write)
+    signal.signal(signal.SIGCHLD, lambda signum, frame: None)
+    message, _, _, _ = socket.recv_fds(control, 1 << 16, 0)
+    _, setup = decode_value(message)
+    control.send(encode_value(("ready",)))
+    jobs: set[int] = set()
+    poller = select.poll()
+    poller.register(control, select.POLLIN)
+    poller.register(wake_read, select.POLLIN)
+    while True:
+        events = dict(poller.poll())
+        if wake_read in events:
+            while True:
+                try:
+                    if not os.read(wake_read, 4096):
+                        break
+                except BlockingIOError:
+                    break
+        # Reap on every wake-up: zombies count against the pids cgroup until reaped.
+        while True:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                break
+            if pid == 0:
+                break
+            if pid in jobs:
+                jobs.discard(pid)
+                control.send(encode_value(("exit", pid, os.waitstatus_to_exitcode(status))))
+        if control.fileno() in events:
+            message, fds, _, _ = socket.recv_fds(control, 1 << 16, 8)
+            if not message:
+                return
+            _, mode, cpu_budget_s, workdir = decode_value(message)
+            pid = os.fork()
+            if pid == 0:
+                _zygote_child(
+                    mode, fds, setup, cpu_budget_s, workdir, (control.fileno(), wake_read, wake_write)
+                )
+            for fd in fds:
+                os.close(fd)
+            jobs.add(pid)
+            control.send(encode_value(("pid", pid)))
+
+
+def _zygote_child(
+    mode: str, fds: list, setup: dict, cpu_budget_s: float, workdir: str, private: tuple
+) -> None:
+    import signal
+
+    try:
+        signal.set_wakeup_fd(-1)
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        for fd in private:
+            os.close(fd)
+        isolate(setup, cpu_budget_s)
+        # The job's fds become 0..n; move them out of that range first so dup2 never clobbers one.
+        high = [os.dup(fd) for fd in fds]
+        for target, fd in enumerate(high):
+            os.dup2(fd, target)
+        os.closerange(len(high), 65536)
+        os.chdir(workdir)
+    except BaseException as error:
+        try:
+            os.write(2, f"sandbox child setup failed: {error!r}\n".encode())
+        finally:
+            os._exit(126)
+    run_mode(mode)
 
 
 if __name__ == "__main__":
     mode = sys.argv[1]
     sys.argv = sys.argv[:1]
-    if mode == "serve":
-        _serve(3, 4)
+    if mode == "zygote":
+        _zygote(3)
     else:
-        _script(3)
+        run_mode(mode)

@@ -101,8 +101,29 @@ def plan_checks(preamble: str, test: str) -> CheckPlan:
     body = check.body
     if _splittable(body) and any(_is_test(stmt) for stmt in body):
         steps = tuple(
-            Step(_compile([stmt], "<test>"), _label(source, stmt) if _is_test(stmt) else None) for stmt in body
+            Step(_compile([stmt], "<test>"), _label(source, stmt) if _is_test(stmt) else None)
+            for stmt in body
         )
         return CheckPlan(module_code, parameter, steps, split=True)
     whole = compile(f"check({parameter})", "<test>", "exec")
     return CheckPlan(module_code, parameter, (Step(whole, "check(candidate)"),), split=False)
+
+
+def humaneval_preamble(prompt: str, entry_point: str) -> str:
+    """The part of a HumanEval prompt before the entry point's `def` line: imports and helper functions
+    (some tests call them, e.g. HumanEval/38's encode_cyclic)."""
+    marker = f"def {entry_point}("
+    for index, line in enumerate(prompt.splitlines(keepends=True)):
+        if line.startswith(marker):
+            return "".join(prompt.splitlines(keepends=True)[:index])
+    return ""
+
+
+def humaneval_reward_spec(problem: dict) -> dict:
+    """The `code_tests` reward spec of a HumanEval record (task_id, prompt, test, entry_point)."""
+    return {
+        "kind": "code_tests",
+        "entry_point": problem["entry_point"],
+        "preamble": humaneval_preamble(problem["prompt"], problem["entry_point"]),
+        "test": problem["test"],
+    }

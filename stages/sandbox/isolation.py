@@ -28,16 +28,18 @@ them at start. A mode named explicitly in the config that cannot be had is an er
 from __future__ import annotations
 
 import ctypes
-import math
 import os
-import resource
 import shutil
 import signal
 import sys
 import tempfile
+import time
 from dataclasses import dataclass
 
 from schemas.config import ScoreConfig
+
+from . import _runner
+from .zygote import Zygote, ZygoteError
 
 RUNNER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_runner.py")
 
@@ -92,40 +94,63 @@ def reap_children() -> None:
             return
 
 
-def apply_rlimits(limits: Limits, cpu_budget_s: float) -> None:
-    cpu = max(1, math.ceil(cpu_budget_s)) + 1
-    resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))
-    resource.setrlimit(resource.RLIMIT_AS, (limits.memory_bytes, limits.memory_bytes))
-    resource.setrlimit(resource.RLIMIT_FSIZE, (limits.file_bytes, limits.file_bytes))
-    resource.setrlimit(resource.RLIMIT_NOFILE, (limits.open_files, limits.open_files))
-    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-    # Counted per uid and including zombies, so only a backstop; the pids cgroup is the real limit.
-    resource.setrlimit(resource.RLIMIT_NPROC, (limits.processes, limits.processes))
-
-
-def kill_uid(uid: int) -> None:
-    """SIGKILL every process running as `uid`: a helper drops to that uid and calls kill(-1) until no
-    process is left to signal (a fork bomb's children die before they can fork again)."""
+def _signal_uid(uid: int) -> None:
+    """kill(-1, SIGKILL) from a helper running as `uid`: it reaches every process whose real or saved
+    uid is `uid`, whatever session or process group it moved to, in one pass over the process table.
+    (Its return value cannot tell whether anything matched: the kernel reports success whenever any
+    other process exists, so the caller checks /proc instead.)"""
     pid = os.fork()
     if pid == 0:
         try:
             os.setresgid(uid, uid, uid)
             os.setresuid(uid, uid, uid)
-            for _ in range(1000):
-                try:
-                    os.kill(-1, signal.SIGKILL)
-                except ProcessLookupError:
-                    os._exit(0)
+            os.kill(-1, signal.SIGKILL)
         finally:
-            os._exit(1)
+            os._exit(0)
     os.waitpid(pid, 0)
 
 
+def uid_processes(uid: int) -> list[int]:
+    """Pids whose real uid is `uid` (from /proc/PID/status: the directory's owner can be faked by a
+    process that makes itself non-dumpable)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/status", "rb") as status:
+                for line in status:
+                    if line.startswith(b"Uid:"):
+                        if int(line.split()[1]) == uid:
+                            found.append(int(entry))
+                        break
+        except (OSError, ValueError):
+            continue
+    return found
+
+
+def kill_uid(uid: int, rounds: int = 100) -> bool:
+    """SIGKILL every process running as `uid` and reap those that became ours; True when none is left.
+    A fork bomb converges: a killed process cannot fork again, and the process limits cap it."""
+    for attempt in range(rounds):
+        reap_children()
+        if not uid_processes(uid):
+            return True
+        _signal_uid(uid)
+        if attempt:
+            time.sleep(0.001)  # SIGKILLed processes need a moment to exit before they can be reaped
+    reap_children()
+    return not uid_processes(uid)
+
+
 class Isolation:
-    """The minimal mode: rlimits, a process group, clean environment, a temporary directory, and, when
-    the worker is root, a uid of its own. Subclasses add namespaces, cgroups or bubblewrap."""
+    """The minimal mode: rlimits, a session of its own, clean environment, a temporary directory, and,
+    when the worker is root, a uid of its own. Subclasses add namespaces, cgroups or bubblewrap.
+
+    Jobs start from the worker's fork server (zygote.py) when `use_zygote` is set, else by fork+exec."""
 
     name = "minimal"
+    use_zygote = True
 
     def __init__(self, cfg: ScoreConfig, limits: Limits, slot: int, owner_pid: int) -> None:
         self.cfg = cfg
@@ -134,6 +159,8 @@ class Isolation:
         self.uid = job_uid(owner_pid, slot) if self.is_root else os.geteuid()
         self.python = cfg.python or sys.executable
         self.workdir: str | None = None
+        self.zygote: Zygote | None = None
+        self.finished: dict[int, int] = {}  # exit codes of reaped job processes, until end_job
 
     # -- what the sandbox reports at start -------------------------------------------------------
     def layers(self) -> dict[str, str]:
@@ -148,12 +175,37 @@ class Isolation:
             layers["uid"] = f"unprivileged uid {self.uid}"
         return layers
 
+    def setup_params(self) -> dict:
+        """What a job's process applies to itself before running anything (see _runner.isolate)."""
+        limits = {
+            "RLIMIT_AS": self.limits.memory_bytes,
+            "RLIMIT_FSIZE": self.limits.file_bytes,
+            "RLIMIT_NOFILE": self.limits.open_files,
+            "RLIMIT_CORE": 0,
+            # Per uid and counting zombies, so only a backstop; it does nothing for root.
+            "RLIMIT_NPROC": self.limits.processes,
+        }
+        return {
+            "limits": limits,
+            "uid": self.uid if self.is_root else None,
+            "setsid": True,
+            "procs_files": [],
+        }
+
     # -- worker lifetime -------------------------------------------------------------------------
     def start_worker(self) -> None:
         set_subreaper()
 
+    def start_zygote(self) -> None:
+        """Start the fork server with the interpreter chosen by the probe (one the job uid can run)."""
+        if self.use_zygote:
+            argv = self.interpreter_argv("zygote")
+            self.zygote = Zygote(argv, CLEAN_ENV, self.setup_params())
+
     def close(self) -> None:
-        pass
+        if self.zygote is not None:
+            self.zygote.close()
+            self.zygote = None
 
     # -- job lifetime ----------------------------------------------------------------------------
     def begin_job(self) -> str:
@@ -163,53 +215,469 @@ class Isolation:
             os.chown(self.workdir, self.uid, self.uid)
         return self.workdir
 
-    def argv(self, mode: str, workdir: str) -> list[str]:
+    def interpreter_argv(self, mode: str) -> list[str]:
         flags = ["-I"] if self.cfg.site_packages else ["-I", "-S"]
         return [self.python, *flags, RUNNER, mode]
 
-    def child_setup(self, cpu_budget_s: float) -> None:
-        """Runs in the forked child, as root when the worker is root, right before exec."""
-        os.setsid()
-        apply_rlimits(self.limits, cpu_budget_s)
-        if self.is_root:
-            os.setgroups([])
-            os.setresgid(self.uid, self.uid, self.uid)
-            os.setresuid(self.uid, self.uid, self.uid)
+    def argv(self, mode: str, workdir: str) -> list[str]:
+        return self.interpreter_argv(mode)
+
+    def spawn(self, mode: str, fds: list[int], cpu_budget_s: float, workdir: str, exec_: bool = False) -> int:
+        """Start the job's process with `fds` as its 0..n; returns its pid. Raises SpawnError."""
+        if self.zygote is not None and not exec_:
+            try:
+                return self.zygote.fork(mode, fds, cpu_budget_s, workdir)
+            except ZygoteError:
+                # A dead fork server is replaced once; a second failure is a harness fault.
+                self.zygote.close()
+                self.zygote = None
+                self.start_zygote()
+                assert self.zygote is not None
+                return self.zygote.fork(mode, fds, cpu_budget_s, workdir)
+        return fork_exec(self, mode, fds, cpu_budget_s, workdir)
+
+    def wait_exit(self, pid: int, deadline: float) -> int | None:
+        """Exit code of the job's main process (negative: the signal that killed it), None if it is
+        still running at `deadline`. Reaps it; asking again returns the same code."""
+        if pid in self.finished:
+            return self.finished[pid]
+        if self.zygote is not None and self.zygote.owns(pid):
+            code = self.zygote.wait(pid, deadline)
+        else:
+            code = None
+            while True:
+                done, status = os.waitpid(pid, os.WNOHANG)
+                if done:
+                    code = os.waitstatus_to_exitcode(status)
+                    break
+                if time.monotonic() >= deadline:
+                    break
+                time.sleep(0.0005)
+        if code is not None:
+            self.finished[pid] = code
+        return code
+
+    def _kill_main(self, pid: int) -> None:
+        if pid not in self.finished:
+            try:
+                os.killpg(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            self.wait_exit(pid, time.monotonic() + 10.0)
+        self.finished.pop(pid, None)
 
     def end_job(self, pid: int) -> None:
         """Kill every process of the job (the main one included), reap them, drop the workdir."""
-        try:
-            os.killpg(pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
+        self._kill_main(pid)
         if self.is_root:
             kill_uid(self.uid)
         reap_children()
+        self.discard_job()
+
+    def discard_job(self) -> None:
+        """Drop the job's working directory (also when its child never started)."""
         if self.workdir is not None:
             shutil.rmtree(self.workdir, ignore_errors=True)
             self.workdir = None
 
+    def child_setup(self, cpu_budget_s: float) -> None:
+        """fork+exec path: runs in the forked child, right before exec."""
+        _runner.isolate(self.setup_params(), cpu_budget_s)
+
     def survivors(self) -> int:
         """How many processes of this worker's jobs are alive (0 after end_job); for tests."""
-        return count_uid_processes(self.uid) if self.is_root else 0
+        return len(uid_processes(self.uid)) if self.is_root else 0
 
 
-def count_uid_processes(uid: int) -> int:
-    count = 0
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
+class SpawnError(RuntimeError):
+    """The child could not be set up (a layer failed to apply); a harness fault, not the candidate's."""
+
+
+def fork_exec(isolation: Isolation, mode: str, fds: list[int], cpu_budget_s: float, workdir: str) -> int:
+    """Fork a child whose fds 0..n are `fds`, isolate it, and exec the runner (or bubblewrap).
+
+    Returns the pid once the exec has happened; a failure before exec raises SpawnError with the
+    child's reason (read from a close-on-exec pipe, as subprocess does)."""
+    error_read, error_write = os.pipe2(os.O_CLOEXEC)
+    argv = isolation.argv(mode, workdir)
+    pid = os.fork()
+    if pid == 0:  # child: no Python-level cleanup, no return
         try:
-            with open(f"/proc/{entry}/status") as status:
-                for line in status:
-                    if line.startswith("Uid:"):
-                        count += int(line.split()[1]) == uid
-                        break
-        except OSError:
+            os.close(error_read)
+            isolation.child_setup(cpu_budget_s)
+            # Move sources out of the target range first, so that dup2 never clobbers a pending one.
+            high = [os.dup(fd) for fd in fds]
+            for target, fd in enumerate(high):
+                os.dup2(fd, target, inheritable=True)
+            os.closerange(len(fds), error_write)
+            os.closerange(error_write + 1, 65536)
+            os.chdir(workdir)
+            os.execve(argv[0], argv, CLEAN_ENV)
+        except BaseException as error:  # noqa: B036 - anything here must reach the parent
+            try:
+                os.write(error_write, f"{type(error).__name__}: {error}".encode()[:4000])
+            finally:
+                os._exit(127)
+    os.close(error_write)
+    try:
+        chunks = []
+        while chunk := os.read(error_read, 65536):
+            chunks.append(chunk)
+    finally:
+        os.close(error_read)
+    if chunks:
+        os.waitpid(pid, 0)
+        raise SpawnError(b"".join(chunks).decode(errors="replace"))
+    return pid
+
+
+# -- kernel interfaces (ctypes: Python 3.11 has no os.unshare / mount) -------------------------------
+
+CLONE_NEWNS = 0x00020000
+CLONE_NEWUTS = 0x04000000
+CLONE_NEWIPC = 0x08000000
+CLONE_NEWNET = 0x40000000
+MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REC, MS_PRIVATE = 2, 4, 8, 16384, 1 << 18
+MNT_DETACH = 2
+AT_FDCWD, AT_RECURSIVE = -100, 0x8000
+MOUNT_ATTR_RDONLY, MOUNT_ATTR_NOSUID = 1, 2
+SYS_MOUNT_SETATTR = 442  # x86_64 and aarch64 share this number
+
+
+class _MountAttr(ctypes.Structure):
+    _fields_ = [
+        ("attr_set", ctypes.c_uint64),
+        ("attr_clr", ctypes.c_uint64),
+        ("propagation", ctypes.c_uint64),
+        ("userns_fd", ctypes.c_uint64),
+    ]
+
+
+def _check(result: int, what: str) -> None:
+    if result != 0:
+        errno = ctypes.get_errno()
+        raise OSError(errno, f"{what}: {os.strerror(errno)}")
+
+
+def unshare(flags: int) -> None:
+    _check(_libc.unshare(flags), "unshare")
+
+
+def mount(source: str, target: str, fstype: str | None, flags: int, data: str | None = None) -> None:
+    result = _libc.mount(
+        source.encode(),
+        target.encode(),
+        fstype.encode() if fstype else None,
+        ctypes.c_ulong(flags),
+        data.encode() if data else None,
+    )
+    _check(result, f"mount {target}")
+
+
+def umount(target: str) -> None:
+    _check(_libc.umount2(target.encode(), MNT_DETACH), f"umount {target}")
+
+
+def set_mount_attr(path: str, attr_set: int, attr_clr: int) -> None:
+    """mount_setattr(2) on `path` and every mount below it, in one system call."""
+    attr = _MountAttr(attr_set, attr_clr, 0, 0)
+    result = _libc.syscall(
+        ctypes.c_long(SYS_MOUNT_SETATTR),
+        ctypes.c_int(AT_FDCWD),
+        path.encode(),
+        ctypes.c_uint(AT_RECURSIVE),
+        ctypes.byref(attr),
+        ctypes.c_size_t(ctypes.sizeof(attr)),
+    )
+    _check(result, f"mount_setattr {path}")
+
+
+# -- cgroup v1 -------------------------------------------------------------------------------------
+
+CGROUP_ROOT = "/sys/fs/cgroup"
+CONTROLLERS = ("pids", "memory", "freezer")
+
+
+def _own_cgroup(controller: str) -> str | None:
+    """This process's group in a v1 hierarchy; job groups nest below it, so the limits of whatever
+    contains us (a container's memory group) still apply to the jobs."""
+    try:
+        with open("/proc/self/cgroup") as lines:
+            for line in lines:
+                _, names, path = line.rstrip("\n").split(":", 2)
+                if controller in names.split(","):
+                    return path
+    except OSError:
+        return None
+    return None
+
+
+def cgroup_dirs(owner_pid: int, slot: int) -> dict[str, str]:
+    """The job groups of one worker slot, per controller that is mounted and writable here."""
+    dirs = {}
+    for controller in CONTROLLERS:
+        mounted = os.path.join(CGROUP_ROOT, controller)
+        own = _own_cgroup(controller)
+        if own is None or not os.path.exists(os.path.join(mounted, "cgroup.procs")):
             continue
-    return count
+        parent = os.path.join(mounted, own.lstrip("/"))
+        if os.access(parent, os.W_OK):
+            dirs[controller] = os.path.join(parent, f"rlpipe-sandbox-{owner_pid}-{slot}")
+    return dirs
+
+
+def _write(path: str, value: str) -> None:
+    with open(path, "w") as handle:
+        handle.write(value)
+
+
+def _read_pids(directory: str) -> list[int]:
+    try:
+        with open(os.path.join(directory, "cgroup.procs")) as handle:
+            return [int(line) for line in handle if line.strip()]
+    except OSError:
+        return []
+
+
+def empty_cgroup(dirs: dict[str, str], timeout_s: float = 10.0) -> bool:
+    """Kill every process in the job's groups; True once none is left. With the freezer, the tree is
+    frozen first so that nothing forks between reading the list and the kill."""
+    procs_dir = dirs.get("pids") or dirs.get("memory") or dirs.get("freezer")
+    if procs_dir is None:
+        return True
+    deadline = time.monotonic() + timeout_s
+    frozen = False
+    freezer = dirs.get("freezer")
+    try:
+        while True:
+            reap_children()
+            pids = _read_pids(procs_dir)
+            if not pids:
+                return True
+            if time.monotonic() > deadline:
+                return False
+            if freezer is not None and not frozen:
+                _write(os.path.join(freezer, "freezer.state"), "FROZEN")
+                frozen = True
+            for pid in pids:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            if frozen:
+                # SIGKILL is delivered to frozen tasks once they thaw; thaw so they can die.
+                _write(os.path.join(freezer, "freezer.state"), "THAWED")
+                frozen = False
+            time.sleep(0.0005)
+    finally:
+        if frozen:
+            _write(os.path.join(freezer, "freezer.state"), "THAWED")
+
+
+def remove_cgroups(dirs: dict[str, str]) -> None:
+    empty_cgroup(dirs)
+    for directory in dirs.values():
+        try:
+            os.rmdir(directory)
+        except OSError:
+            pass
+
+
+def release_slot(owner_pid: int, slot: int) -> None:
+    """After a worker died or was killed: end whatever its job left and remove its groups."""
+    if os.geteuid() != 0:
+        return
+    remove_cgroups({name: path for name, path in cgroup_dirs(owner_pid, slot).items() if os.path.isdir(path)})
+    kill_uid(job_uid(owner_pid, slot))
+
+
+class NativeIsolation(Isolation):
+    """Root without bubblewrap: the worker's own network, mount, IPC and UTS namespaces (set up once),
+    a fresh tmpfs /tmp per job, a per-job uid, rlimits, and cgroup v1 pids/memory/freezer groups."""
+
+    name = "native"
+
+    def __init__(self, cfg: ScoreConfig, limits: Limits, slot: int, owner_pid: int) -> None:
+        super().__init__(cfg, limits, slot, owner_pid)
+        if not self.is_root:
+            raise OSError("native isolation needs root (uid changes, namespaces, cgroups)")
+        self.cgroups = cgroup_dirs(owner_pid, slot)
+        self.procs_files: list[str] = []
+        self.mounted = False
+        self.hidepid = False
+
+    def layers(self) -> dict[str, str]:
+        layers = super().layers()
+        del layers["workdir"]
+        layers["netns"] = "empty network namespace (loopback down)"
+        layers["mountns"] = "read-only file system, fresh tmpfs /tmp per job" + (
+            ", /proc hides other users' processes" if self.hidepid else ""
+        )
+        layers["ipc_uts_ns"] = "private SysV IPC and hostname"
+        if "pids" in self.cgroups:
+            layers["cgroup_pids"] = f"pids.max={self.limits.processes}"
+        if "memory" in self.cgroups:
+            layers["cgroup_memory"] = f"memory.limit_in_bytes={self.limits.memory_bytes}"
+        if "freezer" in self.cgroups:
+            layers["cgroup_freezer"] = "job frozen before the final kill"
+        return layers
+
+    def start_worker(self) -> None:
+        super().start_worker()
+        self._setup_cgroups()
+        unshare(CLONE_NEWNET | CLONE_NEWNS | CLONE_NEWIPC | CLONE_NEWUTS)
+        mount("none", "/", None, MS_REC | MS_PRIVATE)
+        try:
+            mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, "hidepid=2")
+            self.hidepid = True
+        except OSError:
+            pass  # keep the inherited /proc: the job's uid still cannot read other users' details
+        set_mount_attr("/", MOUNT_ATTR_RDONLY | MOUNT_ATTR_NOSUID, 0)
+        # The worker itself writes cgroup files (freezer, job membership); jobs cannot: root owns them.
+        set_mount_attr(CGROUP_ROOT, 0, MOUNT_ATTR_RDONLY)
+
+    def _setup_cgroups(self) -> None:
+        for controller, directory in list(self.cgroups.items()):
+            try:
+                if os.path.isdir(directory):
+                    remove_cgroups({controller: directory})
+                os.mkdir(directory)
+                if controller == "pids":
+                    _write(os.path.join(directory, "pids.max"), str(self.limits.processes))
+                elif controller == "memory":
+                    _write(os.path.join(directory, "memory.limit_in_bytes"), str(self.limits.memory_bytes))
+                    swap = os.path.join(directory, "memory.memsw.limit_in_bytes")
+                    if os.path.exists(swap):
+                        _write(swap, str(self.limits.memory_bytes))
+            except OSError:
+                del self.cgroups[controller]  # reported as absent by layers()
+        self.procs_files = [os.path.join(directory, "cgroup.procs") for directory in self.cgroups.values()]
+
+    def close(self) -> None:
+        remove_cgroups(self.cgroups)
+
+    def begin_job(self) -> str:
+        options = f"size={self.limits.file_bytes},mode=0700,uid={self.uid},gid={self.uid}"
+        mount("tmpfs", "/tmp", "tmpfs", MS_NOSUID | MS_NODEV, options)
+        self.mounted = True
+        self.workdir = "/tmp"
+        return self.workdir
+
+    def setup_params(self) -> dict:
+        # No session of its own needed: the cgroup finds every process of the job.
+        return dict(super().setup_params(), procs_files=self.procs_files, setsid=False)
+
+    def end_job(self, pid: int) -> None:
+        self._kill_main(pid)
+        if self.cgroups:
+            empty_cgroup(self.cgroups)
+        else:
+            kill_uid(self.uid)
+        reap_children()
+        self.discard_job()
+
+    def discard_job(self) -> None:
+        if self.mounted:
+            umount("/tmp")
+            self.mounted = False
+        self.workdir = None
+
+    def survivors(self) -> int:
+        in_groups = len(_read_pids(self.cgroups["pids"])) if "pids" in self.cgroups else 0
+        return in_groups + len(uid_processes(self.uid))
+
+
+class BwrapIsolation(Isolation):
+    """Each job under bubblewrap: user, pid, network, IPC, UTS and cgroup namespaces, the root file
+    system read-only, a fresh tmpfs /tmp, its own /proc and /dev. Works without root. When the job's
+    main process ends, bubblewrap's pid namespace takes every other process of the job with it."""
+
+    name = "bwrap"
+    use_zygote = False  # a new bubblewrap per job is the point; there is nothing warm to fork
+
+    def __init__(self, cfg: ScoreConfig, limits: Limits, slot: int, owner_pid: int) -> None:
+        super().__init__(cfg, limits, slot, owner_pid)
+        self.bwrap = shutil.which("bwrap") or "/usr/bin/bwrap"
+        if not os.access(self.bwrap, os.X_OK):
+            raise OSError("bubblewrap (bwrap) is not installed")
+
+    def layers(self) -> dict[str, str]:
+        layers = super().layers()
+        layers["workdir"] = "fresh tmpfs /tmp per job"
+        layers["bwrap"] = "user, pid, net, ipc, uts, cgroup namespaces; read-only /; own /proc, /dev"
+        return layers
+
+    def begin_job(self) -> str:
+        self.workdir = "/tmp"
+        return self.workdir
+
+    def discard_job(self) -> None:
+        self.workdir = None
+
+    def argv(self, mode: str, workdir: str) -> list[str]:
+        # --die-with-parent: if the worker dies, so does the job; --new-session: no terminal injection.
+        return [
+            self.bwrap,
+            "--unshare-all",
+            "--die-with-parent",
+            "--new-session",
+            "--cap-drop",
+            "ALL",
+            "--ro-bind",
+            "/",
+            "/",
+            "--size",
+            str(self.limits.file_bytes),
+            "--tmpfs",
+            "/tmp",
+            "--proc",
+            "/proc",
+            "--dev",
+            "/dev",
+            "--chdir",
+            "/tmp",
+            "--",
+            *super().argv(mode, workdir),
+        ]
+
+
+def _probe_native() -> str | None:
+    """Why native isolation cannot work here, or None when it can (tried in a throwaway child)."""
+    if os.geteuid() != 0:
+        return "not root"
+    pid = os.fork()
+    if pid == 0:
+        try:
+            unshare(CLONE_NEWNET | CLONE_NEWNS | CLONE_NEWIPC | CLONE_NEWUTS)
+            mount("none", "/", None, MS_REC | MS_PRIVATE)
+            set_mount_attr("/", MOUNT_ATTR_RDONLY, 0)
+            os._exit(0)
+        except BaseException:
+            os._exit(1)
+    _, status = os.waitpid(pid, 0)
+    return None if os.waitstatus_to_exitcode(status) == 0 else "namespaces or mount_setattr unavailable"
 
 
 def choose_isolation(cfg: ScoreConfig, slot: int, owner_pid: int) -> Isolation:
+    """The isolation mode for a worker: the configured one (an error if impossible) or, for "auto",
+    the strongest this machine gives. The caller logs what is active; nothing falls back silently."""
     limits = Limits.from_config(cfg)
-    return Isolation(cfg, limits, slot, owner_pid)
+    if cfg.isolation == "native":
+        reason = _probe_native()
+        if reason is not None:
+            raise OSError(f"isolation 'native' is not available: {reason}")
+        return NativeIsolation(cfg, limits, slot, owner_pid)
+    if cfg.isolation == "bwrap":
+        return BwrapIsolation(cfg, limits, slot, owner_pid)
+    if cfg.isolation == "minimal":
+        return Isolation(cfg, limits, slot, owner_pid)
+    if _probe_native() is None:
+        return NativeIsolation(cfg, limits, slot, owner_pid)
+    try:
+        return BwrapIsolation(cfg, limits, slot, owner_pid)
+    except OSError:
+        return Isolation(cfg, limits, slot, owner_pid)

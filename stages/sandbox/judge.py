@@ -164,4 +164,3 @@ def summarize(outcomes: list[TestOutcome]) -> tuple[int, int, str]:
     if "error" in statuses:
         return passed, total, "error"
     return passed, total, "fail"
-

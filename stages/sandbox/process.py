@@ -8,58 +8,66 @@ or the output cap is crossed the worker ends the job, which kills every process 
 
 from __future__ import annotations
 
-import json
 import os
 import select
+import sys
 import time
 from dataclasses import dataclass
 
 from . import _runner
-from .isolation import CLEAN_ENV, Isolation
+from .isolation import Isolation, SpawnError
 from .judge import CandidateGone, Channel, JobTimeout, NotPlainValue, rebuild_exception
 
 # Largest single reply we accept (a return value); bigger ones end the job as an error.
 MAX_FRAME = 16 << 20
 
 
-class SpawnError(RuntimeError):
-    """The child could not be set up (a layer failed to apply); a harness fault, not the candidate's."""
+def interpreter_candidates(configured: str | None) -> list[str]:
+    """Interpreters to try for candidate code, best first. The one running rlpipe may live where the
+    sandbox uid cannot read it (pyenv under /root); the system's python3 is the usual fallback."""
+    if configured:
+        return [configured]
+    found = [sys.executable, os.path.realpath(sys.executable), "/usr/bin/python3", "/usr/local/bin/python3"]
+    return [path for index, path in enumerate(found) if path not in found[:index] and os.path.exists(path)]
 
 
-def spawn(isolation: Isolation, mode: str, fds: dict[int, int], cpu_budget_s: float, workdir: str) -> int:
-    """Fork a child whose fds 0..n are `fds` (target -> source), isolate it, and exec the runner.
+def probe_interpreter(isolation: Isolation, configured: str | None) -> str:
+    """The first interpreter that starts the runner inside the sandbox (by fork+exec, as a job would
+    without the fork server); this also proves, once per worker, that every isolation layer can be
+    applied. Raises SpawnError naming each failure."""
+    failures = []
+    for python in interpreter_candidates(configured):
+        isolation.python = python
+        status, message = run_probe(isolation, exec_=True)
+        if status == 0:
+            return python
+        failures.append(f"{python}: exit {status} {message}")
+    raise SpawnError("no interpreter runs inside the sandbox: " + "; ".join(failures))
 
-    Returns the pid once the exec has happened; a failure before exec raises SpawnError with the
-    child's reason (read from a close-on-exec pipe, as subprocess does)."""
-    error_read, error_write = os.pipe2(os.O_CLOEXEC)
-    argv = isolation.argv(mode, workdir)
-    pid = os.fork()
-    if pid == 0:  # child: no Python-level cleanup, no return
-        try:
-            os.close(error_read)
-            isolation.child_setup(cpu_budget_s)
-            # Move sources out of the target range first, so that dup2 never clobbers a pending one.
-            high = {target: os.dup(source) for target, source in fds.items()}
-            for target, source in high.items():
-                os.dup2(source, target, inheritable=True)
-            os.closerange(max(fds) + 1, error_write)
-            os.closerange(error_write + 1, 65536)
-            os.chdir(workdir)
-            os.execve(argv[0], argv, CLEAN_ENV)
-        except BaseException as error:  # noqa: B036 - anything here must reach the parent
-            try:
-                os.write(error_write, f"{type(error).__name__}: {error}".encode()[:4000])
-            finally:
-                os._exit(127)
-    os.close(error_write)
+
+def run_probe(isolation: Isolation, exec_: bool) -> tuple[int | None, str]:
+    """Run the runner's `probe` mode as a job; (exit code, last line of stderr)."""
+    workdir = isolation.begin_job()
+    null = os.open(os.devnull, os.O_RDWR | os.O_CLOEXEC)
+    err_read, err_write = os.pipe2(os.O_CLOEXEC)
+    pid = None
     try:
-        reason = _read_all(error_read)
+        try:
+            pid = isolation.spawn("probe", [null, null, err_write], 10.0, workdir, exec_=exec_)
+        except SpawnError as error:
+            return None, str(error)
+        finally:
+            os.close(err_write)
+        status = isolation.wait_exit(pid, time.monotonic() + 30.0)
+        lines = _read_all(err_read).decode(errors="replace").strip().splitlines()
+        return status, lines[-1] if lines else ""
     finally:
-        os.close(error_read)
-    if reason:
-        os.waitpid(pid, 0)
-        raise SpawnError(reason.decode(errors="replace"))
-    return pid
+        os.close(null)
+        os.close(err_read)
+        if pid is not None:
+            isolation.end_job(pid)
+        else:
+            isolation.discard_job()
 
 
 def _read_all(fd: int) -> bytes:
@@ -73,16 +81,28 @@ def _remaining(deadline: float) -> float:
     return deadline - time.monotonic()
 
 
-def _wait_fd(fd: int, events: int, deadline: float) -> bool:
-    """Wait until fd is ready for `events`; False when the deadline passed first."""
+class ChildExited(Exception):
+    """The job's main process exited while we waited on a pipe that something else still holds open."""
+
+
+def _wait_fd(fd: int, events: int, deadline: float, pidfd: int | None = None) -> bool:
+    """Wait until fd is ready for `events`; False when the deadline passed first.
+
+    With `pidfd`, a main process that exits while the pipe stays open (a background grandchild holds
+    it) raises ChildExited instead of waiting for the deadline."""
     poller = select.poll()
     poller.register(fd, events)
+    if pidfd is not None:
+        poller.register(pidfd, select.POLLIN)
     while True:
         left = _remaining(deadline)
         if left <= 0:
             return False
-        if poller.poll(max(1, int(left * 1000))):
+        ready = dict(poller.poll(max(1, int(left * 1000))))
+        if fd in ready:
             return True
+        if pidfd is not None and pidfd in ready:
+            raise ChildExited()
 
 
 def write_all(fd: int, data: bytes, deadline: float) -> bool:
@@ -99,11 +119,19 @@ def write_all(fd: int, data: bytes, deadline: float) -> bool:
     return True
 
 
-def read_exact(fd: int, size: int, deadline: float) -> bytes | None:
-    """Read exactly `size` bytes; None at end of file; raises JobTimeout on deadline."""
+def read_exact(fd: int, size: int, deadline: float, pidfd: int | None = None) -> bytes | None:
+    """Read exactly `size` bytes; None at end of file (or when the main process exited); raises
+    JobTimeout on deadline."""
     chunks = []
     while size:
-        if not _wait_fd(fd, select.POLLIN, deadline):
+        try:
+            ready = _wait_fd(fd, select.POLLIN, deadline, pidfd)
+        except ChildExited:
+            # Take what is already buffered (the last reply of a process that then exited), no more.
+            ready = bool(select.select([fd], [], [], 0)[0])
+            if not ready:
+                return None
+        if not ready:
             raise JobTimeout("wall-clock limit reached")
         try:
             chunk = os.read(fd, min(size, 1 << 20))
@@ -116,8 +144,8 @@ def read_exact(fd: int, size: int, deadline: float) -> bytes | None:
     return b"".join(chunks)
 
 
-def frame(message: dict) -> bytes:
-    payload = json.dumps(message).encode()
+def frame(*message: object) -> bytes:
+    payload = _runner.encode_value(message)
     return _runner.HEADER.pack(len(payload)) + payload
 
 
@@ -125,9 +153,10 @@ class PipeChannel(Channel):
     """Calls into a child in `serve` mode. Any protocol breach, death or overlong reply makes the
     channel `gone`; the deadline makes it `timeout`. Either state is final for the job."""
 
-    def __init__(self, requests: int, replies: int, deadline: float) -> None:
+    def __init__(self, requests: int, replies: int, deadline: float, pidfd: int | None = None) -> None:
         self.requests = requests
         self.replies = replies
+        self.pidfd = pidfd
         self.deadline = deadline
         self.state = "ok"
         self.detail = ""
@@ -137,31 +166,31 @@ class PipeChannel(Channel):
         self.state, self.detail = state, detail
         return JobTimeout(detail) if state == "timeout" else CandidateGone(detail)
 
-    def send(self, message: dict) -> None:
+    def send(self, data: bytes) -> None:
         try:
-            if not write_all(self.requests, frame(message), self.deadline):
+            if not write_all(self.requests, data, self.deadline):
                 raise self._fail("timeout", "wall-clock limit reached")
-        except (BrokenPipeError, ValueFormatErrorTypes) as error:
-            raise self._fail("gone", f"candidate process stopped reading ({type(error).__name__})") from None
+        except BrokenPipeError:
+            raise self._fail("gone", "candidate process stopped reading") from None
 
-    def receive(self) -> dict:
+    def receive(self) -> tuple:
         try:
-            header = read_exact(self.replies, _runner.HEADER.size, self.deadline)
+            header = read_exact(self.replies, _runner.HEADER.size, self.deadline, self.pidfd)
             if header is None:
                 raise self._fail("gone", "candidate process exited")
             (length,) = _runner.HEADER.unpack(header)
             if length > MAX_FRAME:
                 raise self._fail("gone", f"reply of {length} bytes exceeds the {MAX_FRAME}-byte limit")
-            body = read_exact(self.replies, length, self.deadline)
+            body = read_exact(self.replies, length, self.deadline, self.pidfd)
         except JobTimeout:
             raise self._fail("timeout", "wall-clock limit reached") from None
         if body is None:
             raise self._fail("gone", "candidate process exited mid-reply")
         try:
-            message = json.loads(body)
-        except (ValueError, RecursionError):
-            raise self._fail("gone", "candidate process sent a malformed reply") from None
-        if not isinstance(message, dict):
+            message = _runner.decode_value(body)
+        except _runner.ValueFormatError as error:
+            raise self._fail("gone", f"candidate process sent a malformed reply: {error}") from None
+        if type(message) is not tuple or not message or type(message[0]) is not str:
             raise self._fail("gone", "candidate process sent a malformed reply")
         return message
 
@@ -169,7 +198,7 @@ class PipeChannel(Channel):
         if self.state != "ok":
             raise self._fail(self.state, self.detail)
         try:
-            request = {"args": _runner.encode_value(list(args)), "kwargs": _runner.encode_value(kwargs)}
+            request = frame("call", list(args), kwargs)
         except _runner.ValueFormatError as error:
             # Test code passing a lambda or an object: the harness cannot ship it, the candidate is not
             # at fault, but the test cannot pass either.
@@ -177,20 +206,15 @@ class PipeChannel(Channel):
         self.calls += 1
         self.send(request)
         reply = self.receive()
-        if "value" in reply:
-            try:
-                return _runner.decode_value(reply["value"])
-            except _runner.ValueFormatError as error:
-                raise NotPlainValue(f"candidate returned an unusable value: {error}") from None
-        if "raised" in reply and isinstance(reply["raised"], list) and len(reply["raised"]) == 2:
-            type_name, message = (str(part) for part in reply["raised"])
-            raise rebuild_exception(type_name, message)
-        if "unencodable" in reply:
-            raise NotPlainValue(f"candidate returned a non-plain object: {str(reply['unencodable'])[:300]}")
-        raise self._fail("gone", "candidate process sent an unknown reply")
-
-
-ValueFormatErrorTypes = (ValueError,)
+        kind, body = reply[0], reply[1:]
+        if kind == "value" and len(body) == 1:
+            return body[0]
+        if kind == "raised" and len(body) == 2:
+            return_error = rebuild_exception(str(body[0]), str(body[1]))
+            raise return_error
+        if kind == "unencodable":
+            raise NotPlainValue(f"candidate returned a non-plain object: {str(body)[:300]}")
+        raise self._fail("gone", f"candidate process sent an unexpected reply {kind!r}")
 
 
 @dataclass
@@ -204,9 +228,10 @@ class ScriptRun:
 
 
 def pump(
-    writes: dict[int, bytes], reads: list[int], cap: int, deadline: float
+    writes: dict[int, bytes], reads: list[int], cap: int, deadline: float, pidfd: int | None = None
 ) -> tuple[dict[int, bytes], bool, bool]:
-    """Feed `writes` and drain `reads` (all non-blocking) until every read fd is at EOF.
+    """Feed `writes` and drain `reads` (all non-blocking) until every read fd is at EOF, or the main
+    process (`pidfd`) has exited and its pipes are drained.
 
     Returns (data read per fd, timed_out, overflow); stops early on deadline or when the total read
     crosses `cap` (the caller then kills the job)."""
@@ -219,6 +244,9 @@ def pump(
         poller.register(fd, select.POLLOUT)
     for fd in open_reads:
         poller.register(fd, select.POLLIN)
+    if pidfd is not None:
+        poller.register(pidfd, select.POLLIN)
+    exited = False
     for fd, view in list(pending.items()):
         if not view:  # nothing to send: close now so the child sees end of input
             poller.unregister(fd)
@@ -228,8 +256,14 @@ def pump(
         left = _remaining(deadline)
         if left <= 0:
             return _joined(buffers), True, False
-        for fd, event in poller.poll(max(1, int(left * 1000))):
-            if fd in pending:
+        events = poller.poll(0 if exited else max(1, int(left * 1000)))
+        if exited and not any(fd in open_reads for fd, _ in events):
+            break  # the main process is gone and what it wrote is drained; leftovers are killed
+        for fd, _event in events:
+            if fd == pidfd:
+                exited = True
+                poller.unregister(pidfd)
+            elif fd in pending:
                 try:
                     written = os.write(fd, pending[fd][:65536])
                     pending[fd] = pending[fd][written:]
@@ -261,19 +295,3 @@ def pump(
 
 def _joined(buffers: dict[int, list[bytes]]) -> dict[int, bytes]:
     return {fd: b"".join(chunks) for fd, chunks in buffers.items()}
-
-
-def nonblocking_pipe() -> tuple[int, int]:
-    """A pipe whose parent end will be made non-blocking by the caller (the child's end stays blocking)."""
-    return os.pipe2(os.O_CLOEXEC)
-
-
-def wait_exit(pid: int, deadline: float) -> int | None:
-    """Exit status of the child (negative signal number if killed), or None if it outlives `deadline`."""
-    while True:
-        done, status = os.waitpid(pid, os.WNOHANG)
-        if done:
-            return os.waitstatus_to_exitcode(status)
-        if _remaining(deadline) <= 0:
-            return None
-        time.sleep(0.001)

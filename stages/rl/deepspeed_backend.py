@@ -1,0 +1,210 @@
+"""DeepSpeed ZeRO as a training backend: the same `PolicyTrainer`, with a DeepSpeed engine as its optimizer.
+
+The train stage calls `launch(job, processes)`, which runs the DeepSpeed launcher
+(`python -m deepspeed.launcher.runner --num_gpus N --module stages.rl.deepspeed_backend --job FILE`); every
+rank runs `worker`, which builds the engine around `ResponseLogprobs(model)` (forward passes go through
+the engine, so ZeRO-3's parameter gathering works), and trains with `DeepSpeedStepper`:
+
+- data parallelism: every rank packs the same minibatch into the same micro-batches and takes every
+  world-th one (`PolicyTrainer._rank_micro_batches`); ranks that run out repeat one with loss weight 0, so
+  every rank makes the same number of forward/backward calls (ZeRO-3 gathers parameters collectively);
+- gradient accumulation is unmanaged (`managed_gradient_accumulation: false`): backward only accumulates,
+  `engine.step()` reduces and updates, whatever the number of micro-batches;
+- each rank's loss is its share of the minibatch loss; DeepSpeed averages gradients over ranks, so the
+  trainer scales the loss by the world size to get the sum;
+- the optimizer is the same torch AdamW (a client optimizer), so no DeepSpeed op is compiled; on this CPU
+  DeepSpeed picks its CPU accelerator and gloo by itself. bf16 is our autocast, not DeepSpeed's bf16 mode,
+  so weights and optimizer state stay fp32 as in the torch backend.
+
+Rank 0 writes the HF checkpoint (under ZeRO-3 inside `GatheredParameters`) and the metrics rows; the
+optimizer state is DeepSpeed's own checkpoint in `<checkpoint>/deepspeed/`, resumed by the next iteration
+when its world size and ZeRO stage match (otherwise a fresh optimizer, recorded as optimizer_resumed=False).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from schemas.config import TrainConfig
+from stages.rl.checkpoint import TrainerState, copy_non_model_files, load_policy, load_reference, read_state
+from stages.rl.logprobs import ResponseLogprobs
+from stages.rl.session import TrainJob, seed_everything, session_metrics
+from stages.rl.trainer import PolicyTrainer, make_adamw
+
+DS_DIR = "deepspeed"
+DS_TAG = "optimizer"
+DS_META = "deepspeed_meta.json"
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def deepspeed_config(cfg: TrainConfig, world_size: int) -> dict[str, Any]:
+    return {
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_accumulation_steps": 1,
+        "train_batch_size": world_size,
+        "managed_gradient_accumulation": False,
+        "gradient_clipping": cfg.max_grad_norm,
+        "zero_optimization": {"stage": cfg.zero_stage},
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 1 << 30,
+        "wall_clock_breakdown": False,
+    }
+
+
+class DeepSpeedStepper:
+    def __init__(self, engine: Any):  # noqa: ANN401 - deepspeed.DeepSpeedEngine
+        import torch.distributed as dist
+
+        self.engine = engine
+        self.dist = dist
+        self.rank = dist.get_rank()
+        self.world_size = dist.get_world_size()
+
+    def backward(self, loss: torch.Tensor) -> None:
+        self.engine.backward(loss)
+
+    def step(self, lr: float) -> float:
+        for group in self.engine.optimizer.param_groups:
+            group["lr"] = lr
+        self.engine.step()
+        norm = self.engine.get_global_grad_norm()
+        return float(norm) if norm is not None else math.nan
+
+    def all_reduce(self, values: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        ops = {"sum": self.dist.ReduceOp.SUM, "min": self.dist.ReduceOp.MIN, "max": self.dist.ReduceOp.MAX}
+        values = values.clone()
+        self.dist.all_reduce(values, op=ops[op])
+        return values
+
+
+def _save(engine: Any, model: torch.nn.Module, job: TrainJob, cfg: TrainConfig, state: TrainerState) -> None:  # noqa: ANN401
+    import deepspeed
+    import torch.distributed as dist
+
+    out_dir = Path(job.out_dir)
+    rank = dist.get_rank()
+    # Under ZeRO-3 every rank holds a shard of each parameter: gather the full tensors for the save.
+    gather = (
+        deepspeed.zero.GatheredParameters(list(model.parameters()), modifier_rank=None)
+        if cfg.zero_stage == 3
+        else contextlib.nullcontext()
+    )
+    with gather:
+        if rank == 0:
+            to_save = model.merge_and_unload() if hasattr(model, "merge_and_unload") else model
+            to_save.config.use_cache = True
+            to_save.save_pretrained(out_dir, safe_serialization=True)
+            copy_non_model_files(Path(job.policy_dir), out_dir)
+            (out_dir / "trainer_state.json").write_text(json.dumps(state.__dict__, sort_keys=True) + "\n")
+    dist.barrier()
+    if cfg.save_optimizer and cfg.lora_rank == 0:
+        engine.save_checkpoint(str(out_dir / DS_DIR), tag=DS_TAG)
+        if rank == 0:
+            meta = {"world_size": dist.get_world_size(), "zero_stage": cfg.zero_stage}
+            (out_dir / DS_DIR / DS_META).write_text(json.dumps(meta) + "\n")
+    dist.barrier()
+
+
+def _maybe_resume(engine: Any, policy_dir: Path, cfg: TrainConfig, world_size: int) -> bool:  # noqa: ANN401
+    meta_path = policy_dir / DS_DIR / DS_META
+    if cfg.lora_rank > 0 or not meta_path.is_file():
+        return False
+    meta = json.loads(meta_path.read_text())
+    if meta != {"world_size": world_size, "zero_stage": cfg.zero_stage}:
+        return False
+    engine.load_checkpoint(
+        str(policy_dir / DS_DIR), tag=DS_TAG, load_optimizer_states=True, load_lr_scheduler_states=False
+    )
+    return True
+
+
+def worker(job_path: Path) -> None:
+    import deepspeed
+    import torch.distributed as dist
+
+    job = TrainJob.load(job_path)
+    cfg = job.cfg
+    deepspeed.init_distributed(dist_backend="gloo")
+    world = dist.get_world_size()
+    rank = dist.get_rank()
+    # The machine's threads are shared by the ranks.
+    torch.set_num_threads(max(1, job.threads // world))
+    seed_everything(cfg, job.iteration)
+    started = time.monotonic()
+    policy_dir = Path(job.policy_dir)
+    model = load_policy(policy_dir, cfg)
+    policy = ResponseLogprobs(model, job.temperature, cfg.logprob_chunk_tokens)
+    engine, _, _, _ = deepspeed.initialize(
+        model=policy, optimizer=make_adamw(model, cfg), config=deepspeed_config(cfg, world)
+    )
+    resumed = _maybe_resume(engine, policy_dir, cfg, world)
+    state = read_state(policy_dir)
+    ref = load_reference(Path(job.reference_dir)) if cfg.kl_coef > 0 and job.reference_dir else None
+    loaded = time.monotonic()
+    trainer = PolicyTrainer(
+        model, cfg, DeepSpeedStepper(engine), temperature=job.temperature, norm_length=job.norm_length,
+        ref_model=ref, global_step=state.global_step, policy=engine,
+    )
+    rows = trainer.train(job.train_samples(), job.iteration)
+    trained = time.monotonic()
+    _save(engine, model, job, cfg, TrainerState(trainer.global_step, job.iteration, cfg.lora_rank > 0))
+    saved = time.monotonic()
+    if rank == 0:
+        metrics = session_metrics(
+            rows, loaded - started, trained - loaded, saved - trained, resumed, "deepspeed", world
+        )
+        metrics["zero_stage"] = cfg.zero_stage
+        Path(str(job_path) + ".result.json").write_text(json.dumps({"rows": rows, "metrics": metrics}))
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class DeepSpeedLaunchError(RuntimeError):
+    pass
+
+
+def launch(job: TrainJob, job_path: Path, processes: int, timeout_s: float | None = None) -> tuple[list[dict], dict]:
+    """Run `job` under the DeepSpeed launcher with `processes` ranks; returns rank 0's (rows, metrics)."""
+    job.dump(job_path)
+    result_path = Path(str(job_path) + ".result.json")
+    result_path.unlink(missing_ok=True)
+    command = [
+        sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(processes),
+        "--master_port", str(_free_port()), "--module", "stages.rl.deepspeed_backend", "--job", str(job_path),
+    ]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")])}
+    env.setdefault("OMP_NUM_THREADS", str(max(1, job.threads // processes)))
+    completed = subprocess.run(command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=timeout_s)
+    if completed.returncode != 0 or not result_path.is_file():
+        tail = (completed.stdout + completed.stderr)[-4000:]
+        raise DeepSpeedLaunchError(f"deepspeed launcher exited with {completed.returncode}:\n{tail}")
+    result = json.loads(result_path.read_text())
+    return result["rows"], result["metrics"]
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="rlpipe DeepSpeed training worker (run by the launcher)")
+    parser.add_argument("--job", required=True, type=Path)
+    parser.add_argument("--local_rank", type=int, default=None)  # passed by some launcher versions
+    args, _ = parser.parse_known_args(argv)
+    worker(args.job)
+
+
+if __name__ == "__main__":
+    main()

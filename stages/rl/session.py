@@ -1,0 +1,111 @@
+"""One training session: load the policy, run `PolicyTrainer`, save the checkpoint. No run layout, no tables.
+
+`TrainJob` is everything a training process needs, as plain JSON, so that the train stage can run it in its
+own process (the default torch backend) or hand it to the DeepSpeed launcher, whose worker processes
+(stages/rl/deepspeed_backend.py) read the same job file and run the same code.
+"""
+
+from __future__ import annotations
+
+import json
+import resource
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from schemas.config import TrainConfig
+from stages.rl.checkpoint import (
+    TrainerState,
+    load_optimizer_state,
+    load_policy,
+    load_reference,
+    read_state,
+    save_policy,
+)
+from stages.rl.trainer import PolicyTrainer, TorchStepper, TrainSample, make_adamw
+
+
+@dataclass
+class TrainJob:
+    policy_dir: str
+    out_dir: str
+    train: dict[str, Any]  # TrainConfig.model_dump()
+    iteration: int
+    temperature: float = 1.0
+    norm_length: int | None = None
+    reference_dir: str | None = None  # needed when train.kl_coef > 0
+    threads: int = 1
+    samples: list[dict[str, Any]] = field(default_factory=list)  # TrainSample fields
+
+    @property
+    def cfg(self) -> TrainConfig:
+        return TrainConfig.model_validate(self.train)
+
+    def train_samples(self) -> list[TrainSample]:
+        return [TrainSample(**s) for s in self.samples]
+
+    def dump(self, path: Path) -> None:
+        path.write_text(json.dumps(asdict(self)))
+
+    @classmethod
+    def load(cls, path: Path) -> TrainJob:
+        return cls(**json.loads(Path(path).read_text()))
+
+
+def peak_rss_mb() -> float:
+    """Peak resident memory of this process (Linux reports ru_maxrss in KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def seed_everything(cfg: TrainConfig, iteration: int) -> None:
+    # Seeds LoRA initialisation and anything else that draws from torch's global generator; the minibatch
+    # shuffle has its own generator (PolicyTrainer.train).
+    torch.manual_seed(cfg.seed * 1_000_003 + iteration)
+
+
+def run_job(job: TrainJob) -> tuple[list[dict], dict[str, Any]]:
+    """Train in this process with the plain torch backend; returns (metrics rows, session metrics)."""
+    cfg = job.cfg
+    torch.set_num_threads(job.threads)
+    seed_everything(cfg, job.iteration)
+    started = time.monotonic()
+    policy_dir = Path(job.policy_dir)
+    model = load_policy(policy_dir, cfg)
+    optimizer = make_adamw(model, cfg)
+    resumed = load_optimizer_state(optimizer, policy_dir, cfg)
+    state = read_state(policy_dir)
+    ref = load_reference(Path(job.reference_dir)) if cfg.kl_coef > 0 and job.reference_dir else None
+    loaded = time.monotonic()
+    trainer = PolicyTrainer(
+        model, cfg, TorchStepper(model, optimizer, cfg.max_grad_norm), temperature=job.temperature,
+        norm_length=job.norm_length, ref_model=ref, global_step=state.global_step,
+    )
+    rows = trainer.train(job.train_samples(), job.iteration)
+    trained = time.monotonic()
+    save_policy(
+        model, optimizer if cfg.save_optimizer else None, policy_dir, Path(job.out_dir),
+        TrainerState(trainer.global_step, job.iteration, cfg.lora_rank > 0),
+    )
+    saved = time.monotonic()
+    return rows, session_metrics(rows, loaded - started, trained - loaded, saved - trained, resumed, "torch", 1)
+
+
+def session_metrics(
+    rows: list[dict], load_s: float, train_s: float, save_s: float, resumed: bool, backend: str, processes: int
+) -> dict[str, Any]:
+    tokens = sum(r["tokens"] for r in rows)
+    return {
+        "backend": backend,
+        "processes": processes,
+        "steps": len(rows),
+        "tokens": tokens,
+        "load_seconds": round(load_s, 3),
+        "train_seconds": round(train_s, 3),
+        "save_seconds": round(save_s, 3),
+        "tokens_per_second": round(tokens / train_s, 2) if train_s > 0 else 0.0,
+        "optimizer_resumed": resumed,
+        "peak_rss_mb": round(peak_rss_mb(), 1),
+    }

@@ -1,0 +1,400 @@
+"""The policy update: one batch of scored samples in, optimizer steps and one metrics row per step out.
+
+This is the train stage without its I/O, so the toy-problem tests, the benchmark and the DeepSpeed worker
+run exactly the code the stage runs. One call of `PolicyTrainer.train` does, for a batch of N samples:
+
+1. old-policy logprobs: recomputed by the trainer in a no-grad pass when the batch is trained for more
+   than one optimizer step (then the policy moves between steps); for a single step the detached logprobs
+   of the training forward pass *are* the old policy (same weights, no dropout), which saves that pass.
+   With `bypass_old_logprobs` the sampler's logprobs are the old policy. Rejection needs the old logprobs
+   of the whole minibatch before its first backward (it changes the loss denominator): it forces the pass.
+2. reference logprobs (frozen base model), only when kl_coef > 0;
+3. `epochs` passes over the batch, each shuffled (seeded) and cut into `minibatches` optimizer steps; a
+   minibatch is packed into micro-batches by token budget and gradients accumulate over them. Every loss
+   term is aggregated with the minibatch's totals (`losses.aggregate`), so the accumulated gradient is
+   exactly that of the minibatch loss whatever the packing;
+4. gradient clipping, learning rate from `lr_at(global_step)`, optimizer step.
+
+Dropout is forced off: PPO's ratio and the fast path above need the policy to be a deterministic function.
+The optimizer side is behind `Stepper` (plain torch here, DeepSpeed in stages/rl/deepspeed_backend.py).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+import torch
+
+from schemas.config import TrainConfig
+from stages.rl.logprobs import MicroBatch, ResponseLogprobs, build_micro_batch, micro_logprobs, pack_by_tokens
+from stages.rl.losses import (
+    aggregate,
+    kl_estimate,
+    log_ratio,
+    ppo_clip_loss,
+    reinforce_is_loss,
+    rejection_mask,
+    truncated_is_weights,
+)
+
+
+@dataclass
+class TrainSample:
+    prompt_ids: list[int]
+    response_ids: list[int]
+    behaviour_logprobs: list[float]  # the sampler's, one per response token
+    advantage: float
+
+    def __post_init__(self) -> None:
+        if len(self.behaviour_logprobs) != len(self.response_ids):
+            raise ValueError(
+                f"{len(self.response_ids)} response tokens but {len(self.behaviour_logprobs)} sampler logprobs"
+            )
+        if not math.isfinite(self.advantage):
+            raise ValueError(f"advantage {self.advantage} is not finite")
+
+
+def lr_at(step: int, cfg: TrainConfig) -> float:
+    """Learning rate for optimizer step `step` (0-based, counted over the whole run).
+
+    warmup: lr * (step + 1) / warmup_steps for step < warmup_steps; then, with p = progress of the decay
+    from warmup_steps to lr_decay_steps clipped to [0, 1] and m = lr_min_ratio:
+    constant lr;  linear lr * (1 - (1 - m) p);  cosine lr * (m + (1 - m) (1 + cos(pi p)) / 2).
+    """
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    if cfg.lr_schedule == "constant":
+        return cfg.lr
+    span = max(cfg.lr_decay_steps - cfg.warmup_steps, 1)
+    progress = min(max((step - cfg.warmup_steps) / span, 0.0), 1.0)
+    floor = cfg.lr_min_ratio
+    if cfg.lr_schedule == "linear":
+        return cfg.lr * (1.0 - (1.0 - floor) * progress)
+    return cfg.lr * (floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress)))
+
+
+class Stepper(Protocol):
+    """What the trainer needs from an optimizer backend."""
+
+    rank: int
+    world_size: int
+
+    def backward(self, loss: torch.Tensor) -> None: ...
+
+    def step(self, lr: float) -> float: ...  # returns the pre-clip gradient norm
+
+    def all_reduce(self, values: torch.Tensor, op: str = "sum") -> torch.Tensor: ...
+
+
+class TorchStepper:
+    """Plain torch: loss.backward(), clip_grad_norm_, optimizer.step(). One process."""
+
+    rank = 0
+    world_size = 1
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, max_grad_norm: float):
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.optimizer = optimizer
+        self.max_grad_norm = max_grad_norm
+
+    def backward(self, loss: torch.Tensor) -> None:
+        loss.backward()
+
+    def step(self, lr: float) -> float:
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, self.max_grad_norm))
+        # A non-finite gradient would write NaN into every weight: skip the update (the row records it).
+        if math.isfinite(grad_norm):
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return grad_norm
+
+    def all_reduce(self, values: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        return values
+
+
+def make_adamw(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
+    params = [p for p in model.parameters() if p.requires_grad]
+    # foreach=True: one fused kernel per parameter group instead of a Python loop over ~270 tensors.
+    return torch.optim.AdamW(
+        params, lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps,
+        weight_decay=cfg.weight_decay, foreach=True,
+    )
+
+
+def disable_dropout(model: torch.nn.Module) -> None:
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+    config = getattr(model, "config", None)
+    for name in ("attention_dropout", "hidden_dropout", "resid_pdrop", "embd_pdrop", "attn_pdrop"):
+        if config is not None and isinstance(getattr(config, name, None), float):
+            setattr(config, name, 0.0)
+
+
+# Per-step sums that are all-reduced across ranks, then turned into the metrics row.
+_SUM_FIELDS = (
+    "loss", "policy_loss", "kl_ref_sum", "entropy_sum", "approx_kl_sum", "clip_low", "clip_high", "clip_dual",
+    "loss_tokens", "response_tokens", "rejected", "w_sum", "w_sq_sum", "w_count", "tokens", "padded_tokens",
+)  # fmt: skip
+
+
+class PolicyTrainer:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        cfg: TrainConfig,
+        stepper: Stepper,
+        *,
+        temperature: float = 1.0,
+        norm_length: int | None = None,
+        ref_model: torch.nn.Module | None = None,
+        global_step: int = 0,
+        policy: torch.nn.Module | None = None,
+    ):
+        """`policy`: the module the forward passes go through; default ResponseLogprobs(model), a DeepSpeed
+        engine wrapping one in the DeepSpeed backend."""
+        if cfg.kl_coef > 0 and ref_model is None:
+            raise ValueError("kl_coef > 0 needs a reference model")
+        self.model = model
+        self.cfg = cfg
+        self.stepper = stepper
+        self.temperature = temperature
+        self.norm_length = norm_length
+        self.ref_model = ref_model
+        self.global_step = global_step
+        self.policy = policy if policy is not None else ResponseLogprobs(model, temperature, cfg.logprob_chunk_tokens)
+        self.ref_policy = ResponseLogprobs(ref_model, temperature, cfg.logprob_chunk_tokens) if ref_model else None
+        disable_dropout(model)
+
+    # ----------------------------------------------------------------------------------------------------
+
+    @contextmanager
+    def _autocast(self) -> Iterator[None]:
+        if self.cfg.dtype == "bfloat16":
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                yield
+        else:
+            yield
+
+    def _micro(self, samples: list[TrainSample], indices: list[int]) -> MicroBatch:
+        return build_micro_batch(
+            indices, [s.prompt_ids for s in samples], [s.response_ids for s in samples]
+        )
+
+    def sequence_logprobs(self, policy: torch.nn.Module, samples: list[TrainSample]) -> list[torch.Tensor]:
+        """Logprobs of every sample's response tokens under `policy`, no grad (old policy / reference)."""
+        out: list[torch.Tensor] = [torch.empty(0)] * len(samples)
+        lengths = [len(s.prompt_ids) + len(s.response_ids) for s in samples]
+        model = self.model
+        was_training = model.training
+        model.eval()
+        try:
+            # No activations are kept without grad, so twice the training budget fits the same memory.
+            for indices in pack_by_tokens(lengths, 2 * self.cfg.micro_batch_tokens):
+                micro = self._micro(samples, indices)
+                with torch.no_grad(), self._autocast():
+                    logp_BT, _ = micro_logprobs(policy, micro)
+                for row, i in enumerate(indices):
+                    out[i] = logp_BT[row, : len(samples[i].response_ids)].float().clone()
+        finally:
+            model.train(was_training)
+        return out
+
+    # ----------------------------------------------------------------------------------------------------
+
+    def train(self, samples: list[TrainSample], iteration: int = 0) -> list[dict]:
+        """Run the configured optimizer steps on `samples`; one metrics dict per step."""
+        cfg = self.cfg
+        if not samples:
+            raise ValueError("no samples to train on")
+        total_steps = cfg.epochs * cfg.minibatches
+        if cfg.minibatches > len(samples):
+            raise ValueError(f"train.minibatches={cfg.minibatches} exceeds the {len(samples)} samples")
+        behaviour = [torch.tensor(s.behaviour_logprobs, dtype=torch.float32) for s in samples]
+        # The fast path: one step, trainer logprobs recomputed in the training forward itself.
+        self.fast_old = total_steps == 1 and not cfg.bypass_old_logprobs and not cfg.rejection
+        if cfg.bypass_old_logprobs:
+            old = behaviour
+        elif self.fast_old:
+            old = None
+        else:
+            old = self.sequence_logprobs(self.policy, samples)
+        ref = self.sequence_logprobs(self.ref_policy, samples) if self.ref_policy is not None else None
+
+        generator = torch.Generator().manual_seed(cfg.seed * 1_000_003 + iteration)
+        rows = []
+        self.model.train()
+        for epoch in range(cfg.epochs):
+            # One step: keep the order. Otherwise shuffle, so minibatches differ between epochs.
+            order = torch.randperm(len(samples), generator=generator).tolist() if total_steps > 1 else None
+            order = order if order is not None else list(range(len(samples)))
+            for minibatch in np.array_split(np.array(order), cfg.minibatches):
+                rows.append(self._step([int(i) for i in minibatch], samples, behaviour, old, ref, epoch))
+        self.model.eval()
+        return rows
+
+    def _rank_micro_batches(self, samples: list[TrainSample], minibatch: list[int]) -> list[tuple[list[int], float]]:
+        """This rank's micro-batches (global sample indices) and loss weights (0 for padding repeats)."""
+        lengths = [len(samples[i].prompt_ids) + len(samples[i].response_ids) for i in minibatch]
+        packed = [[minibatch[j] for j in group] for group in pack_by_tokens(lengths, self.cfg.micro_batch_tokens)]
+        world, rank = self.stepper.world_size, self.stepper.rank
+        mine = [(group, 1.0) for k, group in enumerate(packed) if k % world == rank]
+        # Every rank runs the same number of forward/backward passes (ZeRO-3 gathers parameters in
+        # collectives): a rank with fewer micro-batches repeats one with weight 0.
+        rounds = math.ceil(len(packed) / world)
+        while len(mine) < rounds:
+            mine.append((packed[0], 0.0))
+        return mine
+
+    def _masks(
+        self, micro: MicroBatch, old_BT: torch.Tensor, behaviour_BT: torch.Tensor, mask_BT: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(loss mask after rejection, truncated IS weights or None) from pi_old / pi_b."""
+        cfg = self.cfg
+        if cfg.bypass_old_logprobs:
+            return mask_BT, None
+        keep_BT = mask_BT
+        if cfg.rejection:
+            keep_BT = rejection_mask(
+                old_BT, behaviour_BT, mask_BT, cfg.rejection, cfg.rejection_ratio_low,
+                cfg.rejection_ratio_high, cfg.rejection_divergence_max,
+            )
+        weights_BT = None
+        if cfg.is_level != "none":
+            weights_BT = truncated_is_weights(old_BT, behaviour_BT, keep_BT, cfg.is_level, cfg.is_threshold)
+        return keep_BT, weights_BT
+
+    def _step(
+        self,
+        minibatch: list[int],
+        samples: list[TrainSample],
+        behaviour: list[torch.Tensor],
+        old: list[torch.Tensor] | None,
+        ref: list[torch.Tensor] | None,
+        epoch: int,
+    ) -> dict:
+        cfg = self.cfg
+        started = time.monotonic()
+        world = self.stepper.world_size
+        # Denominators of the minibatch loss, known before any backward (see losses.aggregate).
+        num_sequences, num_tokens = self._denominators(minibatch, samples, behaviour, old)
+        sums = dict.fromkeys(_SUM_FIELDS, 0.0)
+        w_min, w_max = math.inf, -math.inf
+        for indices, weight in self._rank_micro_batches(samples, minibatch):
+            micro = self._micro(samples, indices)
+            with self._autocast():
+                logp_BT, entropy_BT = micro_logprobs(self.policy, micro, entropy_grad=cfg.entropy_coef > 0)
+            logp_BT = logp_BT.float()
+            mask_BT = micro.response_mask_BT()
+            behaviour_BT = micro.to_BT(torch.cat([behaviour[i] for i in indices]))
+            old_BT = logp_BT.detach() if old is None else micro.to_BT(torch.cat([old[i] for i in indices]))
+            keep_BT, is_weights_BT = self._masks(micro, old_BT, behaviour_BT, mask_BT)
+            advantages_BT = torch.tensor([samples[i].advantage for i in indices], dtype=torch.float32)[:, None]
+            advantages_BT = advantages_BT.expand_as(logp_BT)
+            if cfg.policy_loss == "ppo_clip":
+                out = ppo_clip_loss(logp_BT, old_BT, advantages_BT, cfg.clip_low, cfg.clip_high, cfg.dual_clip)
+            else:
+                out = reinforce_is_loss(logp_BT, old_BT, advantages_BT)
+            token_loss_BT = out.loss_BT if is_weights_BT is None else out.loss_BT * is_weights_BT
+            norm = {"num_sequences": num_sequences, "num_tokens": num_tokens, "norm_length": self.norm_length}
+            policy_loss = aggregate(token_loss_BT, keep_BT, cfg.loss_aggregation, **norm)
+            loss = policy_loss
+            if ref is not None:
+                ref_BT = micro.to_BT(torch.cat([ref[i] for i in indices]))
+                kl_BT = kl_estimate(logp_BT, ref_BT, cfg.kl_estimator)
+                loss = loss + cfg.kl_coef * aggregate(kl_BT, keep_BT, cfg.loss_aggregation, **norm)
+                sums["kl_ref_sum"] += weight * float((kl_BT.detach() * keep_BT).sum())
+            if cfg.entropy_coef > 0:
+                loss = loss - cfg.entropy_coef * aggregate(entropy_BT.float(), keep_BT, cfg.loss_aggregation, **norm)
+            # DeepSpeed averages gradients over ranks; each rank holds a part of a sum, so scale by world.
+            self.stepper.backward(loss * (weight * world))
+
+            with torch.no_grad():
+                sums["loss"] += weight * float(loss)
+                sums["policy_loss"] += weight * float(policy_loss)
+                sums["entropy_sum"] += weight * float((entropy_BT.detach().float() * keep_BT).sum())
+                # approx KL(pi_old || pi_theta), k3 estimator with samples from pi_old
+                sums["approx_kl_sum"] += weight * float(
+                    (kl_estimate(old_BT, logp_BT.detach(), "k3") * keep_BT).sum()
+                )
+                sums["clip_low"] += weight * float((out.clipped_low_BT * keep_BT).sum())
+                sums["clip_high"] += weight * float((out.clipped_high_BT * keep_BT).sum())
+                sums["clip_dual"] += weight * float((out.clipped_dual_BT * keep_BT).sum())
+                sums["loss_tokens"] += weight * float(keep_BT.sum())
+                sums["response_tokens"] += weight * float(mask_BT.sum())
+                sums["rejected"] += weight * float((mask_BT - keep_BT).sum())
+                # sampler/trainer mismatch: pi_old / pi_b (pi_theta / pi_b in bypass mode, the PPO ratio)
+                base_BT = logp_BT.detach() if cfg.bypass_old_logprobs else old_BT
+                rho_N = torch.exp(log_ratio(base_BT, behaviour_BT))[mask_BT > 0].double()
+                if weight > 0 and rho_N.numel():
+                    sums["w_sum"] += float(rho_N.sum())
+                    sums["w_sq_sum"] += float((rho_N**2).sum())
+                    sums["w_count"] += float(rho_N.numel())
+                    w_min, w_max = min(w_min, float(rho_N.min())), max(w_max, float(rho_N.max()))
+                sums["tokens"] += weight * micro.tokens
+                sums["padded_tokens"] += weight * micro.padded_tokens
+
+        lr = lr_at(self.global_step, cfg)
+        grad_norm = self.stepper.step(lr)
+        self.global_step += 1
+        reduced = self.stepper.all_reduce(torch.tensor([sums[k] for k in _SUM_FIELDS], dtype=torch.float64))
+        sums = dict(zip(_SUM_FIELDS, reduced.tolist(), strict=True))
+        w_min = float(self.stepper.all_reduce(torch.tensor([w_min], dtype=torch.float64), "min")[0])
+        w_max = float(self.stepper.all_reduce(torch.tensor([w_max], dtype=torch.float64), "max")[0])
+        loss_tokens = max(sums["loss_tokens"], 1.0)
+        count = sums["w_count"]
+        return {
+            "step": self.global_step - 1,
+            "epoch": epoch,
+            "skipped": False,
+            "loss": sums["loss"],
+            "policy_loss": sums["policy_loss"],
+            "clip_frac_low": sums["clip_low"] / loss_tokens,
+            "clip_frac_high": sums["clip_high"] / loss_tokens,
+            "clip_frac_dual": sums["clip_dual"] / loss_tokens,
+            "approx_kl": sums["approx_kl_sum"] / loss_tokens,
+            "kl_ref": sums["kl_ref_sum"] / loss_tokens if ref is not None else 0.0,
+            "entropy": sums["entropy_sum"] / loss_tokens,
+            "is_ratio_mean": sums["w_sum"] / count if count else 1.0,
+            "is_ratio_min": w_min if count else 1.0,
+            "is_ratio_max": w_max if count else 1.0,
+            "is_ess": sums["w_sum"] ** 2 / (count * sums["w_sq_sum"]) if count else 1.0,
+            "rejected_frac": sums["rejected"] / max(sums["response_tokens"], 1.0),
+            "grad_norm": grad_norm,
+            "lr": lr,
+            "tokens": int(sums["tokens"]),
+            "loss_tokens": int(sums["loss_tokens"]),
+            "padding_frac": 1.0 - sums["tokens"] / max(sums["padded_tokens"], 1.0),
+            "sequences": len(minibatch),
+            "seconds": time.monotonic() - started,
+        }
+
+    def _denominators(
+        self,
+        minibatch: list[int],
+        samples: list[TrainSample],
+        behaviour: list[torch.Tensor],
+        old: list[torch.Tensor] | None,
+    ) -> tuple[float, float]:
+        """(sequences with at least one loss token, loss tokens) of the minibatch, after rejection."""
+        cfg = self.cfg
+        if not cfg.rejection or cfg.bypass_old_logprobs:
+            lengths = [len(samples[i].response_ids) for i in minibatch]
+            return float(sum(1 for n in lengths if n > 0)), float(sum(lengths))
+        assert old is not None  # rejection forces the old-logprob pass
+        micro = self._micro(samples, minibatch)
+        mask_BT = micro.response_mask_BT()
+        keep_BT = rejection_mask(
+            micro.to_BT(torch.cat([old[i] for i in minibatch])),
+            micro.to_BT(torch.cat([behaviour[i] for i in minibatch])),
+            mask_BT, cfg.rejection, cfg.rejection_ratio_low, cfg.rejection_ratio_high, cfg.rejection_divergence_max,
+        )
+        return float((keep_BT.sum(-1) > 0).sum()), float(keep_BT.sum())

@@ -1,0 +1,128 @@
+"""Stage `train`: update the policy on this iteration's batch and write checkpoint k + train_metrics k.
+
+Inputs: the batch table (advantages, `kept`), the rollouts table (token ids and the sampler's logprobs)
+and the policy that generated the rollouts (checkpoint k-1, the base model for k = 0). The kept batch
+rows are joined with their rollouts on the rollout key, in key order, into `TrainSample`s; the update
+itself is `stages/rl/session.py` (plain torch, in this process, the default) or
+`stages/rl/deepspeed_backend.py` (the DeepSpeed launcher with `train.processes` ranks).
+
+- Old-policy logprobs are recomputed by the trainer; the sampler's `response_logprobs` are the behaviour
+  policy for rollout correction (or the old policy itself with `bypass_old_logprobs`).
+- Logprobs use the generation temperature (`generate.temperature`), as the sampler's do.
+- The KL reference is the base model (when `kl_coef` > 0).
+- A skipped batch (no kept sample with a nonzero advantage, the skip rule in stages/rl/filters.py) trains
+  nothing: the checkpoint is a copy of the input policy (so iteration k+1 has a policy) and the table holds
+  one row with skipped = True.
+- Seeds are fixed by (train.seed, iteration); torch uses `threads` threads.
+"""
+
+from __future__ import annotations
+
+import math
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import torch  # noqa: F401 - imported first so the harness sets torch's thread count (stages/common.py)
+
+from schemas.tables import ROLLOUT_KEY
+from stages.common import StageContext, StageInputError, exit_with
+from stages.rl.checkpoint import TrainerState, copy_policy, read_state
+from stages.rl.filters import is_skip_step
+from stages.rl.session import TrainJob, peak_rss_mb, run_job
+from stages.rl.trainer import TrainSample, lr_at
+
+
+def _key(row: dict[str, Any]) -> tuple:
+    return tuple(row[name] for name in ROLLOUT_KEY)
+
+
+def training_samples(batch: list[dict], rollouts: list[dict], source: str = "batch") -> tuple[list[dict], int]:
+    """Kept batch rows joined with their rollouts, in rollout-key order, as TrainSample fields.
+
+    Returns the samples and the number of kept rows with an empty response (nothing to train on; left out).
+    """
+    by_key = {_key(r): r for r in rollouts}
+    samples, empty = [], 0
+    for row in sorted((r for r in batch if r["kept"]), key=_key):
+        rollout = by_key.get(_key(row))
+        if rollout is None:
+            raise StageInputError(f"{source}: kept row {dict(zip(ROLLOUT_KEY, _key(row), strict=True))} has no rollout")
+        if not math.isfinite(row["advantage"]):
+            raise StageInputError(f"{source}: advantage {row['advantage']} of {_key(row)} is not finite")
+        if not rollout["response_token_ids"]:
+            empty += 1
+            continue
+        samples.append({
+            "prompt_ids": list(rollout["prompt_token_ids"]),
+            "response_ids": list(rollout["response_token_ids"]),
+            "behaviour_logprobs": [float(x) for x in rollout["response_logprobs"]],
+            "advantage": float(row["advantage"]),
+        })
+    return samples, empty
+
+
+def skipped_row(global_step: int, lr: float) -> dict[str, Any]:
+    """The one metrics row of a skipped step: nothing was computed, so the statistics are NaN, counts 0."""
+    nan = math.nan
+    return {
+        "step": global_step, "epoch": 0, "skipped": True, "loss": nan, "policy_loss": nan,
+        "clip_frac_low": 0.0, "clip_frac_high": 0.0, "clip_frac_dual": 0.0, "approx_kl": nan, "kl_ref": nan,
+        "entropy": nan, "is_ratio_mean": nan, "is_ratio_min": nan, "is_ratio_max": nan, "is_ess": nan,
+        "rejected_frac": 0.0, "grad_norm": nan, "lr": lr, "tokens": 0, "loss_tokens": 0, "padding_frac": 0.0,
+        "sequences": 0, "seconds": 0.0,
+    }
+
+
+def reference_dir(ctx: StageContext, policy_dir: Path) -> Path | None:
+    if ctx.config.train.kl_coef <= 0:
+        return None
+    if ctx.iteration == 0:
+        return policy_dir  # the base model is the policy that generated iteration 0
+    from stages.models import resolve_model
+
+    return resolve_model(ctx.config.model)
+
+
+def run(ctx: StageContext) -> None:
+    cfg = ctx.config.train
+    batch = ctx.read_input("batch").to_pylist()
+    rollouts = ctx.read_input("rollouts").select(
+        [*ROLLOUT_KEY, "prompt_token_ids", "response_token_ids", "response_logprobs"]
+    ).to_pylist()
+    samples, empty = training_samples(batch, rollouts, ctx.inputs["batch"].path)
+    policy_dir = ctx.policy_dir()
+    out_dir = ctx.scratch_checkpoint_dir()
+    state = read_state(policy_dir)
+    advantages = [s["advantage"] for s in samples]
+    skipped = is_skip_step(advantages, [True] * len(advantages))
+
+    if skipped:
+        copy_policy(policy_dir, out_dir, TrainerState(state.global_step, ctx.iteration, state.lora))
+        rows = [skipped_row(state.global_step, lr_at(state.global_step, cfg))]
+        metrics: dict[str, Any] = {"backend": cfg.backend, "steps": 0, "peak_rss_mb": round(peak_rss_mb(), 1)}
+    else:
+        job = TrainJob(
+            policy_dir=str(policy_dir), out_dir=str(out_dir), train=cfg.model_dump(mode="json"),
+            iteration=ctx.iteration, temperature=ctx.config.generate.temperature,
+            norm_length=cfg.loss_norm_length or ctx.config.generate.max_new_tokens,
+            reference_dir=str(ref) if (ref := reference_dir(ctx, policy_dir)) else None,
+            threads=ctx.config.threads, samples=samples,
+        )
+        if cfg.backend == "deepspeed":
+            from stages.rl.deepspeed_backend import launch
+
+            with tempfile.TemporaryDirectory(prefix="rlpipe-ds-") as scratch:
+                rows, metrics = launch(job, Path(scratch) / "job.json", cfg.processes)
+        else:
+            rows, metrics = run_job(job)
+
+    metrics.update({"skipped": skipped, "samples": len(samples), "empty_responses": empty})
+    table_rows = [{"run_id": ctx.run_id, "iteration": ctx.iteration, **row} for row in rows]
+    ctx.write_checkpoint(out_dir, metrics)
+    ctx.write_table("train_metrics", pa.Table.from_pylist(table_rows), metrics)
+
+
+if __name__ == "__main__":
+    exit_with("train", run)

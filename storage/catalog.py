@@ -1,0 +1,334 @@
+"""The catalog: one DuckDB connection with a SQL view per table over every run and iteration under a root.
+
+    prompts, rollouts, scores, batch, train_metrics, eval    one view per table, all runs and iterations
+    samples       a rollout joined with its score, its batch row (advantage) and its checkpoints
+    manifests     every manifest the catalog found (stage, hashes, rows, seconds, metrics as JSON)
+    checkpoints   the checkpoint manifests (base model and one per iteration)
+
+Views carry the table's own columns (which include `run_id` and `iteration`) plus `iter`, the Hive
+partition column of the file's directory (`iter=0003` -> 3; `base/` -> -1). The prompts table is run-level
+and has no run_id column of its own: its view adds `run_id` from the directory.
+
+Only files whose manifest exists are read, and only when the file is still there with the size the
+manifest records: a Parquet file without a manifest is a partial or abandoned output (a stage writes its
+manifest last), and reading it would mix unfinished data into history. The catalog therefore lists
+manifests first and hands DuckDB an explicit list of files; `Catalog.skipped` says what was left out and why.
+
+A local root and an `s3://` root work the same: for S3 the s3fs file system (storage/fs.py, which honours
+`RLPIPE_S3_ENDPOINT_URL`) is registered with DuckDB, because DuckDB's own httpfs extension has to be
+downloaded and the machines that run rlpipe may be offline.
+
+The views are plain SQL over `read_parquet([...])`, so a query reads only the columns and row groups it
+needs; nothing is loaded when the catalog opens. Call `refresh()` to pick up outputs written since.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+import duckdb
+import fsspec
+import pyarrow as pa
+from fsspec.implementations.local import LocalFileSystem
+
+from schemas.tables import TABLES
+from storage.fs import filesystem, is_remote, join, normalize_root
+from storage.layout import BASE
+from storage.manifest import Manifest
+
+TABLE_VIEWS = ("prompts", "rollouts", "scores", "batch", "train_metrics", "eval")
+ROLLOUT_KEY = ("run_id", "iteration", "round", "prompt_id", "sample_idx")
+
+# A manifest's location relative to `<root>/runs/` says what it describes. Table names are matched
+# generically (\w+), so a table added later gets a view without a change here.
+_TABLE_MANIFEST = re.compile(
+    r"^(?P<run>[^/]+)/(?:(?P<dir>base|iter=(?P<iter>\d+))/)?(?P<table>\w+)\.parquet\.manifest\.json$"
+)
+_CHECKPOINT_MANIFEST = re.compile(r"^(?P<run>[^/]+)/checkpoints/(?P<dir>base|iter=(?P<iter>\d+))/manifest\.json$")
+_TABLE_FILE = re.compile(r"^(?P<run>[^/]+)/(?:(?:base|iter=\d+)/)?\w+\.parquet$")
+
+
+@dataclass(frozen=True)
+class CatalogEntry:
+    """One output the catalog knows: where it is now, and its manifest."""
+
+    name: str  # table name, or "checkpoint"
+    run_id: str
+    iteration: int | None  # BASE (-1) for base/ and checkpoints/base, None for run-level tables (prompts)
+    url: str  # where the file is now (DuckDB-readable: a local path or s3://...)
+    manifest: Manifest
+
+    @property
+    def label(self) -> str:
+        where = "run" if self.iteration is None else ("base" if self.iteration == BASE else f"iter={self.iteration:04d}")
+        return f"{self.run_id}/{where}/{self.name}"
+
+
+@dataclass(frozen=True)
+class Skipped:
+    path: str
+    reason: str
+
+
+@dataclass
+class Listing:
+    tables: dict[str, list[CatalogEntry]] = field(default_factory=dict)
+    checkpoints: list[CatalogEntry] = field(default_factory=list)
+    skipped: list[Skipped] = field(default_factory=list)
+
+    def all_entries(self) -> list[CatalogEntry]:
+        return [entry for entries in self.tables.values() for entry in entries] + self.checkpoints
+
+
+def _url(fs: fsspec.AbstractFileSystem, path: str) -> str:
+    """The path as DuckDB (and fsspec) want it: local paths as they are, object-store keys with protocol."""
+    if isinstance(fs, LocalFileSystem) or "://" in path:
+        return path
+    protocol = fs.protocol[0] if isinstance(fs.protocol, tuple | list) else fs.protocol
+    return f"{protocol}://{path}"
+
+
+def _strip(fs: fsspec.AbstractFileSystem, path: str) -> str:
+    return path if isinstance(fs, LocalFileSystem) else fs._strip_protocol(path)
+
+
+def _iteration(match: re.Match[str]) -> int | None:
+    if match.group("dir") is None:
+        return None
+    return BASE if match.group("dir") == "base" else int(match.group("iter"))
+
+
+def list_outputs(root: str, run_ids: list[str] | None = None) -> Listing:
+    """Every finished output under `root` (optionally only some runs): manifests first, then their files.
+
+    One recursive listing of `runs/` (one paginated LIST on S3), one batched read of the manifests.
+    """
+    root = normalize_root(root)
+    fs = filesystem(root)
+    runs_dir = _strip(fs, join(root, "runs"))
+    listing = Listing()
+    found: dict[str, dict[str, Any]] = {}
+    # With run ids given, only their directories are listed (a shared root may hold many runs).
+    for directory in [f"{runs_dir}/{run_id}" for run_id in run_ids] if run_ids else [runs_dir]:
+        try:
+            found.update(fs.find(directory, detail=True))
+        except FileNotFoundError:
+            continue
+    relative = {path[len(runs_dir) + 1 :]: info for path, info in found.items() if path.startswith(runs_dir + "/")}
+    manifest_paths: dict[str, tuple[str, re.Match[str]]] = {}
+    for rel in relative:
+        match = _TABLE_MANIFEST.match(rel) or _CHECKPOINT_MANIFEST.match(rel)
+        if match:
+            manifest_paths[f"{runs_dir}/{rel}"] = (rel, match)
+    # fsspec's cat of a list returns {path: bytes} (concurrent GETs on S3).
+    contents: dict[str, bytes] = fs.cat(list(manifest_paths)) if manifest_paths else {}
+    listed_with_manifest: set[str] = set()
+    for full, (rel, match) in sorted(manifest_paths.items()):
+        try:
+            manifest = Manifest.from_json(contents[full], _url(fs, full))
+        except (KeyError, ValueError) as error:
+            listing.skipped.append(Skipped(_url(fs, full), f"unreadable manifest: {error}"))
+            continue
+        run_id, iteration = match.group("run"), _iteration(match)
+        if "table" not in match.groupdict():
+            listing.checkpoints.append(CatalogEntry("checkpoint", run_id, iteration, _url(fs, full), manifest))
+            continue
+        data_rel = rel.removesuffix(".manifest.json")
+        listed_with_manifest.add(data_rel)
+        info = relative.get(data_rel)
+        data_url = _url(fs, f"{runs_dir}/{data_rel}")
+        # A table manifest must describe the file beside it: present, and with the recorded size. Anything
+        # else is a lost file or one rewritten after its manifest; the lineage check names it, we skip it.
+        if info is None:
+            listing.skipped.append(Skipped(data_url, "manifest without its file (lost output)"))
+            continue
+        if int(info.get("size", -1)) != manifest.bytes:
+            listing.skipped.append(
+                Skipped(data_url, f"size {info.get('size')} differs from its manifest's {manifest.bytes}")
+            )
+            continue
+        entry = CatalogEntry(match.group("table"), run_id, iteration, data_url, manifest)
+        listing.tables.setdefault(entry.name, []).append(entry)
+    for rel in sorted(relative):
+        match = _TABLE_FILE.match(rel)
+        if match and rel not in listed_with_manifest:
+            listing.skipped.append(Skipped(_url(fs, f"{runs_dir}/{rel}"), "no manifest (partial or abandoned output)"))
+    return listing
+
+
+def _sql_list(urls: list[str]) -> str:
+    return "[" + ", ".join("'" + url.replace("'", "''") + "'" for url in urls) + "]"
+
+
+def _table_view_sql(name: str, entries: list[CatalogEntry], empty_relation: str | None) -> str:
+    """SELECT over a table's files with the `iter` partition column (and `run_id` for run-level tables)."""
+    if not entries:
+        if empty_relation is None:
+            raise ValueError(f"no files and no schema for table {name}")
+        extra = ", CAST(NULL AS VARCHAR) AS run_id" if name == "prompts" else ""
+        return f"SELECT *{extra}, CAST(NULL AS INTEGER) AS iter FROM {empty_relation}"
+    partitioned = [e.url for e in entries if e.iteration is not None and e.iteration != BASE]
+    base = [e.url for e in entries if e.iteration == BASE]
+    run_level = [e for e in entries if e.iteration is None]
+    parts = []
+    if partitioned:
+        # Hive partitioning gives `iter` from the directory and prunes files on `WHERE iter = ...`;
+        # the directory name is zero-padded ("0003"), so the type is given, not guessed.
+        parts.append(
+            f"SELECT * FROM read_parquet({_sql_list(partitioned)}, hive_partitioning = true, "
+            "hive_types = {'iter': INTEGER}, union_by_name = true)"
+        )
+    if base:  # base/ has no key=value directory: Hive partitioning would reject the mix, so it is its own part
+        parts.append(f"SELECT *, CAST({BASE} AS INTEGER) AS iter FROM read_parquet({_sql_list(base)}, union_by_name = true)")
+    if run_level:
+        # A run-level table (prompts) carries no run_id: it comes from the run directory, per file.
+        cases = " ".join(
+            f"WHEN '{e.url.replace(chr(39), chr(39) * 2)}' THEN '{e.run_id.replace(chr(39), chr(39) * 2)}'"
+            for e in run_level
+        )
+        urls = _sql_list([e.url for e in run_level])
+        has_run_id = name in TABLES and "run_id" in TABLES[name].schema.names
+        run_id = "" if has_run_id else f", CASE filename {cases} END AS run_id"
+        parts.append(
+            f"SELECT * EXCLUDE (filename){run_id}, CAST(NULL AS INTEGER) AS iter "
+            f"FROM read_parquet({urls}, filename = true, union_by_name = true)"
+        )
+    return "\nUNION ALL BY NAME\n".join(parts)
+
+
+def _manifest_rows(entries: list[CatalogEntry]) -> pa.Table:
+    rows = []
+    for entry in entries:
+        m = entry.manifest
+        rows.append({
+            "run_id": entry.run_id,
+            "iter": entry.iteration,
+            "name": entry.name,
+            "checkpoint": None if entry.name != "checkpoint" else (
+                "base" if entry.iteration == BASE else f"iter={entry.iteration:04d}"
+            ),
+            "stage": m.stage,
+            "kind": m.kind,
+            "url": entry.url,
+            "recorded_path": m.path,
+            "sha256": m.sha256,
+            "bytes": m.bytes,
+            "rows": m.rows,
+            "schema": m.schema,
+            "key": m.key,
+            "inputs": json.dumps(m.inputs, sort_keys=True),
+            "input_batch": m.inputs.get("batch"),
+            "input_policy": m.inputs.get("policy"),
+            "config_hash": m.config_hash,
+            "code_version": m.code_version,
+            "git_commit": m.git_commit,
+            "host": m.host,
+            "started_at": m.started_at,
+            "ended_at": m.ended_at,
+            "seconds": m.seconds,
+            # Checkpoint manifests hold per-file hashes in `metrics["files"]` (base model): left out, it is bulk.
+            "metrics": json.dumps({k: v for k, v in m.metrics.items() if k != "files"}, sort_keys=True, default=str),
+        })
+    schema = pa.schema([
+        ("run_id", pa.string()), ("iter", pa.int32()), ("name", pa.string()), ("checkpoint", pa.string()),
+        ("stage", pa.string()), ("kind", pa.string()), ("url", pa.string()), ("recorded_path", pa.string()),
+        ("sha256", pa.string()), ("bytes", pa.int64()), ("rows", pa.int64()), ("schema", pa.string()),
+        ("key", pa.string()), ("inputs", pa.string()), ("input_batch", pa.string()), ("input_policy", pa.string()),
+        ("config_hash", pa.string()), ("code_version", pa.string()), ("git_commit", pa.string()),
+        ("host", pa.string()), ("started_at", pa.string()), ("ended_at", pa.string()), ("seconds", pa.float64()),
+        ("metrics", pa.string()),
+    ])
+    return pa.Table.from_pylist(rows, schema=schema)
+
+
+# The samples view: one row per rollout with everything that happened to it. `generated_by` is the
+# checkpoint whose content hash the rollout carries; `trained_into` is the checkpoint of the same
+# iteration whose manifest names, as its `batch` input, the hash of the batch file holding this row (so
+# a checkpoint trained on an older, since-rewritten batch does not count). Whether the row moved the
+# weights is `kept` (a dropped row was in the batch table but not in the loss).
+_SAMPLES_SQL = """
+SELECT r.*,
+       s.reward, s.passed, s.total, s.status, s.tests, s.code, s.sandbox_seconds,
+       b.shaped_reward, b.advantage, b.kept, b.drop_reason, b.group_size, b.group_mean, b.group_std,
+       g.checkpoint AS generated_by,
+       t.checkpoint AS trained_into, t.sha256 AS trained_into_sha256
+FROM rollouts r
+LEFT JOIN scores s
+  ON s.run_id = r.run_id AND s.iteration = r.iteration AND s.round = r.round
+ AND s.prompt_id = r.prompt_id AND s.sample_idx = r.sample_idx
+LEFT JOIN batch b
+  ON b.run_id = r.run_id AND b.iteration = r.iteration AND b.round = r.round
+ AND b.prompt_id = r.prompt_id AND b.sample_idx = r.sample_idx
+LEFT JOIN (SELECT DISTINCT ON (run_id, sha256) run_id, sha256, checkpoint FROM checkpoints ORDER BY run_id, sha256, iter)
+  g ON g.run_id = r.run_id AND g.sha256 = r.policy_version
+LEFT JOIN (
+    SELECT c.run_id, c.iter, c.checkpoint, c.sha256
+    FROM checkpoints c
+    JOIN manifests m ON m.run_id = c.run_id AND m.iter = c.iter AND m.name = 'batch' AND m.sha256 = c.input_batch
+) t ON t.run_id = r.run_id AND t.iter = r.iteration
+"""
+
+
+class Catalog:
+    """A DuckDB connection with the run history as views. Use as a context manager, or call `close()`."""
+
+    def __init__(self, root: str, run_ids: list[str] | None = None, threads: int | None = None) -> None:
+        self.root = normalize_root(root)
+        self.run_ids = run_ids
+        self.con = duckdb.connect(":memory:")
+        if threads:
+            self.con.execute(f"SET threads = {int(threads)}")
+        if is_remote(self.root):
+            self.con.register_filesystem(filesystem(self.root))
+        self.listing = Listing()
+        self.refresh()
+
+    @property
+    def skipped(self) -> list[Skipped]:
+        return self.listing.skipped
+
+    def entries(self, name: str) -> list[CatalogEntry]:
+        return self.listing.tables.get(name, [])
+
+    def refresh(self) -> None:
+        """List the root again and (re)create every view."""
+        self.listing = list_outputs(self.root, self.run_ids)
+        names = list(TABLE_VIEWS) + sorted(set(self.listing.tables) - set(TABLE_VIEWS))
+        for name in names:
+            empty = None
+            if name in TABLES:
+                empty = f"_empty_{name}"
+                self.con.register(empty, TABLES[name].schema.empty_table())
+            sql = _table_view_sql(name, self.entries(name), empty)
+            self.con.execute(f'CREATE OR REPLACE VIEW "{name}" AS {sql}')
+        manifests = _manifest_rows(self.listing.all_entries())
+        self.con.register("_manifests", manifests)
+        self.con.execute("CREATE OR REPLACE VIEW manifests AS SELECT * FROM _manifests")
+        self.con.execute("CREATE OR REPLACE VIEW checkpoints AS SELECT * FROM _manifests WHERE name = 'checkpoint'")
+        self.con.execute(f"CREATE OR REPLACE VIEW samples AS {_SAMPLES_SQL}")
+
+    def sql(self, query: str, params: list[Any] | dict[str, Any] | None = None) -> duckdb.DuckDBPyRelation:
+        return self.con.sql(query, params=params)
+
+    def arrow(self, query: str, params: list[Any] | dict[str, Any] | None = None) -> pa.Table:
+        """The result of `query` as an Arrow table."""
+        return self.con.sql(query, params=params).to_arrow_table()
+
+    def rows(self, query: str, params: list[Any] | dict[str, Any] | None = None) -> list[dict[str, Any]]:
+        return self.arrow(query, params).to_pylist()
+
+    def close(self) -> None:
+        self.con.close()
+
+    def __enter__(self) -> Catalog:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def open_catalog(root: str, run_ids: list[str] | None = None, threads: int | None = None) -> Catalog:
+    return Catalog(root, run_ids, threads)

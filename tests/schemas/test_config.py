@@ -1,0 +1,48 @@
+"""The run config: defaults that validate, YAML + overrides, and errors that name the field."""
+
+from pathlib import Path
+
+import pytest
+
+from schemas.config import ConfigError, RunConfig, load_config
+
+
+def test_defaults_validate_and_every_section_has_defaults() -> None:
+    config = load_config()
+    assert config == RunConfig()
+    assert config.iterations == 2 and config.train.lr > 0
+
+
+def test_yaml_and_overrides_are_typed(tmp_path: Path) -> None:
+    path = tmp_path / "c.yaml"
+    path.write_text("run_id: r1\ntrain:\n  lr: 3.0e-5\n")
+    config = load_config(path, ["train.lr=1e-5", 'generate.stop=["\\n\\n"]', "data.max_test_prompts=null"])
+    assert config.run_id == "r1"
+    assert config.train.lr == pytest.approx(1e-5)
+    assert config.generate.stop == ["\n\n"]
+    assert config.data.max_test_prompts is None
+
+
+def test_unknown_key_names_file_and_field(tmp_path: Path) -> None:
+    path = tmp_path / "typo.yaml"
+    path.write_text("train:\n  lrr: 0.1\n")
+    with pytest.raises(ConfigError) as error:
+        load_config(path)
+    assert str(path) in str(error.value) and "train.lrr" in str(error.value)
+
+
+def test_wrong_type_names_field() -> None:
+    with pytest.raises(ConfigError, match=r"generate\.n_samples"):
+        load_config(None, ["generate.n_samples=many"])
+
+
+@pytest.mark.parametrize("run_id", ["a/b", "../x", "", "a b"])
+def test_run_id_with_path_separators_is_rejected(run_id: str) -> None:
+    with pytest.raises(ConfigError, match="run_id"):
+        load_config(None, [f"run_id={run_id!r}"])
+
+
+def test_section_digest_changes_only_with_its_section() -> None:
+    a, b = RunConfig(), load_config(None, ["train.lr=0.5"])
+    assert a.train.digest() != b.train.digest()
+    assert a.generate.digest() == b.generate.digest()

@@ -1,0 +1,81 @@
+"""The stage harness and the done-check: what makes resume correct, tested without a model."""
+
+import json
+from pathlib import Path
+
+import pyarrow as pa
+import pytest
+
+from flows.cli import start_run
+from schemas.config import load_config
+from stages.common import StageContext, run_stage
+from stages.registry import STAGES, stage_state
+from storage.layout import BASE, RunLayout
+
+
+def write_prompts(ctx: StageContext) -> None:
+    rows = [
+        {
+            "prompt_id": f"p{i}",
+            "dataset": "toy",
+            "split": "train" if i else "test",
+            "source_row": i,
+            "messages": json.dumps([{"role": "user", "content": f"q{i}"}]),
+            "reward_spec": json.dumps({"kind": "math", "answer": str(i)}),
+            "metadata": "{}",
+        }
+        for i in range(3)
+    ]
+    ctx.write_table("prompts", pa.Table.from_pylist(rows))
+
+
+def state(layout: RunLayout, *overrides: str) -> str:
+    config = load_config(None, ["run_id=t", *overrides])
+    return stage_state(layout.fs, layout, config, STAGES["prompts"], BASE).reason
+
+
+@pytest.fixture
+def layout(tmp_path: Path) -> RunLayout:
+    return start_run(load_config(None, ["run_id=t"]), str(tmp_path))
+
+
+def test_done_only_with_matching_manifest(layout: RunLayout) -> None:
+    assert state(layout) == "missing"
+    [manifest] = run_stage("prompts", layout, BASE, write_prompts)
+    assert manifest.rows == 3 and manifest.schema == "prompts/v1" and manifest.seconds >= 0
+    assert state(layout) == "done"
+    # The prompts stage hashes the data section: another test fraction makes it stale.
+    assert state(layout, "data.test_fraction=0.5") == "stale key"
+    # ...but a change in another section does not.
+    assert state(layout, "train.lr=0.5") == "done"
+
+
+def test_deleted_output_is_not_done(layout: RunLayout) -> None:
+    run_stage("prompts", layout, BASE, write_prompts)
+    Path(layout.prompts_path).unlink()
+    assert state(layout) == "output changed"
+
+
+def test_crash_after_write_before_manifest_is_not_done(layout: RunLayout) -> None:
+    run_stage("prompts", layout, BASE, write_prompts)
+
+    def crash(ctx: StageContext) -> None:
+        write_prompts(ctx)
+        raise RuntimeError("killed")
+
+    with pytest.raises(RuntimeError):
+        run_stage("prompts", layout, BASE, crash)
+    # The old manifest was removed before the rerun wrote anything, and the new one was never written.
+    assert state(layout) == "missing"
+    assert not list(Path(layout.run_dir).glob(".*tmp*"))
+
+
+def test_stage_that_forgets_an_output_fails(layout: RunLayout) -> None:
+    with pytest.raises(RuntimeError, match="expected"):
+        run_stage("prompts", layout, BASE, lambda ctx: None)
+    assert state(layout) == "missing"
+
+
+def test_downstream_needs_upstream(layout: RunLayout) -> None:
+    config = load_config(None, ["run_id=t"])
+    assert stage_state(layout.fs, layout, config, STAGES["score"], 0).reason == "missing"

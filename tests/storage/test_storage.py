@@ -1,0 +1,87 @@
+"""Storage: atomic writes, schema-checked tables, manifests and stage keys."""
+
+import json
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from schemas.tables import PROMPTS, ROLLOUTS, SchemaMismatch
+from storage.fs import atomic_write_bytes, filesystem
+from storage.manifest import Manifest, read_manifest, stage_key, write_manifest
+from storage.tables import TableVersionError, read_table, write_table
+
+
+def prompt_rows(n: int) -> list[dict]:
+    return [
+        {"prompt_id": f"p{i}", "dataset": "toy", "split": "train", "source_row": i,
+         "messages": json.dumps([{"role": "user", "content": f"q{i}"}]),
+         "reward_spec": json.dumps({"kind": "math", "answer": str(i)}), "metadata": "{}"}
+        for i in range(n)
+    ]
+
+
+def test_atomic_write_leaves_only_the_file(tmp_path: Path) -> None:
+    fs = filesystem(str(tmp_path))
+    target = f"{tmp_path}/a/b/out.bin"
+    atomic_write_bytes(fs, target, b"x" * 10)
+    atomic_write_bytes(fs, target, b"y" * 5)
+    assert Path(target).read_bytes() == b"yyyyy"
+    assert sorted(p.name for p in Path(target).parent.iterdir()) == ["out.bin"]
+
+
+def test_table_round_trip_is_deterministic(tmp_path: Path) -> None:
+    fs = filesystem(str(tmp_path))
+    table = pa.Table.from_pylist(prompt_rows(3))
+    first = write_table(fs, f"{tmp_path}/p1.parquet", table, PROMPTS)
+    second = write_table(fs, f"{tmp_path}/p2.parquet", table, PROMPTS)
+    assert first.sha256 == second.sha256 and first.rows == 3
+    assert read_table(fs, first.path, PROMPTS).to_pylist() == prompt_rows(3)
+
+
+def test_missing_and_extra_columns_are_named() -> None:
+    table = pa.Table.from_pylist(prompt_rows(1)).drop(["metadata"]).append_column("oops", pa.array([1]))
+    with pytest.raises(SchemaMismatch, match=r"missing columns \['metadata'\], extra columns \['oops'\]"):
+        write_table(filesystem("/tmp"), "/tmp/never.parquet", table, PROMPTS)
+    assert not Path("/tmp/never.parquet").exists()
+
+
+def test_null_in_required_column_names_row() -> None:
+    rows = prompt_rows(3)
+    rows[2]["messages"] = None
+    with pytest.raises(SchemaMismatch, match=r"'messages' of prompts/v1 is null at row 2"):
+        write_table(filesystem("/tmp"), "/tmp/never.parquet", pa.Table.from_pylist(rows), PROMPTS)
+
+
+def test_reader_refuses_other_schema_version(tmp_path: Path) -> None:
+    path = tmp_path / "old.parquet"
+    table = pa.Table.from_pylist(prompt_rows(1)).replace_schema_metadata({b"rlpipe.schema": b"prompts/v0"})
+    pq.write_table(table, path)
+    with pytest.raises(TableVersionError, match=r"old.parquet: schema version prompts/v0"):
+        read_table(filesystem(str(tmp_path)), str(path), PROMPTS)
+
+
+def test_reader_refuses_wrong_table(tmp_path: Path) -> None:
+    fs = filesystem(str(tmp_path))
+    written = write_table(fs, f"{tmp_path}/p.parquet", pa.Table.from_pylist(prompt_rows(1)), PROMPTS)
+    with pytest.raises(TableVersionError, match="rollouts/v1"):
+        read_table(fs, written.path, ROLLOUTS)
+
+
+def test_manifest_round_trip_and_unreadable_manifest_means_not_done(tmp_path: Path) -> None:
+    fs = filesystem(str(tmp_path))
+    manifest = Manifest(stage="s", key="k", kind="table", path="p", sha256="h", bytes=1, rows=1)
+    write_manifest(fs, f"{tmp_path}/m.json", manifest)
+    assert read_manifest(fs, f"{tmp_path}/m.json") == manifest
+    (tmp_path / "bad.json").write_text("{not json")
+    assert read_manifest(fs, f"{tmp_path}/bad.json") is None
+    assert read_manifest(fs, f"{tmp_path}/none.json") is None
+
+
+def test_stage_key_depends_on_stage_config_and_inputs() -> None:
+    base = stage_key("score", {"score": {"timeout_s": 5}}, {"rollouts": "aa"})
+    assert base == stage_key("score", {"score": {"timeout_s": 5}}, {"rollouts": "aa"})
+    assert base != stage_key("score", {"score": {"timeout_s": 6}}, {"rollouts": "aa"})
+    assert base != stage_key("score", {"score": {"timeout_s": 5}}, {"rollouts": "bb"})
+    assert base != stage_key("train", {"score": {"timeout_s": 5}}, {"rollouts": "aa"})
