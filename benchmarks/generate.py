@@ -70,7 +70,7 @@ def humaneval_prompts(model_dir: Path, count: int, max_prompt_tokens: int) -> li
 
 
 def run_bare_vllm(model_dir: Path, prompts: list[list[int]], args: argparse.Namespace) -> Phase:
-    from stages.generation.vllm_backend import configure_cpu_environment
+    from stages.generation.vllm_backend import configure_cpu_environment, context_length
 
     # Same machine settings (threads, KV cache, compile cache) as the backend; engine settings left default.
     configure_cpu_environment(args.kv_cache_gib, 1)
@@ -78,7 +78,7 @@ def run_bare_vllm(model_dir: Path, prompts: list[list[int]], args: argparse.Name
     from vllm import LLM, SamplingParams
 
     llm = LLM(model=str(model_dir), dtype=args.vllm_dtype, seed=0,
-              max_model_len=args.max_prompt_tokens + args.max_new_tokens)
+              max_model_len=context_length(args.max_prompt_tokens, args.max_new_tokens))
     start_seconds = time.monotonic() - started
     params = SamplingParams(n=args.samples, temperature=args.temperature, top_p=args.top_p,
                             max_tokens=args.max_new_tokens)

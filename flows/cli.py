@@ -141,6 +141,77 @@ def cmd_sandbox_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_server(args: argparse.Namespace) -> int:
+    import signal
+    import time
+
+    from flows import deploy
+
+    # SIGTERM (a service manager, a test's teardown) stops the children too, through the `finally` below.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    home = Path(args.home).expanduser().resolve()
+    api_url = deploy.api_url_for(args.host, args.port)
+    server = deploy.start_server(args.host, args.port, home, log_path=home / "server.log", ui=not args.no_ui)
+    processes = [server]
+    try:
+        console.print(f"Prefect server starting at {api_url} (log {home / 'server.log'}) ...")
+        deploy.wait_healthy(api_url, args.timeout, server)
+        os.environ.update(PREFECT_API_URL=api_url, PREFECT_SERVER_EPHEMERAL_ENABLED="false")
+        pools = deploy.pool_names(deploy.load_spec(args.prefect_file))
+        deploy.ensure_work_pools(pools, "process")
+        wanted = pools if args.workers == "all" else [p for p in args.workers.split(",") if p and p != "none"]
+        # Workers run flows from this checkout; GPU stages one at a time (a process pool's resource is its machine).
+        env = deploy.client_environment(api_url, extra={"RLPIPE_HOME": str(deploy.REPO_ROOT)})
+        for pool in wanted:
+            limit = args.gpu_limit if pool == "gpu" else None
+            processes.append(deploy.start_worker(pool, env, log_path=home / f"worker-{pool}.log", limit=limit))
+        console.print(f"[green]Prefect server ready[/]: export PREFECT_API_URL={api_url}")
+        console.print(f"work pools: {', '.join(pools)}; workers here: {', '.join(wanted) or 'none'}; logs in {home}")
+        if not args.no_ui:
+            console.print(f"UI: {api_url.removesuffix('/api')}")
+        console.print("next: `rlpipe deploy`; stop with Ctrl-C")
+        while all(process.poll() is None for process in processes):
+            time.sleep(1)
+        console.print(f"[red]a child process exited; stopping (logs in {home})[/]")
+        return 1
+    except KeyboardInterrupt:
+        return 0
+    except deploy.DeployError as error:
+        console.print(f"[red]{error}[/]")
+        return 1
+    finally:
+        deploy.stop_processes(processes)
+
+
+def cmd_deploy(args: argparse.Namespace) -> int:
+    from flows import deploy
+    from storage.fs import normalize_root
+
+    api_url = args.api_url or os.environ.get("PREFECT_API_URL")
+    if not api_url:
+        raise ConfigError("no Prefect server: start one with `rlpipe server`, or pass --api-url / set PREFECT_API_URL")
+    root = args.root or os.environ.get("RLPIPE_ROOT")
+    root = normalize_root(root) if root else None
+    spec = deploy.render_spec(deploy.load_spec(args.prefect_file), args.run_id, root, args.every)
+    if args.config:  # register the run in the storage root now, checked, so that the first trigger can run it
+        if not (args.run_id and root):
+            raise ConfigError("--config starts a run: give --run-id and --root with it")
+        config = load_config(args.config, args.set)
+        config = parse_config(config.model_dump(mode="json") | {"run_id": args.run_id}, str(args.config))
+        _validate_data(config)
+        start_run(config, root)
+    try:
+        names = deploy.deploy(api_url, spec, args.pool_type)
+    except deploy.DeployError as error:
+        console.print(f"[red]{error}[/]")
+        return 1
+    console.print(f"[green]deployed[/] {len(names)} deployments to {api_url}: {', '.join(sorted(names))}")
+    if args.run_id:
+        when = f"every {args.every:g}s" if args.every else "when triggered (no schedule)"
+        console.print(f"iteration/advance advances run {args.run_id} at {root} by one iteration {when}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rlpipe", description=__doc__.split("\n\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
@@ -184,6 +255,32 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8080)
     serve.set_defaults(func=cmd_sandbox_serve)
+
+    default_spec = Path(__file__).resolve().parents[1] / "deployments" / "prefect.yaml"
+    server = commands.add_parser(
+        "server", help="a local Prefect server on 127.0.0.1 with the work pools and one worker per pool"
+    )
+    server.add_argument("--host", default="127.0.0.1", help="address to serve on (0.0.0.0 to let other machines in)")
+    server.add_argument("--port", type=int, default=4200)
+    server.add_argument("--home", default="~/.rlpipe/prefect", help="PREFECT_HOME of the server: database, logs")
+    server.add_argument("--workers", default="all", metavar="POOLS",
+                        help="comma-separated pools to start a worker for on this machine, 'all' or 'none'")
+    server.add_argument("--gpu-limit", type=int, default=1, help="flow runs at once on this machine's gpu worker")
+    server.add_argument("--no-ui", action="store_true", help="serve the API only")
+    server.add_argument("--timeout", type=float, default=300, help="seconds to wait for the server to be healthy")
+    server.add_argument("--prefect-file", type=Path, default=default_spec, help="the deployments file naming the pools")
+    server.set_defaults(func=cmd_server)
+
+    deploy = commands.add_parser("deploy", help="register deployments/prefect.yaml with a Prefect server")
+    deploy.add_argument("--api-url", help="Prefect API (default $PREFECT_API_URL)")
+    deploy.add_argument("--prefect-file", type=Path, default=default_spec)
+    deploy.add_argument("--run-id", help="bind the scheduled `advance` deployment to this run (needs --root)")
+    deploy.add_argument("--every", type=float, metavar="SECONDS", help="trigger `advance` on this interval")
+    deploy.add_argument("--config", type=Path, help="start the run --run-id from this config in --root (checked now)")
+    deploy.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE", help="override a field")
+    deploy.add_argument("--pool-type", default="process", help="worker type of pools that do not exist yet")
+    common(deploy)
+    deploy.set_defaults(func=cmd_deploy)
     return parser
 
 

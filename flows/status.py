@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from rich.console import Group
 from rich.table import Table
 
 from schemas.config import RunConfig
@@ -18,16 +19,18 @@ def _cell(layout: RunLayout, config: RunConfig, stage: str, iteration: int) -> s
     return f"[green]done[/] {size} {main.seconds:.0f}s"
 
 
-def status_table(layout: RunLayout, config: RunConfig) -> Table:
-    table = Table(title=f"run {layout.run_id} ({layout.run_dir})")
+def status_table(layout: RunLayout, config: RunConfig) -> Group:
+    run_table = Table(title=f"run {layout.run_id} ({layout.run_dir})")
+    for stage in RUN_STAGES:
+        run_table.add_column(stage)
+    run_table.add_row(*[_cell(layout, config, stage, BASE) for stage in RUN_STAGES])
+    table = Table()
     table.add_column("iteration")
     for stage in ITERATION_STAGES:
         table.add_column(stage)
-    run_level = "  ".join(f"{stage}: {_cell(layout, config, stage, BASE)}" for stage in RUN_STAGES)
-    table.add_row("run", run_level, *[""] * (len(ITERATION_STAGES) - 1))
     for k in range(config.iterations):
         table.add_row(str(k), *[_cell(layout, config, stage, k) for stage in ITERATION_STAGES])
-    return table
+    return Group(run_table, table)
 
 
 def stage_states(layout: RunLayout, config: RunConfig) -> dict[tuple[str, int], bool]:

@@ -144,7 +144,10 @@ class SyntheticRun:
             ended_at="2026-01-01T00:00:00+00:00", seconds=round(seconds, 3), host="synthetic", **values,
         )
         kind = "checkpoint" if name == "checkpoint" else "table"
-        path = self.layout.checkpoint_dir(iteration) if kind == "checkpoint" else self.layout.table_path(name, iteration)
+        if kind == "checkpoint":
+            path = self.layout.checkpoint_dir(iteration)
+        else:
+            path = self.layout.table_path(name, iteration)
         write_manifest(self.fs, manifest_path_for(path, kind), manifest)
         self.manifests[(name, iteration)] = manifest
         return manifest
@@ -161,7 +164,7 @@ class SyntheticRun:
     def write_config(self) -> None:
         atomic_write_bytes(self.fs, self.layout.config_path, dump_config(self.config).encode())
 
-    def write_prompts(self) -> Manifest:
+    def prompts_table(self) -> pa.Table:
         rows = []
         for split, ids in (("train", self.train_ids), ("test", self.test_ids)):
             for i, pid in enumerate(ids):
@@ -176,9 +179,11 @@ class SyntheticRun:
                     "reward_spec": json.dumps({"kind": "code_tests", "entry_point": name, "test": "def check(c): ..."}),
                     "metadata": json.dumps({"task_id": f"Synthetic/{i}"}),
                 })
-        table = build_table("prompts", {k: [r[k] for r in rows] for k in rows[0]}, len(rows))
-        return self._write("prompts", "prompts", BASE, table, {}, {"train": len(self.train_ids),
-                                                                    "test": len(self.test_ids)})
+        return build_table("prompts", {k: [r[k] for r in rows] for k in rows[0]}, len(rows))
+
+    def write_prompts(self) -> Manifest:
+        metrics = {"train": len(self.train_ids), "test": len(self.test_ids)}
+        return self._write("prompts", "prompts", BASE, self.prompts_table(), {}, metrics)
 
     def write_base_model(self) -> Manifest:
         base = self.spec.base_model_dir
@@ -237,7 +242,8 @@ class SyntheticRun:
         passed = rng.binomial(totals, p_pass).astype(np.int32)
         status_draw = rng.random(rows)
         status = np.where(passed == totals, 0, 1)
-        status = np.where(status_draw < 0.04, 4, np.where(status_draw < 0.07, 2, np.where(status_draw < 0.09, 3, status)))
+        # statuses by index into STATUSES: 4 no_code (4%), 2 timeout (3%), 3 error (2%), else ok/fail by tests
+        status = np.select([status_draw < 0.04, status_draw < 0.07, status_draw < 0.09], [4, 2, 3], status)
         passed = np.where(status >= 2, 0, passed).astype(np.int32)
         penalty = self.config.score.no_code_penalty
         reward = np.where(status == 4, penalty, passed / totals)
@@ -247,7 +253,8 @@ class SyntheticRun:
         text_pool, code_pool = [], []
         for s in range(len(STATUSES)):
             for v in range(8):
-                body = "    return x + %d" % v if s in (0, 1) else ("    while True: pass" if s == 2 else "    return x / 0")
+                body = {0: f"    return x + {v}", 1: f"    return x + {v}", 2: "    while True: pass"}.get(
+                    s, "    return x / 0")
                 code = f"def solve(x):\n{body}\n"
                 if s == 4:
                     text_pool.append("I think the answer depends on the input. " * (v + 1))

@@ -84,12 +84,15 @@ class ScoreConfig(Section):
     # "auto" takes the strongest isolation this machine gives (native namespaces + cgroups as root,
     # bubblewrap otherwise, rlimits only as the last resort, always logged); naming a mode requires it.
     isolation: Literal["auto", "native", "bwrap", "minimal"] = "auto"
+    # Per job: processes and threads (pids cgroup), largest file and the size of its tmpfs /tmp, open
+    # files, and bytes of stdout+stderr kept before the job is ended.
     max_processes: int = Field(32, ge=1)
     file_size_mb: int = Field(16, ge=1)
     open_files: int = Field(64, ge=16)
     output_limit_kb: int = Field(1024, ge=1)
-    # Interpreter for candidate code (default: the one running rlpipe), and whether it may import the
-    # environment's site-packages (off: a job sees the standard library only, and starts faster).
+    # Interpreter for candidate code (default: the first of rlpipe's own and the system's python3 that
+    # the sandbox's uid can run, found by a probe at start), and whether it may import site-packages
+    # (off: a job sees the standard library only, and starts faster).
     python: str | None = None
     site_packages: bool = False
 

@@ -55,14 +55,18 @@ def join_scores(rollouts: list[dict], scores: list[dict], source: str = "scores"
     for row in scores:
         key = _key(row)
         if key in by_key:
-            raise StageInputError(f"{source}: duplicate score for rollout {dict(zip(ROLLOUT_KEY, key, strict=True))}")
+            raise StageInputError(
+                f"{source}: duplicate score for rollout {dict(zip(ROLLOUT_KEY, key, strict=True))}"
+            )
         by_key[key] = row
     joined = []
     for rollout in rollouts:
         key = _key(rollout)
         score = by_key.pop(key, None)
         if score is None:
-            raise StageInputError(f"{source}: no score for rollout {dict(zip(ROLLOUT_KEY, key, strict=True))}")
+            raise StageInputError(
+                f"{source}: no score for rollout {dict(zip(ROLLOUT_KEY, key, strict=True))}"
+            )
         reward = score["reward"]
         if reward is None or not math.isfinite(reward):
             raise StageInputError(
@@ -89,7 +93,9 @@ def build_batch(
     shaped_N = rewards_N.copy()
     if cfg.overlong_buffer > 0:
         max_length = cfg.overlong_max_length or max_new_tokens
-        shaped_N = shaped_N + overlong_penalty(lengths_N, max_length, cfg.overlong_buffer, cfg.overlong_penalty_factor)
+        shaped_N = shaped_N + overlong_penalty(
+            lengths_N, max_length, cfg.overlong_buffer, cfg.overlong_penalty_factor
+        )
 
     group_keys = [(r["round"], r["prompt_id"]) for r in samples]
     groups: dict[tuple, list[int]] = {}
@@ -118,7 +124,9 @@ def build_batch(
             group_reason[key] = DROP_OVER_TARGET
         kept_groups = kept_groups[: cfg.target_groups]
         try:
-            groups_needed = rounds_needed(len(kept_groups), cfg.target_groups, rounds_done, cfg.max_generation_rounds)
+            groups_needed = rounds_needed(
+                len(kept_groups), cfg.target_groups, rounds_done, cfg.max_generation_rounds
+            )
         except DynamicSamplingExhausted as error:
             raise StageInputError(str(error)) from None
 
@@ -140,17 +148,19 @@ def build_batch(
         if reason is None and cfg.mask_truncated and sample["truncated"]:
             reason = DROP_TRUNCATED
         reasons[reason or "kept"] += 1
-        rows.append({
-            **{name: sample[name] for name in ROLLOUT_KEY},
-            "reward": float(rewards_N[i]),
-            "shaped_reward": float(shaped_N[i]),
-            "advantage": float(advantages_N[i]),
-            "kept": reason is None,
-            "drop_reason": reason,
-            "group_size": len(members),
-            "group_mean": float(shaped_N[members].mean()),
-            "group_std": float(shaped_N[members].std(ddof=0)),
-        })
+        rows.append(
+            {
+                **{name: sample[name] for name in ROLLOUT_KEY},
+                "reward": float(rewards_N[i]),
+                "shaped_reward": float(shaped_N[i]),
+                "advantage": float(advantages_N[i]),
+                "kept": reason is None,
+                "drop_reason": reason,
+                "group_size": len(members),
+                "group_mean": float(shaped_N[members].mean()),
+                "group_std": float(shaped_N[members].std(ddof=0)),
+            }
+        )
 
     kept_N = np.array([row["kept"] for row in rows], dtype=bool)
     group_reasons = Counter(group_reason.values())

@@ -31,14 +31,16 @@ from stages.common import StageContext, StageInputError, exit_with
 from stages.rl.checkpoint import TrainerState, copy_policy, read_state
 from stages.rl.filters import is_skip_step
 from stages.rl.session import TrainJob, peak_rss_mb, run_job
-from stages.rl.trainer import TrainSample, lr_at
+from stages.rl.trainer import lr_at
 
 
 def _key(row: dict[str, Any]) -> tuple:
     return tuple(row[name] for name in ROLLOUT_KEY)
 
 
-def training_samples(batch: list[dict], rollouts: list[dict], source: str = "batch") -> tuple[list[dict], int]:
+def training_samples(
+    batch: list[dict], rollouts: list[dict], source: str = "batch"
+) -> tuple[list[dict], int]:
     """Kept batch rows joined with their rollouts, in rollout-key order, as TrainSample fields.
 
     Returns the samples and the number of kept rows with an empty response (nothing to train on; left out).
@@ -48,18 +50,22 @@ def training_samples(batch: list[dict], rollouts: list[dict], source: str = "bat
     for row in sorted((r for r in batch if r["kept"]), key=_key):
         rollout = by_key.get(_key(row))
         if rollout is None:
-            raise StageInputError(f"{source}: kept row {dict(zip(ROLLOUT_KEY, _key(row), strict=True))} has no rollout")
+            raise StageInputError(
+                f"{source}: kept row {dict(zip(ROLLOUT_KEY, _key(row), strict=True))} has no rollout"
+            )
         if not math.isfinite(row["advantage"]):
             raise StageInputError(f"{source}: advantage {row['advantage']} of {_key(row)} is not finite")
         if not rollout["response_token_ids"]:
             empty += 1
             continue
-        samples.append({
-            "prompt_ids": list(rollout["prompt_token_ids"]),
-            "response_ids": list(rollout["response_token_ids"]),
-            "behaviour_logprobs": [float(x) for x in rollout["response_logprobs"]],
-            "advantage": float(row["advantage"]),
-        })
+        samples.append(
+            {
+                "prompt_ids": list(rollout["prompt_token_ids"]),
+                "response_ids": list(rollout["response_token_ids"]),
+                "behaviour_logprobs": [float(x) for x in rollout["response_logprobs"]],
+                "advantage": float(row["advantage"]),
+            }
+        )
     return samples, empty
 
 
@@ -67,11 +73,29 @@ def skipped_row(global_step: int, lr: float) -> dict[str, Any]:
     """The one metrics row of a skipped step: nothing was computed, so the statistics are NaN, counts 0."""
     nan = math.nan
     return {
-        "step": global_step, "epoch": 0, "skipped": True, "loss": nan, "policy_loss": nan,
-        "clip_frac_low": 0.0, "clip_frac_high": 0.0, "clip_frac_dual": 0.0, "approx_kl": nan, "kl_ref": nan,
-        "entropy": nan, "is_ratio_mean": nan, "is_ratio_min": nan, "is_ratio_max": nan, "is_ess": nan,
-        "rejected_frac": 0.0, "grad_norm": nan, "lr": lr, "tokens": 0, "loss_tokens": 0, "padding_frac": 0.0,
-        "sequences": 0, "seconds": 0.0,
+        "step": global_step,
+        "epoch": 0,
+        "skipped": True,
+        "loss": nan,
+        "policy_loss": nan,
+        "clip_frac_low": 0.0,
+        "clip_frac_high": 0.0,
+        "clip_frac_dual": 0.0,
+        "approx_kl": nan,
+        "kl_ref": nan,
+        "entropy": nan,
+        "is_ratio_mean": nan,
+        "is_ratio_min": nan,
+        "is_ratio_max": nan,
+        "is_ess": nan,
+        "rejected_frac": 0.0,
+        "grad_norm": nan,
+        "lr": lr,
+        "tokens": 0,
+        "loss_tokens": 0,
+        "padding_frac": 0.0,
+        "sequences": 0,
+        "seconds": 0.0,
     }
 
 
@@ -88,9 +112,11 @@ def reference_dir(ctx: StageContext, policy_dir: Path) -> Path | None:
 def run(ctx: StageContext) -> None:
     cfg = ctx.config.train
     batch = ctx.read_input("batch").to_pylist()
-    rollouts = ctx.read_input("rollouts").select(
-        [*ROLLOUT_KEY, "prompt_token_ids", "response_token_ids", "response_logprobs"]
-    ).to_pylist()
+    rollouts = (
+        ctx.read_input("rollouts")
+        .select([*ROLLOUT_KEY, "prompt_token_ids", "response_token_ids", "response_logprobs"])
+        .to_pylist()
+    )
     samples, empty = training_samples(batch, rollouts, ctx.inputs["batch"].path)
     policy_dir = ctx.policy_dir()
     out_dir = ctx.scratch_checkpoint_dir()
@@ -104,11 +130,15 @@ def run(ctx: StageContext) -> None:
         metrics: dict[str, Any] = {"backend": cfg.backend, "steps": 0, "peak_rss_mb": round(peak_rss_mb(), 1)}
     else:
         job = TrainJob(
-            policy_dir=str(policy_dir), out_dir=str(out_dir), train=cfg.model_dump(mode="json"),
-            iteration=ctx.iteration, temperature=ctx.config.generate.temperature,
+            policy_dir=str(policy_dir),
+            out_dir=str(out_dir),
+            train=cfg.model_dump(mode="json"),
+            iteration=ctx.iteration,
+            temperature=ctx.config.generate.temperature,
             norm_length=cfg.loss_norm_length or ctx.config.generate.max_new_tokens,
             reference_dir=str(ref) if (ref := reference_dir(ctx, policy_dir)) else None,
-            threads=ctx.config.threads, samples=samples,
+            threads=ctx.config.threads,
+            samples=samples,
         )
         if cfg.backend == "deepspeed":
             from stages.rl.deepspeed_backend import launch

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import duckdb
@@ -49,6 +49,7 @@ _TABLE_MANIFEST = re.compile(
 )
 _CHECKPOINT_MANIFEST = re.compile(r"^(?P<run>[^/]+)/checkpoints/(?P<dir>base|iter=(?P<iter>\d+))/manifest\.json$")
 _TABLE_FILE = re.compile(r"^(?P<run>[^/]+)/(?:(?:base|iter=\d+)/)?\w+\.parquet$")
+_REJECTED_FILE = re.compile(r"^(?P<run>[^/]+)/(?:(?:base|iter=\d+)/)?(?P<table>\w+)\.rejected\.parquet$")
 
 
 @dataclass(frozen=True)
@@ -60,11 +61,18 @@ class CatalogEntry:
     iteration: int | None  # BASE (-1) for base/ and checkpoints/base, None for run-level tables (prompts)
     url: str  # where the file is now (DuckDB-readable: a local path or s3://...)
     manifest: Manifest
+    problem: str | None = None  # set for a table whose file is lost or no longer the manifest's size
 
     @property
     def label(self) -> str:
-        where = "run" if self.iteration is None else ("base" if self.iteration == BASE else f"iter={self.iteration:04d}")
-        return f"{self.run_id}/{where}/{self.name}"
+        return f"{self.run_id}/{self.where}/{self.name}"
+
+    @property
+    def where(self) -> str:
+        """The output's directory inside the run: "run" (run-level), "base" or "iter=NNNN"."""
+        if self.iteration is None:
+            return "run"
+        return "base" if self.iteration == BASE else f"iter={self.iteration:04d}"
 
 
 @dataclass(frozen=True)
@@ -77,6 +85,7 @@ class Skipped:
 class Listing:
     tables: dict[str, list[CatalogEntry]] = field(default_factory=dict)
     checkpoints: list[CatalogEntry] = field(default_factory=list)
+    damaged: list[CatalogEntry] = field(default_factory=list)  # manifests whose table file is lost or changed
     skipped: list[Skipped] = field(default_factory=list)
 
     def all_entries(self) -> list[CatalogEntry]:
@@ -139,23 +148,27 @@ def list_outputs(root: str, run_ids: list[str] | None = None) -> Listing:
         data_rel = rel.removesuffix(".manifest.json")
         listed_with_manifest.add(data_rel)
         info = relative.get(data_rel)
-        data_url = _url(fs, f"{runs_dir}/{data_rel}")
+        entry = CatalogEntry(match.group("table"), run_id, iteration, _url(fs, f"{runs_dir}/{data_rel}"), manifest)
         # A table manifest must describe the file beside it: present, and with the recorded size. Anything
-        # else is a lost file or one rewritten after its manifest; the lineage check names it, we skip it.
+        # else is a lost file or one rewritten after its manifest: not read, and named by the lineage check.
         if info is None:
-            listing.skipped.append(Skipped(data_url, "manifest without its file (lost output)"))
+            entry = replace(entry, problem="missing: the manifest's file is gone (lost output)")
+        elif int(info.get("size", -1)) != manifest.bytes:
+            entry = replace(entry, problem=f"modified: size {info.get('size')} differs from its manifest's "
+                                           f"{manifest.bytes} bytes")
+        if entry.problem:
+            listing.damaged.append(entry)
+            listing.skipped.append(Skipped(entry.url, entry.problem))
             continue
-        if int(info.get("size", -1)) != manifest.bytes:
-            listing.skipped.append(
-                Skipped(data_url, f"size {info.get('size')} differs from its manifest's {manifest.bytes}")
-            )
-            continue
-        entry = CatalogEntry(match.group("table"), run_id, iteration, data_url, manifest)
         listing.tables.setdefault(entry.name, []).append(entry)
     for rel in sorted(relative):
-        match = _TABLE_FILE.match(rel)
-        if match and rel not in listed_with_manifest:
+        if _TABLE_FILE.match(rel) and rel not in listed_with_manifest:
             listing.skipped.append(Skipped(_url(fs, f"{runs_dir}/{rel}"), "no manifest (partial or abandoned output)"))
+        elif rejected := _REJECTED_FILE.match(rel):
+            listing.skipped.append(Skipped(
+                _url(fs, f"{runs_dir}/{rel}"),
+                f"rejected by its data contract (see {rejected.group('table')}.parquet.validation.json)",
+            ))
     return listing
 
 
@@ -182,7 +195,9 @@ def _table_view_sql(name: str, entries: list[CatalogEntry], empty_relation: str 
             "hive_types = {'iter': INTEGER}, union_by_name = true)"
         )
     if base:  # base/ has no key=value directory: Hive partitioning would reject the mix, so it is its own part
-        parts.append(f"SELECT *, CAST({BASE} AS INTEGER) AS iter FROM read_parquet({_sql_list(base)}, union_by_name = true)")
+        parts.append(
+            f"SELECT *, CAST({BASE} AS INTEGER) AS iter FROM read_parquet({_sql_list(base)}, union_by_name = true)"
+        )
     if run_level:
         # A run-level table (prompts) carries no run_id: it comes from the run directory, per file.
         cases = " ".join(
@@ -207,9 +222,7 @@ def _manifest_rows(entries: list[CatalogEntry]) -> pa.Table:
             "run_id": entry.run_id,
             "iter": entry.iteration,
             "name": entry.name,
-            "checkpoint": None if entry.name != "checkpoint" else (
-                "base" if entry.iteration == BASE else f"iter={entry.iteration:04d}"
-            ),
+            "checkpoint": entry.where if entry.name == "checkpoint" else None,
             "stage": m.stage,
             "kind": m.kind,
             "url": entry.url,
@@ -262,8 +275,9 @@ LEFT JOIN scores s
 LEFT JOIN batch b
   ON b.run_id = r.run_id AND b.iteration = r.iteration AND b.round = r.round
  AND b.prompt_id = r.prompt_id AND b.sample_idx = r.sample_idx
-LEFT JOIN (SELECT DISTINCT ON (run_id, sha256) run_id, sha256, checkpoint FROM checkpoints ORDER BY run_id, sha256, iter)
-  g ON g.run_id = r.run_id AND g.sha256 = r.policy_version
+LEFT JOIN (
+    SELECT DISTINCT ON (run_id, sha256) run_id, sha256, checkpoint FROM checkpoints ORDER BY run_id, sha256, iter
+) g ON g.run_id = r.run_id AND g.sha256 = r.policy_version
 LEFT JOIN (
     SELECT c.run_id, c.iter, c.checkpoint, c.sha256
     FROM checkpoints c

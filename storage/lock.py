@@ -1,88 +1,417 @@
-"""One driver per run: a lock that a second `rlpipe run/resume` on the same run cannot take.
+"""Leases in the storage root: one driver per run, one process per stage, on a local disk or on S3.
 
-Local roots use `flock` on `runs/<run>/run.lock`: the kernel releases it when the holder dies, even by
-SIGKILL, so a crashed driver never blocks a resume. The file records who holds it, so the refusal names
-the holder. Remote (S3) roots use a lease object with an expiry that the holder renews; a lease whose
-holder stopped renewing is taken over after it expires.
+Two things must never happen twice at once: driving a run (two `rlpipe run`s, or two scheduled triggers
+that overlap), and running one stage of one iteration (two triggers, a retry, a person at a shell). Both
+are guarded by a lock object under the run, so the storage root stays the only shared state:
+
+    <root>/runs/<run>/run.lock                          who drives the run
+    <root>/runs/<run>/locks/<stage>@iter=0003.lock      who runs that stage of that iteration
+
+Local roots use `flock`: the kernel releases the lock when the holder dies (even by SIGKILL), so a crash
+never blocks a resume and no expiry is needed. The file records the holder so a refusal names it.
+
+S3 roots use a lease object with an expiry, made safe by S3 conditional writes (AWS S3 since 2024, MinIO,
+moto >= 5.0; moto 5.2.5 implements `If-None-Match: *` and `If-Match` on PutObject and `If-Match` on
+DeleteObject):
+
+- acquire: PUT with `If-None-Match: *` (only one creator wins);
+- take over an expired lease: PUT with `If-Match: <etag that was read>` (only one taker wins);
+- renew (a thread, every ttl/3): PUT with `If-Match: <our etag>`; a failure means someone took it: the
+  lease is marked lost and leaving the block raises `LeaseLost`;
+- release: DELETE with `If-Match: <our etag>` (never deletes someone else's lease).
+
+Expiry is judged on the server's clock alone (the response's `Date` minus the object's `Last-Modified`),
+so hosts with skewed clocks agree on it. Every body carries a random token: a conditional request that was
+retried after its first attempt succeeded (a lost response) is recognised as ours by reading the object back.
+
+One process may nest the same lock (the CLI holds the run lock and the flows it calls take it again):
+holds are counted per lock path within a process.
 """
 
 from __future__ import annotations
 
 import fcntl
 import json
+import logging
 import os
 import socket
 import threading
 import time
-from collections.abc import Iterator
+import uuid
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import Any
+from email.utils import parsedate_to_datetime
+from functools import lru_cache
+from typing import Any, TypeVar
 
-from storage.fs import atomic_write_bytes, is_remote
-from storage.layout import RunLayout
+from storage.fs import is_remote, join
+from storage.layout import RunLayout, iteration_name
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+DEFAULT_TTL_S = 120.0
 
 
 class RunLocked(RuntimeError):
+    """The lock is held by someone else (the message names the holder and the lock)."""
+
+
+class StageLocked(RunLocked):
     pass
 
 
-def _holder() -> dict[str, Any]:
-    return {"host": socket.gethostname(), "pid": os.getpid(), "since": datetime.now(UTC).isoformat()}
+class LeaseLost(RuntimeError):
+    """Our S3 lease was taken over while we held it (we stopped renewing for longer than its ttl)."""
 
 
-@contextmanager
-def _local_lock(path: str) -> Iterator[None]:
+def stage_lock_path(layout: RunLayout, stage: str, iteration: int) -> str:
+    return join(layout.run_dir, "locks", f"{stage}@{iteration_name(iteration)}.lock")
+
+
+def _holder(ttl_s: float | None = None) -> dict[str, Any]:
+    holder: dict[str, Any] = {
+        "host": socket.gethostname(), "pid": os.getpid(), "since": datetime.now(UTC).isoformat(),
+        "token": uuid.uuid4().hex,
+    }
+    if ttl_s is not None:
+        holder["ttl_s"] = ttl_s
+    return holder
+
+
+def describe(holder: dict[str, Any] | None) -> str:
+    if not holder:
+        return "an unknown holder"
+    return f"{holder.get('host', '?')}:{holder.get('pid', '?')} since {holder.get('since', '?')}"
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Nesting within one process
+
+_held: dict[str, int] = {}
+_held_guard = threading.Lock()
+
+
+def _enter_nested(path: str) -> bool:
+    """True when this process already holds `path` (and count one more hold)."""
+    with _held_guard:
+        if path in _held:
+            _held[path] += 1
+            return True
+        return False
+
+
+def _exit_nested(path: str) -> None:
+    with _held_guard:
+        _held[path] -= 1
+
+
+def _mark_held(path: str, held: bool) -> None:
+    with _held_guard:
+        if held:
+            _held[path] = 1
+        else:
+            _held.pop(path, None)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Local: flock
+
+
+def _try_flock(path: str) -> tuple[Any, str | None]:
+    """(open handle, None) when locked, or (None, holder text) when someone else holds it."""
     os.makedirs(os.path.dirname(path), exist_ok=True)
     handle = open(path, "a+")
     try:
-        try:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            handle.seek(0)
-            holder = handle.read().strip() or "unknown"
-            raise RunLocked(f"run is being driven by another process ({holder}); lock file {path}") from None
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
         handle.seek(0)
-        handle.truncate()
-        handle.write(json.dumps(_holder()))
-        handle.flush()
-        yield
-    finally:
+        holder = handle.read().strip() or "unknown"
         handle.close()
+        return None, holder
+    handle.seek(0)
+    handle.truncate()
+    handle.write(json.dumps(_holder()))
+    handle.flush()
+    return handle, None
 
 
 @contextmanager
-def _lease_lock(layout: RunLayout, ttl_s: float) -> Iterator[None]:
-    fs, path = layout.fs, layout.lock_path()
-    try:
-        current = json.loads(fs.cat_file(path))
-        if current.get("expires", 0) > time.time():
-            raise RunLocked(f"run is being driven by {current.get('host')}:{current.get('pid')} (lease {path})")
-    except FileNotFoundError:
-        pass
-    me = _holder()
-    stop = threading.Event()
-
-    def renew() -> None:
-        while not stop.wait(ttl_s / 3):
-            atomic_write_bytes(fs, path, json.dumps({**me, "expires": time.time() + ttl_s}).encode())
-
-    atomic_write_bytes(fs, path, json.dumps({**me, "expires": time.time() + ttl_s}).encode())
-    renewer = threading.Thread(target=renew, daemon=True)
-    renewer.start()
+def _local_lock(path: str, wait_s: float, poll_s: float, refuse: Callable[[str], RunLocked]) -> Iterator[None]:
+    deadline = time.monotonic() + wait_s
+    while True:
+        handle, holder = _try_flock(path)
+        if handle is not None:
+            break
+        if time.monotonic() >= deadline:
+            raise refuse(f"another process ({holder}); lock file {path}")
+        time.sleep(poll_s)
     try:
         yield
+    finally:
+        handle.close()  # closing the last descriptor releases the flock
+
+
+# ---------------------------------------------------------------------------------------------------------
+# S3: a lease object written with conditional requests
+
+
+@lru_cache(maxsize=4)
+def _s3_client(endpoint_url: str | None) -> Any:
+    # botocore directly (s3fs depends on it), not s3fs: conditional-request failures must be told apart by
+    # their error code, which s3fs folds into generic OSErrors.
+    import botocore.session
+    from botocore.config import Config
+
+    config = Config(retries={"max_attempts": 8, "mode": "standard"})
+    return botocore.session.get_session().create_client("s3", endpoint_url=endpoint_url, config=config)
+
+
+def _bucket_key(url: str) -> tuple[str, str]:
+    bucket, _, key = url.removeprefix("s3://").partition("/")
+    return bucket, key
+
+
+def _error_code(error: Exception) -> str:
+    response = getattr(error, "response", None) or {}
+    return str(response.get("Error", {}).get("Code", ""))
+
+
+# PreconditionFailed (412): the condition did not hold. ConditionalRequestConflict (409): AWS's answer
+# when another conditional write on the same key is in flight. NoSuchKey (404 on If-Match): it is gone.
+CONFLICT_CODES = {"PreconditionFailed", "412", "ConditionalRequestConflict", "409", "NoSuchKey", "404"}
+
+
+@dataclass
+class Observed:
+    """The lease object as read: holder, etag, and its age on the server's clock."""
+
+    holder: dict[str, Any]
+    etag: str
+    age_s: float
+
+    @property
+    def expired(self) -> bool:
+        return self.age_s > float(self.holder.get("ttl_s", DEFAULT_TTL_S))
+
+
+@dataclass
+class S3Lease:
+    url: str
+    ttl_s: float
+    me: dict[str, Any] = field(default_factory=dict)
+    etag: str | None = None
+    seq: int = 0
+    lost: threading.Event = field(default_factory=threading.Event)
+
+    def __post_init__(self) -> None:
+        self.me = self.me or _holder(self.ttl_s)
+        self.client = _s3_client(os.environ.get("RLPIPE_S3_ENDPOINT_URL"))
+        self.bucket, self.key = _bucket_key(self.url)
+
+    def _body(self) -> bytes:
+        self.seq += 1
+        # `expires` is for people reading the object; expiry itself is judged on the server's clock.
+        return json.dumps({**self.me, "seq": self.seq, "expires": time.time() + self.ttl_s}).encode()
+
+    def _put(self, **condition: str) -> str:
+        response = self.client.put_object(Bucket=self.bucket, Key=self.key, Body=self._body(), **condition)
+        return response["ETag"]
+
+    def read(self) -> Observed | None:
+        from botocore.exceptions import ClientError
+
+        try:
+            response = self.client.get_object(Bucket=self.bucket, Key=self.key)
+        except ClientError as error:
+            if _error_code(error) in {"NoSuchKey", "404"}:
+                return None
+            raise
+        body = response["Body"].read()
+        try:
+            holder = json.loads(body)
+        except json.JSONDecodeError:
+            holder = {}  # unreadable: treated as held by nobody we know, expiring after the default ttl
+        server_now = parsedate_to_datetime(response["ResponseMetadata"]["HTTPHeaders"]["date"])
+        age_s = (server_now - response["LastModified"]).total_seconds()
+        return Observed(holder=holder, etag=response["ETag"], age_s=age_s)
+
+    def _ours_after_conflict(self) -> bool:
+        """After a conflict: is the object ours anyway (a retried request whose first attempt succeeded)?"""
+        observed = self.read()
+        if observed and observed.holder.get("token") == self.me["token"] and observed.holder.get("seq") == self.seq:
+            self.etag = observed.etag
+            return True
+        return False
+
+    def try_acquire(self) -> Observed | None:
+        """Take the lease if free or expired. None when taken; otherwise what holds it."""
+        from botocore.exceptions import ClientError
+
+        for _ in range(5):  # the object can vanish or change between our steps; look again a few times
+            try:
+                self.etag = self._put(IfNoneMatch="*")
+                return None
+            except ClientError as error:
+                if _error_code(error) not in CONFLICT_CODES:
+                    raise
+                if self._ours_after_conflict():
+                    return None
+            observed = self.read()
+            if observed is None:
+                continue  # released between our PUT and our GET
+            if not observed.expired:
+                return observed
+            try:
+                self.etag = self._put(IfMatch=observed.etag)
+                log.warning("took over expired lease %s from %s", self.url, describe(observed.holder))
+                return None
+            except ClientError as error:
+                if _error_code(error) not in CONFLICT_CODES:
+                    raise
+                if self._ours_after_conflict():
+                    return None
+        return self.read()
+
+    def renew(self) -> bool:
+        from botocore.exceptions import ClientError
+
+        try:
+            self.etag = self._put(IfMatch=self.etag)
+            return True
+        except ClientError as error:
+            if _error_code(error) in CONFLICT_CODES:
+                if self._ours_after_conflict():
+                    return True
+                self.lost.set()
+                current = self.read()
+                log.error("lease %s was taken over by %s", self.url, describe(current.holder if current else None))
+                return False
+            raise
+
+    def release(self) -> None:
+        from botocore.exceptions import ClientError
+
+        if self.etag is None or self.lost.is_set():
+            return
+        try:
+            self.client.delete_object(Bucket=self.bucket, Key=self.key, IfMatch=self.etag)
+        except ClientError as error:
+            code = _error_code(error)
+            if code in CONFLICT_CODES:
+                return  # not ours any more (or already gone): leave it alone
+            if code not in {"NotImplemented", "501"}:
+                raise
+            # A server without conditional deletes: check, then delete (a window of one round trip).
+            observed = self.read()
+            if observed and observed.holder.get("token") == self.me["token"]:
+                self.client.delete_object(Bucket=self.bucket, Key=self.key)
+
+
+def _renew_until(lease: S3Lease, stop: threading.Event) -> None:
+    interval = lease.ttl_s / 3
+    while not stop.wait(interval):
+        try:
+            if not lease.renew():
+                return
+        except Exception as error:  # noqa: BLE001 - a flaky network must not kill the renewer: retry next tick
+            log.warning("renewing lease %s failed (%s); retrying", lease.url, error)
+
+
+@contextmanager
+def _s3_lease(
+    url: str, ttl_s: float, wait_s: float, poll_s: float, refuse: Callable[[str], RunLocked]
+) -> Iterator[S3Lease]:
+    lease = S3Lease(url, ttl_s)
+    deadline = time.monotonic() + wait_s
+    while (observed := lease.try_acquire()) is not None:
+        if time.monotonic() >= deadline:
+            raise refuse(f"{describe(observed.holder)} (lease {url}, renewed {observed.age_s:.0f}s ago)")
+        time.sleep(poll_s)
+    stop = threading.Event()
+    renewer = threading.Thread(target=_renew_until, args=(lease, stop), daemon=True, name=f"lease {url}")
+    renewer.start()
+    try:
+        yield lease
     finally:
         stop.set()
         renewer.join()
-        fs.rm_file(path)
+        lease.release()
+    if lease.lost.is_set():
+        raise LeaseLost(f"lease {url} was taken over while held: another process may have done the same work")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Public API
 
 
 @contextmanager
-def run_lock(layout: RunLayout, ttl_s: float = 120.0) -> Iterator[None]:
-    if is_remote(layout.root):
-        with _lease_lock(layout, ttl_s):
+def lease(
+    root: str, path: str, ttl_s: float = DEFAULT_TTL_S, wait_s: float = 0.0, poll_s: float | None = None,
+    refuse: Callable[[str], RunLocked] = lambda holder: RunLocked(f"held by {holder}"),
+) -> Iterator[None]:
+    """Hold the lock at `path` (under storage root `root`) for the block, waiting up to `wait_s` for it.
+
+    When it stays held, raises `refuse(description of the holder)`.
+    """
+    if _enter_nested(path):
+        try:
             yield
+        finally:
+            _exit_nested(path)
+        return
+    poll_s = poll_s if poll_s is not None else min(2.0, max(ttl_s / 8, 0.05))
+    if is_remote(root):
+        if not root.startswith("s3://"):
+            raise NotImplementedError(f"leases on {root.split('://')[0]}:// roots are not implemented (S3 only)")
+        manager = _s3_lease(path, ttl_s, wait_s, poll_s, refuse)
     else:
-        with _local_lock(layout.lock_path()):
+        manager = _local_lock(path, wait_s, poll_s, refuse)
+    with manager:
+        _mark_held(path, True)
+        try:
             yield
+        finally:
+            _mark_held(path, False)
+
+
+@contextmanager
+def run_lock(layout: RunLayout, ttl_s: float = DEFAULT_TTL_S, wait_s: float = 0.0) -> Iterator[None]:
+    """One driver per run; raises RunLocked naming the holder when another process drives it."""
+
+    def refuse(holder: str) -> RunLocked:
+        return RunLocked(f"run {layout.run_id} is being driven by {holder}")
+
+    with lease(layout.root, layout.lock_path(), ttl_s=ttl_s, wait_s=wait_s, refuse=refuse):
+        yield
+
+
+@contextmanager
+def stage_lock(
+    layout: RunLayout, stage: str, iteration: int, ttl_s: float = DEFAULT_TTL_S, wait_s: float = 0.0
+) -> Iterator[None]:
+    """One process per (stage, iteration) of a run; raises StageLocked naming the holder after `wait_s`."""
+
+    def refuse(holder: str) -> RunLocked:
+        return StageLocked(f"stage {stage} ({iteration_name(iteration)}) of run {layout.run_id} is run by {holder}")
+
+    with lease(layout.root, stage_lock_path(layout, stage, iteration), ttl_s=ttl_s, wait_s=wait_s, refuse=refuse):
+        yield
+
+
+def run_once(
+    lock: Callable[[], Any], is_done: Callable[[], bool], work: Callable[[], T]
+) -> tuple[bool, T | None]:
+    """Do `work` under `lock()` unless `is_done()`, which is asked again *after* the lock is taken.
+
+    This is what makes overlapping triggers safe: the second one waits for the first to finish the stage,
+    then finds it done and skips it. Returns (whether `work` ran, its result).
+    """
+    if is_done():
+        return False, None
+    with lock():
+        if is_done():
+            return False, None
+        return True, work()

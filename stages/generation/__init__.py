@@ -36,20 +36,20 @@ def resolve_backend_name(name: str) -> str:
 def make_backend(name: str, model_dir: Path, cfg: GenerateConfig) -> Backend:
     """Start the backend `name` on the model directory `model_dir`, configured by the generate section.
 
-    The vLLM engine's context length is `max_prompt_tokens + max_new_tokens`: a prompt the stage let
-    through always fits with a full-length response.
+    The vLLM engine's context length fits `max_prompt_tokens + max_new_tokens` (see `context_length`): a
+    prompt the stage let through always fits with a full-length response.
     """
     resolved = resolve_backend_name(name)
     if resolved == "hf":
         from stages.generation.hf_backend import HFBackend
 
         return HFBackend(Path(model_dir), dtype=cfg.dtype, batch_size=cfg.batch_size)
-    from stages.generation.vllm_backend import VLLMBackend
+    from stages.generation.vllm_backend import VLLMBackend, context_length
 
     return VLLMBackend(
         Path(model_dir),
         dtype=cfg.dtype,
-        max_model_len=cfg.max_prompt_tokens + cfg.max_new_tokens,
+        max_model_len=context_length(cfg.max_prompt_tokens, cfg.max_new_tokens),
         kv_cache_gib=cfg.vllm_kv_cache_gib,
         tensor_parallel_size=cfg.vllm_tensor_parallel_size,
         data_parallel_size=cfg.vllm_data_parallel_size,

@@ -40,8 +40,13 @@ from typing import Any
 
 from stages.generation.base import GenerationRequest, ProgressCallback, Sample, SamplingSpec
 
-# vLLM's own default step budget on CPU; a prompt longer than this raises the budget to max_model_len.
+# vLLM's own default step budget on CPU; a context longer than this raises the budget to max_model_len.
 CPU_MAX_NUM_BATCHED_TOKENS = 4096
+# The engine's context length is at least this, whatever the config needs: max_model_len and the step
+# budget are part of the key of vLLM's compile cache, so one fixed value lets the generate and evaluate
+# stages, the tests and the benchmark share one compiled model instead of paying ~200 s each. A longer
+# context than the prompts need costs nothing but KV-cache blocks that are never filled.
+MIN_CONTEXT_TOKENS = 2048
 # Requests waiting or running in the engine at once: enough to keep max_num_seqs (256) slots busy.
 DEFAULT_WINDOW = 512
 COMPILE_CACHE = Path("~/.cache/rlpipe/vllm")
@@ -80,6 +85,11 @@ def configure_cpu_environment(kv_cache_gib: int, tensor_parallel_size: int) -> N
     os.environ.setdefault("VLLM_CACHE_ROOT", str(cache_root))
     os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
     os.environ.setdefault("VLLM_DO_NOT_TRACK", "1")
+
+
+def context_length(max_prompt_tokens: int, max_new_tokens: int) -> int:
+    """`max_model_len` for a config: room for the longest prompt plus a full response, at least 2048."""
+    return max(MIN_CONTEXT_TOKENS, max_prompt_tokens + max_new_tokens)
 
 
 def engine_kwargs(
@@ -145,7 +155,7 @@ class VLLMBackend:
         self,
         model_dir: Path,
         dtype: str = "bfloat16",
-        max_model_len: int = 1024,
+        max_model_len: int = MIN_CONTEXT_TOKENS,
         kv_cache_gib: int = 2,
         tensor_parallel_size: int = 1,
         data_parallel_size: int = 1,

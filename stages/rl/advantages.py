@@ -35,7 +35,8 @@ def check_finite(rewards_N: np.ndarray, what: str = "reward") -> np.ndarray:
     if bad_N.any():
         first = int(np.flatnonzero(bad_N)[0])
         raise ValueError(
-            f"{what} at position {first} is {float(rewards_N[first])}; {int(bad_N.sum())} of {rewards_N.size} "
+            f"{what} at position {first} is {float(rewards_N[first])}; "
+            f"{int(bad_N.sum())} of {rewards_N.size} "
             f"{what}s are NaN or infinite (a scorer bug: refusing to compute advantages from it)"
         )
     return rewards_N

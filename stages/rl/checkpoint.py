@@ -28,8 +28,16 @@ from schemas.config import TrainConfig
 OPTIMIZER_FILE = "optimizer.pt"
 STATE_FILE = "trainer_state.json"
 # Written by save_pretrained (or by us); everything else in a policy directory is carried over as is.
-MODEL_PATTERNS = ("*.safetensors", "*.safetensors.index.json", "pytorch_model*.bin", "config.json",
-                  "generation_config.json", OPTIMIZER_FILE, STATE_FILE, "manifest.json")
+MODEL_PATTERNS = (
+    "*.safetensors",
+    "*.safetensors.index.json",
+    "pytorch_model*.bin",
+    "config.json",
+    "generation_config.json",
+    OPTIMIZER_FILE,
+    STATE_FILE,
+    "manifest.json",
+)
 
 
 @dataclass
@@ -60,8 +68,11 @@ def load_policy(policy_dir: Path, cfg: TrainConfig) -> torch.nn.Module:
         from peft import LoraConfig, get_peft_model
 
         lora = LoraConfig(
-            r=cfg.lora_rank, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
-            target_modules=list(cfg.lora_target_modules), task_type="CAUSAL_LM",
+            r=cfg.lora_rank,
+            lora_alpha=cfg.lora_alpha,
+            lora_dropout=cfg.lora_dropout,
+            target_modules=list(cfg.lora_target_modules),
+            task_type="CAUSAL_LM",
         )
         model = get_peft_model(model, lora)
     model.train()
@@ -121,6 +132,10 @@ def copy_policy(source_dir: Path, out_dir: Path, state: TrainerState) -> None:
     """A skipped step's checkpoint: the input policy's files unchanged (weights, tokenizer, optimizer)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     for path in sorted(Path(source_dir).iterdir()):
-        if path.is_file() and not path.name.startswith(".") and path.name not in ("manifest.json", STATE_FILE):
+        if (
+            path.is_file()
+            and not path.name.startswith(".")
+            and path.name not in ("manifest.json", STATE_FILE)
+        ):
             shutil.copy2(path, out_dir / path.name)
     (out_dir / STATE_FILE).write_text(json.dumps(state.__dict__, sort_keys=True) + "\n")

@@ -154,8 +154,14 @@ def worker(job_path: Path) -> None:
     ref = load_reference(Path(job.reference_dir)) if cfg.kl_coef > 0 and job.reference_dir else None
     loaded = time.monotonic()
     trainer = PolicyTrainer(
-        model, cfg, DeepSpeedStepper(engine), temperature=job.temperature, norm_length=job.norm_length,
-        ref_model=ref, global_step=state.global_step, policy=engine,
+        model,
+        cfg,
+        DeepSpeedStepper(engine),
+        temperature=job.temperature,
+        norm_length=job.norm_length,
+        ref_model=ref,
+        global_step=state.global_step,
+        policy=engine,
     )
     rows = trainer.train(job.train_samples(), job.iteration)
     trained = time.monotonic()
@@ -179,18 +185,31 @@ class DeepSpeedLaunchError(RuntimeError):
     pass
 
 
-def launch(job: TrainJob, job_path: Path, processes: int, timeout_s: float | None = None) -> tuple[list[dict], dict]:
+def launch(
+    job: TrainJob, job_path: Path, processes: int, timeout_s: float | None = None
+) -> tuple[list[dict], dict]:
     """Run `job` under the DeepSpeed launcher with `processes` ranks; returns rank 0's (rows, metrics)."""
     job.dump(job_path)
     result_path = Path(str(job_path) + ".result.json")
     result_path.unlink(missing_ok=True)
     command = [
-        sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(processes),
-        "--master_port", str(_free_port()), "--module", "stages.rl.deepspeed_backend", "--job", str(job_path),
+        sys.executable,
+        "-m",
+        "deepspeed.launcher.runner",
+        "--num_gpus",
+        str(processes),
+        "--master_port",
+        str(_free_port()),
+        "--module",
+        "stages.rl.deepspeed_backend",
+        "--job",
+        str(job_path),
     ]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")])}
     env.setdefault("OMP_NUM_THREADS", str(max(1, job.threads // processes)))
-    completed = subprocess.run(command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=timeout_s)
+    completed = subprocess.run(
+        command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=timeout_s
+    )
     if completed.returncode != 0 or not result_path.is_file():
         tail = (completed.stdout + completed.stderr)[-4000:]
         raise DeepSpeedLaunchError(f"deepspeed launcher exited with {completed.returncode}:\n{tail}")

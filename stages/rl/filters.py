@@ -29,7 +29,9 @@ DROP_TRUNCATED = "truncated"
 DROP_OVER_TARGET = "over_target"  # dynamic sampling produced more kept groups than the batch needs
 
 
-def overlong_penalty(lengths_N: np.ndarray, max_length: int, buffer_length: int, factor: float = 1.0) -> np.ndarray:
+def overlong_penalty(
+    lengths_N: np.ndarray, max_length: int, buffer_length: int, factor: float = 1.0
+) -> np.ndarray:
     """DAPO soft overlong punishment: p = min(-(L - (L_max - L_buffer)) / L_buffer * factor, 0).
 
     0 up to L_max - L_buffer tokens, then falling linearly to -factor at L = L_max (lower still past L_max;

@@ -164,7 +164,12 @@ class ResponseLogprobs(torch.nn.Module):
             chunk_targets_N = targets_N[start : start + self.chunk_tokens]
             if use_checkpoint:
                 logp_N, entropy_N = checkpoint(
-                    _chunk_logprobs, chunk_NH, chunk_targets_N, head, self.inv_temperature, use_reentrant=False
+                    _chunk_logprobs,
+                    chunk_NH,
+                    chunk_targets_N,
+                    head,
+                    self.inv_temperature,
+                    use_reentrant=False,
                 )
             else:
                 logp_N, entropy_N = _chunk_logprobs(chunk_NH, chunk_targets_N, head, self.inv_temperature)
@@ -179,9 +184,14 @@ class ResponseLogprobs(torch.nn.Module):
 def micro_logprobs(
     policy: torch.nn.Module, micro: MicroBatch, entropy_grad: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(logp_BT, entropy_BT) of `micro` through a ResponseLogprobs module (or a DeepSpeed engine around one)."""
+    """(logp_BT, entropy_BT) of `micro` through a ResponseLogprobs module (or a DeepSpeed engine on one)."""
     logp_N, entropy_N = policy(
-        micro.input_ids_BL, micro.attention_mask_BL, micro.rows_N, micro.positions_N, micro.targets_N, entropy_grad
+        micro.input_ids_BL,
+        micro.attention_mask_BL,
+        micro.rows_N,
+        micro.positions_N,
+        micro.targets_N,
+        entropy_grad,
     )
     return micro.to_BT(logp_N), micro.to_BT(entropy_N)
 

@@ -79,22 +79,41 @@ def run_job(job: TrainJob) -> tuple[list[dict], dict[str, Any]]:
     state = read_state(policy_dir)
     ref = load_reference(Path(job.reference_dir)) if cfg.kl_coef > 0 and job.reference_dir else None
     loaded = time.monotonic()
+    cpu_started = time.process_time()
     trainer = PolicyTrainer(
-        model, cfg, TorchStepper(model, optimizer, cfg.max_grad_norm), temperature=job.temperature,
-        norm_length=job.norm_length, ref_model=ref, global_step=state.global_step,
+        model,
+        cfg,
+        TorchStepper(model, optimizer, cfg.max_grad_norm),
+        temperature=job.temperature,
+        norm_length=job.norm_length,
+        ref_model=ref,
+        global_step=state.global_step,
     )
     rows = trainer.train(job.train_samples(), job.iteration)
     trained = time.monotonic()
+    cpu_seconds = time.process_time() - cpu_started
     save_policy(
-        model, optimizer if cfg.save_optimizer else None, policy_dir, Path(job.out_dir),
+        model,
+        optimizer if cfg.save_optimizer else None,
+        policy_dir,
+        Path(job.out_dir),
         TrainerState(trainer.global_step, job.iteration, cfg.lora_rank > 0),
     )
     saved = time.monotonic()
-    return rows, session_metrics(rows, loaded - started, trained - loaded, saved - trained, resumed, "torch", 1)
+    metrics = session_metrics(rows, loaded - started, trained - loaded, saved - trained, resumed, "torch", 1)
+    # CPU seconds of the update (all threads): a load-independent measure of its work on a shared machine.
+    metrics["train_cpu_seconds"] = round(cpu_seconds, 3)
+    return rows, metrics
 
 
 def session_metrics(
-    rows: list[dict], load_s: float, train_s: float, save_s: float, resumed: bool, backend: str, processes: int
+    rows: list[dict],
+    load_s: float,
+    train_s: float,
+    save_s: float,
+    resumed: bool,
+    backend: str,
+    processes: int,
 ) -> dict[str, Any]:
     tokens = sum(r["tokens"] for r in rows)
     return {

@@ -54,7 +54,8 @@ class TrainSample:
     def __post_init__(self) -> None:
         if len(self.behaviour_logprobs) != len(self.response_ids):
             raise ValueError(
-                f"{len(self.response_ids)} response tokens but {len(self.behaviour_logprobs)} sampler logprobs"
+                f"{len(self.response_ids)} response tokens but "
+                f"{len(self.behaviour_logprobs)} sampler logprobs"
             )
         if not math.isfinite(self.advantage):
             raise ValueError(f"advantage {self.advantage} is not finite")
@@ -124,8 +125,12 @@ def make_adamw(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
     params = [p for p in model.parameters() if p.requires_grad]
     # foreach=True: one fused kernel per parameter group instead of a Python loop over ~270 tensors.
     return torch.optim.AdamW(
-        params, lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps,
-        weight_decay=cfg.weight_decay, foreach=True,
+        params,
+        lr=cfg.lr,
+        betas=(cfg.adam_beta1, cfg.adam_beta2),
+        eps=cfg.adam_eps,
+        weight_decay=cfg.weight_decay,
+        foreach=True,
     )
 
 
@@ -170,8 +175,12 @@ class PolicyTrainer:
         self.norm_length = norm_length
         self.ref_model = ref_model
         self.global_step = global_step
-        self.policy = policy if policy is not None else ResponseLogprobs(model, temperature, cfg.logprob_chunk_tokens)
-        self.ref_policy = ResponseLogprobs(ref_model, temperature, cfg.logprob_chunk_tokens) if ref_model else None
+        self.policy = (
+            policy if policy is not None else ResponseLogprobs(model, temperature, cfg.logprob_chunk_tokens)
+        )
+        self.ref_policy = (
+            ResponseLogprobs(ref_model, temperature, cfg.logprob_chunk_tokens) if ref_model else None
+        )
         disable_dropout(model)
 
     # ----------------------------------------------------------------------------------------------------
@@ -185,9 +194,7 @@ class PolicyTrainer:
             yield
 
     def _micro(self, samples: list[TrainSample], indices: list[int]) -> MicroBatch:
-        return build_micro_batch(
-            indices, [s.prompt_ids for s in samples], [s.response_ids for s in samples]
-        )
+        return build_micro_batch(indices, [s.prompt_ids for s in samples], [s.response_ids for s in samples])
 
     def sequence_logprobs(self, policy: torch.nn.Module, samples: list[TrainSample]) -> list[torch.Tensor]:
         """Logprobs of every sample's response tokens under `policy`, no grad (old policy / reference)."""
@@ -215,9 +222,9 @@ class PolicyTrainer:
         cfg = self.cfg
         if not samples:
             raise ValueError("no samples to train on")
-        total_steps = cfg.epochs * cfg.minibatches
-        if cfg.minibatches > len(samples):
-            raise ValueError(f"train.minibatches={cfg.minibatches} exceeds the {len(samples)} samples")
+        # Filters can leave fewer samples than minibatches: then each minibatch is one sample, none empty.
+        minibatches = min(cfg.minibatches, len(samples))
+        total_steps = cfg.epochs * minibatches
         behaviour = [torch.tensor(s.behaviour_logprobs, dtype=torch.float32) for s in samples]
         # The fast path: one step, trainer logprobs recomputed in the training forward itself.
         self.fast_old = total_steps == 1 and not cfg.bypass_old_logprobs and not cfg.rejection
@@ -234,17 +241,22 @@ class PolicyTrainer:
         self.model.train()
         for epoch in range(cfg.epochs):
             # One step: keep the order. Otherwise shuffle, so minibatches differ between epochs.
-            order = torch.randperm(len(samples), generator=generator).tolist() if total_steps > 1 else None
-            order = order if order is not None else list(range(len(samples)))
-            for minibatch in np.array_split(np.array(order), cfg.minibatches):
+            order = list(range(len(samples)))
+            if total_steps > 1:
+                order = torch.randperm(len(samples), generator=generator).tolist()
+            for minibatch in np.array_split(np.array(order), minibatches):
                 rows.append(self._step([int(i) for i in minibatch], samples, behaviour, old, ref, epoch))
         self.model.eval()
         return rows
 
-    def _rank_micro_batches(self, samples: list[TrainSample], minibatch: list[int]) -> list[tuple[list[int], float]]:
+    def _rank_micro_batches(
+        self, samples: list[TrainSample], minibatch: list[int]
+    ) -> list[tuple[list[int], float]]:
         """This rank's micro-batches (global sample indices) and loss weights (0 for padding repeats)."""
         lengths = [len(samples[i].prompt_ids) + len(samples[i].response_ids) for i in minibatch]
-        packed = [[minibatch[j] for j in group] for group in pack_by_tokens(lengths, self.cfg.micro_batch_tokens)]
+        packed = [
+            [minibatch[j] for j in group] for group in pack_by_tokens(lengths, self.cfg.micro_batch_tokens)
+        ]
         world, rank = self.stepper.world_size, self.stepper.rank
         mine = [(group, 1.0) for k, group in enumerate(packed) if k % world == rank]
         # Every rank runs the same number of forward/backward passes (ZeRO-3 gathers parameters in
@@ -255,7 +267,7 @@ class PolicyTrainer:
         return mine
 
     def _masks(
-        self, micro: MicroBatch, old_BT: torch.Tensor, behaviour_BT: torch.Tensor, mask_BT: torch.Tensor
+        self, old_BT: torch.Tensor, behaviour_BT: torch.Tensor, mask_BT: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(loss mask after rejection, truncated IS weights or None) from pi_old / pi_b."""
         cfg = self.cfg
@@ -264,8 +276,13 @@ class PolicyTrainer:
         keep_BT = mask_BT
         if cfg.rejection:
             keep_BT = rejection_mask(
-                old_BT, behaviour_BT, mask_BT, cfg.rejection, cfg.rejection_ratio_low,
-                cfg.rejection_ratio_high, cfg.rejection_divergence_max,
+                old_BT,
+                behaviour_BT,
+                mask_BT,
+                cfg.rejection,
+                cfg.rejection_ratio_low,
+                cfg.rejection_ratio_high,
+                cfg.rejection_divergence_max,
             )
         weights_BT = None
         if cfg.is_level != "none":
@@ -296,11 +313,15 @@ class PolicyTrainer:
             mask_BT = micro.response_mask_BT()
             behaviour_BT = micro.to_BT(torch.cat([behaviour[i] for i in indices]))
             old_BT = logp_BT.detach() if old is None else micro.to_BT(torch.cat([old[i] for i in indices]))
-            keep_BT, is_weights_BT = self._masks(micro, old_BT, behaviour_BT, mask_BT)
-            advantages_BT = torch.tensor([samples[i].advantage for i in indices], dtype=torch.float32)[:, None]
+            keep_BT, is_weights_BT = self._masks(old_BT, behaviour_BT, mask_BT)
+            advantages_BT = torch.tensor([samples[i].advantage for i in indices], dtype=torch.float32)[
+                :, None
+            ]
             advantages_BT = advantages_BT.expand_as(logp_BT)
             if cfg.policy_loss == "ppo_clip":
-                out = ppo_clip_loss(logp_BT, old_BT, advantages_BT, cfg.clip_low, cfg.clip_high, cfg.dual_clip)
+                out = ppo_clip_loss(
+                    logp_BT, old_BT, advantages_BT, cfg.clip_low, cfg.clip_high, cfg.dual_clip
+                )
             else:
                 out = reinforce_is_loss(logp_BT, old_BT, advantages_BT)
             token_loss_BT = out.loss_BT if is_weights_BT is None else out.loss_BT * is_weights_BT
@@ -313,7 +334,9 @@ class PolicyTrainer:
                 loss = loss + cfg.kl_coef * aggregate(kl_BT, keep_BT, cfg.loss_aggregation, **norm)
                 sums["kl_ref_sum"] += weight * float((kl_BT.detach() * keep_BT).sum())
             if cfg.entropy_coef > 0:
-                loss = loss - cfg.entropy_coef * aggregate(entropy_BT.float(), keep_BT, cfg.loss_aggregation, **norm)
+                loss = loss - cfg.entropy_coef * aggregate(
+                    entropy_BT.float(), keep_BT, cfg.loss_aggregation, **norm
+                )
             # DeepSpeed averages gradients over ranks; each rank holds a part of a sum, so scale by world.
             self.stepper.backward(loss * (weight * world))
 
@@ -395,6 +418,10 @@ class PolicyTrainer:
         keep_BT = rejection_mask(
             micro.to_BT(torch.cat([old[i] for i in minibatch])),
             micro.to_BT(torch.cat([behaviour[i] for i in minibatch])),
-            mask_BT, cfg.rejection, cfg.rejection_ratio_low, cfg.rejection_ratio_high, cfg.rejection_divergence_max,
+            mask_BT,
+            cfg.rejection,
+            cfg.rejection_ratio_low,
+            cfg.rejection_ratio_high,
+            cfg.rejection_divergence_max,
         )
         return float((keep_BT.sum(-1) > 0).sum()), float(keep_BT.sum())

@@ -14,11 +14,12 @@ When the body cannot be cut (a `return` or `yield` in `check`, no assert at the 
 from __future__ import annotations
 
 import ast
+import functools
 from dataclasses import dataclass
 from types import CodeType
 
 
-class TestSpecError(ValueError):
+class CheckSpecError(ValueError):
     """The reward spec's test code is unusable (no check function, a syntax error)."""
 
 
@@ -28,6 +29,7 @@ class Step:
 
     code: CodeType
     name: str | None
+    source: str  # the statement as text, for harnesses that run elsewhere (fusion.py)
 
     @property
     def is_test(self) -> bool:
@@ -46,10 +48,11 @@ class CheckPlan:
         return [step.name for step in self.steps if step.name is not None]
 
 
-def _label(source: str, node: ast.stmt) -> str:
-    segment = ast.get_source_segment(source, node) or ast.dump(node)[:80]
-    first_line = segment.strip().splitlines()[0] if segment.strip() else segment
-    text = " ".join(first_line.split())
+def _label(lines: list[str], node: ast.stmt) -> str:
+    """The statement's first source line, whitespace-collapsed (ast.get_source_segment re-splits the
+    whole source on every call, which made labelling quadratic in the test's length)."""
+    line = lines[node.lineno - 1][node.col_offset :] if node.lineno <= len(lines) else ""
+    text = " ".join(line.split()) or type(node).__name__
     return text if len(text) <= 120 else text[:117] + "..."
 
 
@@ -83,30 +86,37 @@ def _compile(nodes: list[ast.stmt], filename: str) -> CodeType:
     return compile(ast.Module(body=nodes, type_ignores=[]), filename, "exec")
 
 
+@functools.lru_cache(maxsize=256)
 def plan_checks(preamble: str, test: str) -> CheckPlan:
-    """Cut `test` into the judge's steps; raises TestSpecError when there is no usable check()."""
+    """Cut `test` into the judge's steps; raises CheckSpecError when there is no usable check().
+
+    Cached: a group of samples of one prompt shares its plan (the plan is immutable; each job executes
+    its code objects in a fresh namespace)."""
     try:
         module = ast.parse(preamble + "\n" + test if preamble else test)
     except SyntaxError as error:
-        raise TestSpecError(f"test code does not parse: {error}") from None
+        raise CheckSpecError(f"test code does not parse: {error}") from None
     checks = [node for node in module.body if isinstance(node, ast.FunctionDef) and node.name == "check"]
     if not checks:
-        raise TestSpecError("test code defines no check(candidate) function")
+        raise CheckSpecError("test code defines no check(candidate) function")
     check = checks[-1]
     if not check.args.args:
-        raise TestSpecError("check() takes no candidate argument")
+        raise CheckSpecError("check() takes no candidate argument")
     parameter = check.args.args[0].arg
     module_code = _compile(module.body, "<test>")
-    source = preamble + "\n" + test if preamble else test
+    lines = (preamble + "\n" + test if preamble else test).splitlines()
     body = check.body
     if _splittable(body) and any(_is_test(stmt) for stmt in body):
         steps = tuple(
-            Step(_compile([stmt], "<test>"), _label(source, stmt) if _is_test(stmt) else None)
+            Step(
+                _compile([stmt], "<test>"), _label(lines, stmt) if _is_test(stmt) else None, ast.unparse(stmt)
+            )
             for stmt in body
         )
         return CheckPlan(module_code, parameter, steps, split=True)
-    whole = compile(f"check({parameter})", "<test>", "exec")
-    return CheckPlan(module_code, parameter, (Step(whole, "check(candidate)"),), split=False)
+    whole = f"check({parameter})"
+    step = Step(compile(whole, "<test>", "exec"), "check(candidate)", whole)
+    return CheckPlan(module_code, parameter, (step,), split=False)
 
 
 def humaneval_preamble(prompt: str, entry_point: str) -> str:

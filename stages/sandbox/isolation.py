@@ -1,12 +1,12 @@
 """Isolation layers for one scoring worker, and the choice among them on this machine.
 
-A worker runs one job at a time; each job's processes run in a fresh child of the worker. Layers, from
-the always-available ones up:
+A worker runs one job at a time; each job's processes start from the worker's fork server (zygote.py)
+or, under bubblewrap, by fork+exec. Layers, from the always-available ones up:
 
 - `rlimits`: address space, CPU seconds, file size, open files, no core dumps, and (for a non-root uid)
   a process count. `clean_env`: the child gets a fixed environment, never the parent's. `output_cap` and
   `wall_timeout` are enforced by the worker that reads the child's pipes (process.py).
-- `uid`: the job runs as a uid of its own (one per worker, unused by anything else), so it cannot
+- `uid`: the job runs as a uid of its own (one per worker slot, unused by anything else), so it cannot
   signal or ptrace the worker, read root's files, and `kill(-1)` as that uid reaches every process the
   job left behind, whatever session or process group it moved to.
 - `netns`: the worker enters an empty network namespace once at start; its children inherit it, so a
@@ -14,15 +14,19 @@ the always-available ones up:
 - `mountns`: the worker's private mount namespace where every mount is read-only, /tmp is a fresh
   size-limited tmpfs for each job (mounted before the job, detached after it: nothing to delete), and
   /proc is a procfs that hides other users' processes.
-- `cgroup_pids`, `cgroup_memory`, `cgroup_freezer` (cgroup v1, one group per worker): a process limit
-  that a fork bomb cannot outrun (RLIMIT_NPROC does nothing for root and counts zombies), a memory limit
-  covering the job's tmpfs too, and a freezer so that the end-of-job kill sees a process tree that can no
-  longer fork.
-- `bwrap`: when the worker is not root, each job runs under bubblewrap (user, pid, net, ipc and mount
-  namespaces, read-only root, tmpfs /tmp), which Debian's bubblewrap can do unprivileged.
+- `ipc_uts_ns`: the worker's own SysV IPC namespace with no IPC objects allowed (they would outlive a
+  job and carry data to the next one), and its own hostname.
+- `cgroup_pids`, `cgroup_memory`, `cgroup_freezer` (cgroup v1, one group per worker slot, nested in the
+  sandbox's own group): a process limit that a fork bomb cannot outrun (RLIMIT_NPROC does nothing for
+  root and counts zombies), a memory limit covering the job's tmpfs too, and a freezer so that the
+  end-of-job kill sees a process tree that can no longer fork.
+- `bwrap`: when the worker is not root, each job runs under bubblewrap (user, pid, net, ipc, uts and
+  mount namespaces, read-only root, its own /proc and /dev), which Debian's bubblewrap can do
+  unprivileged; its pid namespace ends every process of the job with the job's main process.
 
-`choose_isolation` takes the strongest mode the machine gives and reports its layers; the sandbox logs
-them at start. A mode named explicitly in the config that cannot be had is an error, never a fallback.
+`choose_isolation` takes the strongest mode the machine gives ("native" as root, else "bwrap", else
+"minimal") and the sandbox logs the active layers at start, with a warning naming the missing ones. A
+mode named explicitly in the config that cannot be had is an error, never a silent fallback.
 """
 
 from __future__ import annotations
@@ -110,7 +114,7 @@ def _signal_uid(uid: int) -> None:
     os.waitpid(pid, 0)
 
 
-def uid_processes(uid: int) -> list[int]:
+def uid_processes(uid: int, include_zombies: bool = True) -> list[int]:
     """Pids whose real uid is `uid` (from /proc/PID/status: the directory's owner can be faked by a
     process that makes itself non-dumpable)."""
     found = []
@@ -119,9 +123,12 @@ def uid_processes(uid: int) -> list[int]:
             continue
         try:
             with open(f"/proc/{entry}/status", "rb") as status:
+                zombie = False
                 for line in status:
-                    if line.startswith(b"Uid:"):
-                        if int(line.split()[1]) == uid:
+                    if line.startswith(b"State:"):
+                        zombie = b"zombie" in line
+                    elif line.startswith(b"Uid:"):
+                        if int(line.split()[1]) == uid and (include_zombies or not zombie):
                             found.append(int(entry))
                         break
         except (OSError, ValueError):
@@ -487,6 +494,43 @@ def remove_cgroups(dirs: dict[str, str]) -> None:
             pass
 
 
+def slot_processes(owner_pid: int, slot: int) -> int:
+    """Live processes (zombies awaiting their reaper excluded) of a worker slot's jobs, seen from the
+    sandbox's own process: by the slot's uid and in the slot's cgroups. 0 between jobs."""
+    if os.geteuid() != 0:
+        return 0
+    pids = set(uid_processes(job_uid(owner_pid, slot), include_zombies=False))
+    for directory in cgroup_dirs(owner_pid, slot).values():
+        pids.update(_read_pids(directory))
+    return len(pids)
+
+
+def _disable_sysv_ipc() -> bool:
+    """In the worker's own IPC namespace, allow no SysV shared memory, message queues or semaphores.
+    They would outlive a job (IPC objects belong to the namespace, not to a process), letting one job
+    leave answers for the next job of the same worker."""
+    settings = {"shmmni": "0", "msgmni": "0", "sem": "0 0 0 0"}
+    try:
+        for name, value in settings.items():
+            _write(f"/proc/sys/kernel/{name}", value)
+    except OSError:
+        return False
+    return True
+
+
+def _sweep_stale_groups(parent: str) -> None:
+    """Remove job groups left by sandboxes whose process is gone (killed before it could clean up)."""
+    try:
+        names = os.listdir(parent)
+    except OSError:
+        return
+    for name in names:
+        parts = name.split("-")
+        if name.startswith("rlpipe-sandbox-") and len(parts) == 4 and parts[2].isdigit():
+            if not os.path.exists(f"/proc/{parts[2]}"):
+                remove_cgroups({"stale": os.path.join(parent, name)})
+
+
 def release_slot(owner_pid: int, slot: int) -> None:
     """After a worker died or was killed: end whatever its job left and remove its groups."""
     if os.geteuid() != 0:
@@ -509,6 +553,7 @@ class NativeIsolation(Isolation):
         self.procs_files: list[str] = []
         self.mounted = False
         self.hidepid = False
+        self.sysv_ipc_off = False
 
     def layers(self) -> dict[str, str]:
         layers = super().layers()
@@ -517,7 +562,9 @@ class NativeIsolation(Isolation):
         layers["mountns"] = "read-only file system, fresh tmpfs /tmp per job" + (
             ", /proc hides other users' processes" if self.hidepid else ""
         )
-        layers["ipc_uts_ns"] = "private SysV IPC and hostname"
+        layers["ipc_uts_ns"] = "private SysV IPC and hostname" + (
+            ", SysV IPC objects cannot be created" if self.sysv_ipc_off else ""
+        )
         if "pids" in self.cgroups:
             layers["cgroup_pids"] = f"pids.max={self.limits.processes}"
         if "memory" in self.cgroups:
@@ -536,11 +583,14 @@ class NativeIsolation(Isolation):
             self.hidepid = True
         except OSError:
             pass  # keep the inherited /proc: the job's uid still cannot read other users' details
+        self.sysv_ipc_off = _disable_sysv_ipc()
         set_mount_attr("/", MOUNT_ATTR_RDONLY | MOUNT_ATTR_NOSUID, 0)
         # The worker itself writes cgroup files (freezer, job membership); jobs cannot: root owns them.
         set_mount_attr(CGROUP_ROOT, 0, MOUNT_ATTR_RDONLY)
 
     def _setup_cgroups(self) -> None:
+        for directory in self.cgroups.values():
+            _sweep_stale_groups(os.path.dirname(directory))
         for controller, directory in list(self.cgroups.items()):
             try:
                 if os.path.isdir(directory):
@@ -607,16 +657,12 @@ class BwrapIsolation(Isolation):
 
     def layers(self) -> dict[str, str]:
         layers = super().layers()
-        layers["workdir"] = "fresh tmpfs /tmp per job"
+        layers["workdir"] = "fresh temporary directory per job, seen as /tmp"
         layers["bwrap"] = "user, pid, net, ipc, uts, cgroup namespaces; read-only /; own /proc, /dev"
         return layers
 
-    def begin_job(self) -> str:
-        self.workdir = "/tmp"
-        return self.workdir
-
-    def discard_job(self) -> None:
-        self.workdir = None
+    # begin_job/discard_job are the base class's: a host temporary directory, which bubblewrap binds
+    # as the job's /tmp (so that /run_code's input and output files can be passed through it).
 
     def argv(self, mode: str, workdir: str) -> list[str]:
         # --die-with-parent: if the worker dies, so does the job; --new-session: no terminal injection.
@@ -630,9 +676,8 @@ class BwrapIsolation(Isolation):
             "--ro-bind",
             "/",
             "/",
-            "--size",
-            str(self.limits.file_bytes),
-            "--tmpfs",
+            "--bind",
+            workdir,
             "/tmp",
             "--proc",
             "/proc",

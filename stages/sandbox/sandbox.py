@@ -1,11 +1,11 @@
 """The sandbox's front door: `Sandbox.from_config(cfg)` and `score(jobs)`, over a pool of warm workers.
 
 The local backend keeps `cfg.workers` worker processes alive for the sandbox's lifetime (starting an
-interpreter per job would cost more than most jobs). Each worker has one feeding thread here; threads
-only shuttle JSON frames and wait on pipes, so the GIL is not the limit: the workers and their children
-do the work. A worker that overruns a job's hard limit (the job's budget plus a grace period, e.g. a
-math expression that never finishes parsing) is killed with every process of its job and replaced; the
-job is scored as a timeout.
+interpreter per job would cost more than most jobs). A thread pool of the same size feeds them, each
+thread checking out an idle worker per job; threads only shuttle JSON frames and wait on pipes, so the
+GIL is not the limit: the workers and their children do the work. A worker that overruns a job's hard
+limit (the job's budget plus a grace period, e.g. a math expression that never finishes parsing) is
+killed with every process of its job and replaced; the job is scored as a timeout.
 """
 
 from __future__ import annotations
@@ -20,14 +20,19 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 from types import TracebackType
+from typing import TypeVar
 
 from schemas.config import ScoreConfig
 
 from ._runner import HEADER
-from .isolation import CLEAN_ENV, release_slot
+from .isolation import CLEAN_ENV, release_slot, slot_processes
 from .jobs import ScoreJob, ScoreResult
+from .scoring import MAX_RUN_TIMEOUT_S
+
+_T = TypeVar("_T")
 
 log = logging.getLogger("rlpipe.sandbox")
 
@@ -36,8 +41,43 @@ PROJECT_ROOT = str(Path(__file__).resolve().parents[2])
 GRACE_S = 20.0
 
 
+# What the native mode gives as root with cgroup v1; anything less is logged as a warning at start.
+FULL_LAYERS = (
+    "uid",
+    "rlimits",
+    "netns",
+    "mountns",
+    "cgroup_pids",
+    "cgroup_memory",
+    "clean_env",
+    "wall_timeout",
+)
+
+
 class SandboxError(RuntimeError):
     """The sandbox could not start (a worker failed to set up its isolation)."""
+
+
+# Worker slots name a job uid and cgroups (isolation.job_uid, cgroup_dirs), so two live workers of this
+# process, even of different Sandbox objects, must never share one: a closing sandbox would kill the
+# other's jobs and remove its groups.
+_SLOTS_IN_USE: set[int] = set()
+_SLOTS_LOCK = threading.Lock()
+MAX_SLOTS = 64
+
+
+def _claim_slot() -> int:
+    with _SLOTS_LOCK:
+        for slot in range(MAX_SLOTS):
+            if slot not in _SLOTS_IN_USE:
+                _SLOTS_IN_USE.add(slot)
+                return slot
+    raise SandboxError(f"more than {MAX_SLOTS} sandbox workers in one process")
+
+
+def _release_slot_id(slot: int) -> None:
+    with _SLOTS_LOCK:
+        _SLOTS_IN_USE.discard(slot)
 
 
 def _failure(status: str, message: str, seconds: float) -> ScoreResult:
@@ -106,27 +146,37 @@ class _Worker:
             if need == 0:
                 return {}
 
-    def run(self, job: ScoreJob, hard_timeout_s: float) -> ScoreResult:
-        started = time.monotonic()
-        try:
-            self._send(job.as_dict())
-            reply = self._receive(hard_timeout_s)
-        except (BrokenPipeError, OSError, ValueError):
-            reply = None
-        if reply is None:
-            # Overran its hard limit or died: kill it and everything its job started, then replace it.
+    def call(self, payload: dict, hard_timeout_s: float) -> tuple[dict | None, str]:
+        """One request to the worker: (reply, "") or (None, why). A worker found dead before the
+        request is replaced and the request sent to the new one; a worker that dies during it or
+        overruns `hard_timeout_s` is killed with every process of its job, and replaced."""
+        if self.process is None or self.process.poll() is not None:
             self.stop(graceful=False)
             self.start()
-            return _failure(
-                "timeout",
-                f"worker exceeded the hard limit of {hard_timeout_s:.0f} s",
-                time.monotonic() - started,
-            )
+        try:
+            self._send(payload)
+            reply = self._receive(hard_timeout_s)
+        except (OSError, ValueError):
+            reply = None
+        if reply is not None:
+            return reply, ""
+        assert self.process is not None
+        died = self.process.poll() is not None
+        self.stop(graceful=False)
+        self.start()
+        if died:
+            return None, "sandbox worker died during the job"
+        return None, f"worker exceeded the hard limit of {hard_timeout_s:.0f} s"
+
+    def run(self, job: ScoreJob, hard_timeout_s: float) -> ScoreResult:
+        started = time.monotonic()
+        reply, why = self.call(job.as_dict(), hard_timeout_s)
+        seconds = time.monotonic() - started
+        if reply is None:
+            return _failure("error" if "died" in why else "timeout", why, seconds)
         if "harness_error" in reply:
             log.error("sandbox harness error: %s", reply["harness_error"])
-            return _failure(
-                "error", "sandbox harness error: " + reply["harness_error"][-300:], time.monotonic() - started
-            )
+            return _failure("error", "sandbox harness error: " + reply["harness_error"][-300:], seconds)
         return ScoreResult.from_dict(reply)
 
     def stop(self, graceful: bool = True) -> None:
@@ -159,11 +209,14 @@ def hard_timeout(cfg: ScoreConfig, job: ScoreJob) -> float:
 
 
 class Sandbox:
-    """Scores model responses; use as a context manager so workers are stopped."""
+    """Scores model responses; use as a context manager so workers are stopped. Thread-safe: calls
+    from several threads (the /run_code server) share the workers, one job per worker at a time."""
 
     def __init__(self, cfg: ScoreConfig) -> None:
         self.cfg = cfg
         self.workers: list[_Worker] = []
+        self._idle: queue.Queue[_Worker] = queue.Queue()
+        self._executor: ThreadPoolExecutor | None = None
 
     @classmethod
     def from_config(cls, cfg: ScoreConfig) -> Sandbox:
@@ -183,23 +236,39 @@ class Sandbox:
 
     def start(self) -> Sandbox:
         try:
-            for slot in range(self.cfg.workers):
-                self.workers.append(_Worker(self.cfg, slot))
+            for _ in range(self.cfg.workers):
+                slot = _claim_slot()
+                try:
+                    worker = _Worker(self.cfg, slot)
+                except BaseException:
+                    _release_slot_id(slot)
+                    raise
+                self.workers.append(worker)
+                self._idle.put(worker)
         except BaseException:
             self.close()
             raise
-        log.info(
-            "sandbox: %d workers, isolation %r, active layers: %s",
+        self._executor = ThreadPoolExecutor(len(self.workers), thread_name_prefix="sandbox-feed")
+        missing = [layer for layer in FULL_LAYERS if layer not in self.layers]
+        log.log(
+            logging.WARNING if missing else logging.INFO,
+            "sandbox: %d workers, isolation %r, active layers: %s%s",
             len(self.workers),
             self.isolation,
             "; ".join(f"{name} ({detail})" for name, detail in self.layers.items()),
+            f"; NOT active on this machine: {', '.join(missing)}" if missing else "",
         )
         return self
 
     def close(self) -> None:
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
+            self._executor = None
         for worker in self.workers:
             worker.stop()
+            _release_slot_id(worker.slot)
         self.workers = []
+        self._idle = queue.Queue()
 
     def __enter__(self) -> Sandbox:
         return self.start()
@@ -209,39 +278,46 @@ class Sandbox:
     ) -> None:
         self.close()
 
+    def _with_worker(self, use: Callable[[_Worker], _T]) -> _T:
+        worker = self._idle.get()
+        try:
+            return use(worker)
+        finally:
+            self._idle.put(worker)
+
+    def _score_one(self, job: ScoreJob) -> ScoreResult:
+        try:
+            return self._with_worker(lambda worker: worker.run(job, hard_timeout(self.cfg, job)))
+        except Exception as error:  # a worker that cannot be restarted: score the job, go on
+            log.exception("sandbox worker failed")
+            return _failure("error", f"sandbox worker failed: {error}", 0.0)
+
     def score(
         self, jobs: Iterable[ScoreJob], progress: Callable[[int], None] | None = None
     ) -> list[ScoreResult]:
-        """Score every job; results come back in the order of `jobs`."""
-        jobs = list(jobs)
-        if not self.workers:
+        """Score every job; results come back in the order of `jobs`. `progress(n)` is called on the
+        calling thread with the number of jobs just finished."""
+        if self._executor is None:
             raise SandboxError("the sandbox is not started; use `with Sandbox.from_config(cfg) as sandbox:`")
-        pending: queue.Queue[int] = queue.Queue()
-        for index in range(len(jobs)):
-            pending.put(index)
-        finished: queue.Queue[int] = queue.Queue()
-        results: list[ScoreResult | None] = [None] * len(jobs)
-
-        def feed(worker: _Worker) -> None:
-            while True:
-                try:
-                    index = pending.get_nowait()
-                except queue.Empty:
-                    return
-                try:
-                    results[index] = worker.run(jobs[index], hard_timeout(self.cfg, jobs[index]))
-                except Exception as error:  # a worker that cannot be restarted: score the job, go on
-                    log.exception("sandbox worker %d failed", worker.slot)
-                    results[index] = _failure("error", f"sandbox worker failed: {error}", 0.0)
-                finished.put(index)
-
-        threads = [threading.Thread(target=feed, args=(worker,), daemon=True) for worker in self.workers]
-        for thread in threads:
-            thread.start()
-        for _ in range(len(jobs)):
-            finished.get()
+        futures = [self._executor.submit(self._score_one, job) for job in jobs]
+        for _ in as_completed(futures):
             if progress is not None:
                 progress(1)
-        for thread in threads:
-            thread.join()
-        return [result for result in results if result is not None]
+        return [future.result() for future in futures]
+
+    def leftover_processes(self) -> int:
+        """Processes of any job still alive (by the workers' job uids and cgroups); 0 between jobs.
+        Tests assert on it after every attack."""
+        return sum(slot_processes(os.getpid(), worker.slot) for worker in self.workers)
+
+    def run_code(self, request: dict) -> dict:
+        """SandboxFusion's /run_code for Python, on this sandbox's workers (see server.py)."""
+        if self._executor is None:
+            raise SandboxError("the sandbox is not started")
+        timeout = min(float(request.get("run_timeout") or self.cfg.timeout_s), MAX_RUN_TIMEOUT_S) + GRACE_S
+
+        def use(worker: _Worker) -> dict:
+            reply, why = worker.call(dict(request, op="run"), timeout)
+            return reply if reply is not None else {"status": "SandboxError", "message": why}
+
+        return self._with_worker(use)

@@ -13,13 +13,15 @@ response with nothing to grade.
 
 from __future__ import annotations
 
+import base64
 import os
 import time
+from dataclasses import dataclass, field
 from typing import Any
 
 from schemas.config import ScoreConfig
 
-from .checks import CheckPlan, TestSpecError, plan_checks
+from .checks import CheckPlan, CheckSpecError, plan_checks
 from .extract import extract_answer, extract_code
 from .isolation import Isolation, SpawnError
 from .judge import JobTimeout, TestOutcome, run_checks, summarize
@@ -89,14 +91,13 @@ def score_code_tests(
     preamble = spec.get("preamble") or ""
     try:
         plan = plan_checks(preamble, spec.get("test") or "")
-    except TestSpecError as error:
+    except CheckSpecError as error:
         return make_result(cfg, "error", [TestOutcome("check", "error", str(error))], code, started)
     if code is None:
         return make_result(cfg, "no_code", _all(plan.test_names, "fail", "no code block"), None, started)
+    # No syntax check here: the child compiles the program anyway and reports a SyntaxError as a load
+    # error, and compiling twice was a visible share of a short job's CPU.
     program = preamble + "\n" + code if preamble else code
-    syntax = _syntax_error(program)
-    if syntax is not None:
-        return make_result(cfg, "error", _all(plan.test_names, "error", syntax), code, started)
     deadline = started + cfg.timeout_s
     outcomes = run_in_sandbox(
         program, spec.get("entry_point") or "", plan, isolation, deadline, cfg.timeout_s
@@ -130,7 +131,7 @@ def run_in_sandbox(
         loaded = _load(channel, program, entry_point)
         if loaded is not None:
             return _all(plan.test_names, loaded[0], loaded[1])
-        return run_checks(plan, channel, max(0.0, deadline - time.monotonic()))
+        return run_checks(plan, channel, max(0.0, deadline - time.monotonic()), entry_point)
     finally:
         for fd in (request_write, reply_read, pidfd):
             if fd is not None:
@@ -192,25 +193,62 @@ def score_stdio(
     return make_result(cfg, status, outcomes, code, started)
 
 
-def run_case(
-    code: str, stdin: str, expected: str, name: str, cfg: ScoreConfig, isolation: Isolation
-) -> TestOutcome:
-    deadline = time.monotonic() + cfg.timeout_s
+@dataclass
+class ScriptRun:
+    """One program run with stdin, as the worker saw it."""
+
+    exit_code: int | None  # None when the worker ended it (timeout, output cap)
+    stdout: str
+    stderr: str
+    timed_out: bool
+    overflow: bool
+    seconds: float
+    files: dict[str, bytes] = field(default_factory=dict)
+
+
+def _safe_relative(path: str) -> bool:
+    parts = path.split("/")
+    return bool(path) and not path.startswith("/") and ".." not in parts and "" not in parts[:-1]
+
+
+def run_script(
+    code: str,
+    stdin: str,
+    timeout_s: float,
+    isolation: Isolation,
+    files: dict[str, bytes] | None = None,
+    fetch: list[str] | None = None,
+) -> ScriptRun:
+    """Run `code` as __main__ in a fresh sandboxed process with `stdin`; optional input files are
+    written into (and `fetch` files read back from) the job's directory, relative paths only."""
+    started = time.monotonic()
+    deadline = started + timeout_s
     workdir = isolation.begin_job()
+    for name, content in (files or {}).items():
+        if not _safe_relative(name):
+            isolation.discard_job()
+            raise ValueError(f"file path {name!r} must be relative and stay inside the job directory")
+        target = os.path.join(workdir, name)
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        with open(target, "wb") as handle:
+            handle.write(content)
+        if isolation.is_root:  # the job's uid owns its inputs, as if it had written them itself
+            os.chown(target, isolation.uid, isolation.uid)
     stdin_read, stdin_write = os.pipe2(os.O_CLOEXEC)
     out_read, out_write = os.pipe2(os.O_CLOEXEC)
     err_read, err_write = os.pipe2(os.O_CLOEXEC)
     src_read, src_write = os.pipe2(os.O_CLOEXEC)
     pid = None
     pidfd = None
+    fetched: dict[str, bytes] = {}
     try:
         try:
             fds = [stdin_read, out_write, err_write, src_read]
-            pid = isolation.spawn("script", fds, cfg.timeout_s, workdir)
-        except SpawnError as error:
+            pid = isolation.spawn("script", fds, timeout_s, workdir)
+        except SpawnError:
             for fd in (stdin_write, out_read, err_read, src_write):
                 os.close(fd)
-            return TestOutcome(name, "error", f"sandbox failed to start: {error}")
+            raise
         finally:
             for fd in (stdin_read, out_write, err_write, src_read):
                 os.close(fd)
@@ -224,23 +262,101 @@ def run_case(
         for fd in (out_read, err_read):
             os.close(fd)
         exit_code = isolation.wait_exit(pid, deadline) if not (timed_out or overflow) else None
+        timed_out = timed_out or (exit_code is None and not overflow)
+        for name in fetch or []:
+            target = os.path.join(workdir, name)
+            if _safe_relative(name) and os.path.isfile(target) and not os.path.islink(target):
+                with open(target, "rb") as handle:
+                    fetched[name] = handle.read(isolation.limits.output_bytes)
     finally:
         if pidfd is not None:
             os.close(pidfd)
         if pid is not None:
             isolation.end_job(pid)
-    stdout = data.get(out_read, b"").decode(errors="replace")
-    stderr = data.get(err_read, b"").decode(errors="replace")
-    if timed_out or exit_code is None:
-        return TestOutcome(name, "timeout", f"no result within {cfg.timeout_s} s")
-    if overflow:
+        else:
+            isolation.discard_job()
+    return ScriptRun(
+        exit_code=exit_code,
+        stdout=data.get(out_read, b"").decode(errors="replace"),
+        stderr=data.get(err_read, b"").decode(errors="replace"),
+        timed_out=timed_out,
+        overflow=overflow,
+        seconds=time.monotonic() - started,
+        files=fetched,
+    )
+
+
+def run_case(
+    code: str, stdin: str, expected: str, name: str, cfg: ScoreConfig, isolation: Isolation
+) -> TestOutcome:
+    try:
+        run = run_script(code, stdin, cfg.timeout_s, isolation)
+    except SpawnError as error:
+        return TestOutcome(name, "error", f"sandbox failed to start: {error}")
+    if run.overflow:
         return TestOutcome(name, "error", f"output exceeded {isolation.limits.output_bytes} bytes")
-    if exit_code != 0:
-        tail = stderr.strip().splitlines()[-1:] or [""]
-        return TestOutcome(name, "error", f"exit code {exit_code}: {tail[0][:300]}")
-    if normalize_output(stdout) == normalize_output(expected):
+    if run.timed_out:
+        return TestOutcome(name, "timeout", f"no result within {cfg.timeout_s} s")
+    if run.exit_code != 0:
+        tail = run.stderr.strip().splitlines()[-1:] or [""]
+        return TestOutcome(name, "error", f"exit code {run.exit_code}: {tail[0][:300]}")
+    if normalize_output(run.stdout) == normalize_output(expected):
         return TestOutcome(name, "ok")
-    return TestOutcome(name, "fail", f"expected {expected[:100]!r}, got {stdout[:100]!r}")
+    return TestOutcome(name, "fail", f"expected {expected[:100]!r}, got {run.stdout[:100]!r}")
+
+
+# -- raw runs (the /run_code API) -----------------------------------------------------------------
+
+MAX_RUN_TIMEOUT_S = 60.0
+
+
+def run_code_request(request: dict, cfg: ScoreConfig, isolation: Isolation) -> dict:
+    """SandboxFusion's /run_code semantics for Python: run `code` with `stdin`, report status,
+    run_result (status Finished | TimeLimitExceeded | Error, execution_time, return_code, stdout,
+    stderr) and the requested files (base64)."""
+    language = request.get("language") or "python"
+    if language not in ("python", "python3"):
+        return _run_response("SandboxError", f"language {language!r} is not supported here (python only)")
+    try:
+        encoded = request.get("files") or {}
+        files = {name: base64.b64decode(content or "") for name, content in encoded.items()}
+        timeout_s = min(float(request.get("run_timeout") or cfg.timeout_s), MAX_RUN_TIMEOUT_S)
+        run = run_script(
+            str(request.get("code") or ""),
+            str(request.get("stdin") or ""),
+            timeout_s,
+            isolation,
+            files,
+            list(request.get("fetch_files") or []),
+        )
+    except (ValueError, TypeError, SpawnError) as error:
+        return _run_response("SandboxError", str(error))
+    stderr = run.stderr
+    if run.overflow:
+        stderr += f"\n[output exceeded {isolation.limits.output_bytes} bytes]"
+    result = {
+        "status": "TimeLimitExceeded" if run.timed_out else "Finished",
+        "execution_time": run.seconds,
+        "return_code": run.exit_code if run.exit_code is not None else (-9 if run.overflow else None),
+        "stdout": run.stdout,
+        "stderr": stderr,
+    }
+    ok = result["status"] == "Finished" and run.exit_code == 0
+    response = _run_response("Success" if ok else "Failed", "")
+    response["run_result"] = result
+    response["files"] = {name: base64.b64encode(data).decode() for name, data in run.files.items()}
+    return response
+
+
+def _run_response(status: str, message: str) -> dict:
+    return {
+        "status": status,
+        "message": message,
+        "compile_result": None,
+        "run_result": None,
+        "executor_pod_name": None,
+        "files": {},
+    }
 
 
 # -- math answers ----------------------------------------------------------------------------------

@@ -18,7 +18,7 @@ from schemas.config import ScoreConfig
 from ._runner import read_frame, write_frame
 from .isolation import SpawnError, choose_isolation
 from .process import probe_interpreter, run_probe
-from .scoring import score_job
+from .scoring import run_code_request, score_job
 
 
 def main() -> None:
@@ -49,7 +49,10 @@ def main() -> None:
         while (raw := read_frame(requests)) is not None:
             job = json.loads(raw)
             try:
-                result = score_job(job, cfg, isolation)
+                if job.get("op") == "run":
+                    result = run_code_request(job, cfg, isolation)
+                else:
+                    result = score_job(job, cfg, isolation)
             except Exception:  # a harness bug must not take the worker down with the whole batch
                 result = {"harness_error": traceback.format_exc()[-2000:]}
             write_frame(replies, json.dumps(result).encode())

@@ -64,9 +64,15 @@ def test_summarize_counts_and_skips_filtered_tokens() -> None:
     assert stats["mean_signed"] == pytest.approx(0.05)
 
 
-def test_factory_names() -> None:
+def test_factory_names(monkeypatch: pytest.MonkeyPatch) -> None:
+    from stages.generation import vllm_backend
+
     assert resolve_backend_name("hf") == "hf"
-    assert resolve_backend_name("auto") in ("hf", "vllm")
+    # "auto" asks whether vLLM imports; stubbed here because a real import of vLLM takes ~30 s.
+    monkeypatch.setattr(vllm_backend, "vllm_available", lambda: False)
+    assert resolve_backend_name("auto") == "hf"
+    monkeypatch.setattr(vllm_backend, "vllm_available", lambda: True)
+    assert resolve_backend_name("auto") == "vllm"
     with pytest.raises(ValueError, match="unknown generation backend"):
         resolve_backend_name("tgi")
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -11,9 +13,17 @@ def make_tiny_model(vocab_size: int = 16, seed: int = 0):  # noqa: ANN201 - a tr
 
     torch.manual_seed(seed)
     config = LlamaConfig(
-        vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=128, tie_word_embeddings=True, pad_token_id=0,
-        bos_token_id=1, eos_token_id=2,
+        vocab_size=vocab_size,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        tie_word_embeddings=True,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
     )
     model = LlamaForCausalLM(config)
     model.eval()
@@ -24,3 +34,33 @@ def make_tiny_model(vocab_size: int = 16, seed: int = 0):  # noqa: ANN201 - a tr
 def tiny_model():  # noqa: ANN201
     torch.set_num_threads(1)
     return make_tiny_model()
+
+
+@pytest.fixture
+def run_layout(tmp_path: Path):  # noqa: ANN201
+    """make(*overrides) -> a started run with prompts and the tiny base model; and the model dir."""
+    from flows.cli import start_run
+    from schemas.config import load_config
+    from stages import base_model
+    from stages.common import run_stage
+    from storage.layout import BASE
+
+    from .pipeline_helpers import save_tiny_model, write_prompts
+
+    model_dir = save_tiny_model(tmp_path / "tiny-model")
+    overrides = [
+        "run_id=t",
+        f"model.name_or_path={model_dir}",
+        "iterations=3",
+        "threads=1",
+        "train.lr=1e-2",
+        "generate.max_new_tokens=8",
+    ]
+
+    def make(*extra: str):  # noqa: ANN202 - a RunLayout
+        layout = start_run(load_config(None, [*overrides, *extra]), str(tmp_path / "root"))
+        run_stage("prompts", layout, BASE, write_prompts)
+        run_stage("base_model", layout, BASE, base_model.run)
+        return layout
+
+    return make, model_dir

@@ -11,9 +11,19 @@ from stages.advantage import build_batch, join_scores
 from stages.common import StageInputError
 
 
-def sample(prompt: str, idx: int, reward: float, num_tokens: int = 10, truncated: bool = False, round_: int = 0):
-    return {"run_id": "r", "iteration": 0, "round": round_, "prompt_id": prompt, "sample_idx": idx,
-            "reward": reward, "num_tokens": num_tokens, "truncated": truncated}
+def sample(
+    prompt: str, idx: int, reward: float, num_tokens: int = 10, truncated: bool = False, round_: int = 0
+):
+    return {
+        "run_id": "r",
+        "iteration": 0,
+        "round": round_,
+        "prompt_id": prompt,
+        "sample_idx": idx,
+        "reward": reward,
+        "num_tokens": num_tokens,
+        "truncated": truncated,
+    }
 
 
 def by_key(rows):
@@ -24,7 +34,8 @@ def test_grpo_batch_with_zero_variance_group():
     # a: [1, 0] -> +-0.5 / (0.5 + 1e-6); b: [1, 1] all equal -> dropped, advantage 0
     rows, metrics = build_batch(
         [sample("a", 0, 1.0), sample("a", 1, 0.0), sample("b", 0, 1.0), sample("b", 1, 1.0)],
-        AdvantageConfig(), max_new_tokens=96,
+        AdvantageConfig(),
+        max_new_tokens=96,
     )
     got = by_key(rows)
     assert got[(0, "a", 0)]["advantage"] == pytest.approx(0.5 / 0.500001)
@@ -40,13 +51,15 @@ def test_everything_equal_is_a_skipped_step():
     rows, metrics = build_batch([sample("a", 0, 0.0), sample("a", 1, 0.0)], AdvantageConfig(), 96)
     assert metrics["skipped"] is True and metrics["samples_kept"] == 0
     # with the zero-variance filter off, the group is kept but every advantage is 0: still skipped
-    rows, metrics = build_batch([sample("a", 0, 0.0), sample("a", 1, 0.0)],
-                                AdvantageConfig(drop_zero_variance_groups=False), 96)
+    rows, metrics = build_batch(
+        [sample("a", 0, 0.0), sample("a", 1, 0.0)], AdvantageConfig(drop_zero_variance_groups=False), 96
+    )
     assert metrics["skipped"] is True and metrics["samples_kept"] == 2
 
 
 def test_overlong_shaping_and_truncation_mask():
-    # max 100, buffer 20: length 90 -> -0.5, 100 -> -1 (and truncated). Shaped a: [1 - 0.5, 1 - 1, 1] = [.5, 0, 1]
+    # max 100, buffer 20: length 90 -> -0.5, 100 -> -1 (and truncated).
+    # Shaped a: [1 - 0.5, 1 - 1, 1] = [.5, 0, 1]
     cfg = AdvantageConfig(estimator="mean_centered", overlong_buffer=20, mask_truncated=True)
     rows, metrics = build_batch(
         [sample("a", 0, 1.0, 90), sample("a", 1, 1.0, 100, truncated=True), sample("a", 2, 1.0, 50)], cfg, 100

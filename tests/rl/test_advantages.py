@@ -38,7 +38,9 @@ def test_grpo_eps_is_added_to_std():
     np.testing.assert_allclose(grpo_advantages(np.array([0.0, 1.0]), eps=0.5), [-0.5, 0.5])
 
 
-@pytest.mark.parametrize("fn", [grpo_advantages, dr_grpo_advantages, rloo_advantages, mean_centered_advantages])
+@pytest.mark.parametrize(
+    "fn", [grpo_advantages, dr_grpo_advantages, rloo_advantages, mean_centered_advantages]
+)
 def test_all_equal_and_singleton_give_exact_zero(fn):
     assert fn(np.array([0.7, 0.7, 0.7])).tolist() == [0.0, 0.0, 0.0]
     assert fn(np.array([1.0])).tolist() == [0.0]
@@ -85,7 +87,9 @@ def test_reinforce_pp_baseline_batch_whitening():
 
 
 def test_reinforce_pp_keeps_all_equal_groups_at_exact_zero():
-    adv = compute_advantages("reinforce_pp_baseline", np.array([1.0, 0.0, 0.3, 0.3, 0.3]), np.array([0, 0, 1, 1, 1]))
+    adv = compute_advantages(
+        "reinforce_pp_baseline", np.array([1.0, 0.0, 0.3, 0.3, 0.3]), np.array([0, 0, 1, 1, 1])
+    )
     assert adv[2:].tolist() == [0.0, 0.0, 0.0]
     # centred [0.5, -0.5, 0, 0, 0]: mean 0, population std sqrt(0.5 / 5) = sqrt(0.1) -> +-0.5 / sqrt(0.1)
     np.testing.assert_allclose(adv[:2], [1.5811388, -1.5811388], rtol=1e-5)

@@ -34,7 +34,9 @@ def test_ppo_clip_loss_per_token():
     # token 2: A<0, r=1.1 -> max(1.1, 1.1) = 1.1 (inside the range)
     # token 3: A>0, r=0.7 -> max(-0.7, -0.8) = -0.7 (unclipped branch; no clip for A>0 below 1)
     logp = t([[LN(1.5), LN(0.5), LN(1.1), LN(0.7)]]).requires_grad_(True)
-    out = ppo_clip_loss(logp, torch.zeros_like(logp), t([[1.0, -1.0, -1.0, 1.0]]), clip_low=0.2, clip_high=0.28)
+    out = ppo_clip_loss(
+        logp, torch.zeros_like(logp), t([[1.0, -1.0, -1.0, 1.0]]), clip_low=0.2, clip_high=0.28
+    )
     torch.testing.assert_close(out.loss_BT, t([[-1.28, 0.8, 1.1, -0.7]]))
     assert out.clipped_high_BT.tolist() == [[1.0, 0.0, 0.0, 0.0]]
     assert out.clipped_low_BT.tolist() == [[0.0, 1.0, 0.0, 0.0]]
@@ -94,7 +96,9 @@ def test_aggregate_sum_norm_with_explicit_length():
     assert aggregate(VALUES, MASK, "seq-mean-token-sum-norm", norm_length=10).item() == pytest.approx(0.5)
 
 
-@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
+@pytest.mark.parametrize(
+    "mode", ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+)
 def test_micro_batches_add_up_to_the_minibatch(mode):
     # splitting rows into micro-batches and passing the minibatch totals gives the same scalar
     whole = aggregate(VALUES, MASK, mode, norm_length=3)
@@ -113,7 +117,8 @@ def test_aggregate_ignores_fully_masked_sequences():
 
 
 def test_kl_estimators():
-    # d = logp - ref = ln 2: k1 = ln 2 = 0.693147; k2 = (ln 2)^2 / 2 = 0.240227; k3 = 1/2 - 1 + ln 2 = 0.193147
+    # d = logp - ref = ln 2: k1 = ln 2 = 0.693147; k2 = (ln 2)^2 / 2 = 0.240227;
+    # k3 = 1/2 - 1 + ln 2 = 0.193147
     logp, ref = t([[LN(2.0)]]), t([[0.0]])
     assert kl_k1(logp, ref).item() == pytest.approx(0.693147, abs=1e-6)
     assert kl_k2(logp, ref).item() == pytest.approx(0.240227, abs=1e-6)
@@ -147,7 +152,8 @@ def test_rejection_modes():
     # token_k1 in [0.6, 1.6]: rejects the 2 and the 0.5
     keep = rejection_mask(old, behaviour, mask, ["token_k1"], ratio_low=0.6, ratio_high=1.6)
     assert keep.tolist() == [[0.0, 0.0, 1.0], [1.0, 1.0, 0.0]]
-    # seq_mean_k1: row 0 geometric mean exp((ln2 - ln2 + 0)/3) = 1 -> kept; row 1 = 1.2 -> rejected at high 1.1
+    # seq_mean_k1: row 0 geometric mean exp((ln2 - ln2 + 0)/3) = 1 -> kept;
+    # row 1 = 1.2 -> rejected at high 1.1
     keep = rejection_mask(old, behaviour, mask, ["seq_mean_k1"], ratio_low=0.9, ratio_high=1.1)
     assert keep.tolist() == [[1.0, 1.0, 1.0], [0.0, 0.0, 0.0]]
     # seq_sum_k1: row 0 product 1 kept; row 1 product 1.44 rejected at high 1.4

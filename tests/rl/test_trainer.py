@@ -1,4 +1,4 @@
-"""The update loop on a tiny real Llama: schedules, exact gradient accumulation, and learning on a toy task."""
+"""The update loop on a tiny real Llama: schedules, exact gradient accumulation, learning on a toy task."""
 
 from __future__ import annotations
 
@@ -67,8 +67,13 @@ def test_micro_batching_gives_the_same_gradient(aggregation):
 
 
 def test_micro_batching_with_rejection_and_is_weights():
-    kwargs = {"rejection": ["token_k1"], "rejection_ratio_low": 0.97, "rejection_ratio_high": 1.03,
-              "is_level": "sequence", "is_threshold": 1.02}
+    kwargs = {
+        "rejection": ["token_k1"],
+        "rejection_ratio_low": 0.97,
+        "rejection_ratio_high": 1.03,
+        "is_level": "sequence",
+        "is_threshold": 1.02,
+    }
     small = _grads_after_one_step(16, "token-mean", **kwargs)
     whole = _grads_after_one_step(4096, "token-mean", **kwargs)
     for a, b in zip(small, whole, strict=True):
@@ -79,8 +84,9 @@ def test_fast_path_equals_recomputed_old_logprobs():
     # one step: old logprobs from the training forward itself == a separate no-grad pass (rejection forces it
     # with a range so wide nothing is rejected)
     fast = _grads_after_one_step(4096, "token-mean")
-    recomputed = _grads_after_one_step(4096, "token-mean", rejection=["token_k1"], rejection_ratio_low=1e-9,
-                                       rejection_ratio_high=1e9)
+    recomputed = _grads_after_one_step(
+        4096, "token-mean", rejection=["token_k1"], rejection_ratio_low=1e-9, rejection_ratio_high=1e9
+    )
     for a, b in zip(fast, recomputed, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-8)
 
@@ -89,7 +95,9 @@ def test_metrics_row_and_multi_step():
     model = make_tiny_model()
     samples = _samples(model)
     cfg = TrainConfig(epochs=2, minibatches=3, lr=1e-3, clip_low=0.2, clip_high=0.28)
-    rows = PolicyTrainer(model, cfg, TorchStepper(model, make_adamw(model, cfg), 1.0), global_step=5).train(samples)
+    rows = PolicyTrainer(model, cfg, TorchStepper(model, make_adamw(model, cfg), 1.0), global_step=5).train(
+        samples
+    )
     assert [r["step"] for r in rows] == [5, 6, 7, 8, 9, 10]
     assert [r["epoch"] for r in rows] == [0, 0, 0, 1, 1, 1]
     assert sum(r["sequences"] for r in rows) == 12
@@ -148,7 +156,9 @@ def test_toy_problem_moves_policy_toward_reward(estimator):
                 samples.append(TrainSample(prompt, [token], [float(torch.log(probs[g, token]))], 0.0))
                 rewards.append(REWARD.get(token, 0.0))
                 groups.append(g)
-        advantages = compute_advantages(estimator, np.array(rewards), np.array(groups), lengths_N=np.ones(len(rewards)))
+        advantages = compute_advantages(
+            estimator, np.array(rewards), np.array(groups), lengths_N=np.ones(len(rewards))
+        )
         for sample, advantage in zip(samples, advantages, strict=True):
             sample.advantage = float(advantage)
         if np.any(advantages != 0):
@@ -172,7 +182,9 @@ def test_toy_problem_moves_policy_toward_reward(estimator):
 def test_toy_problem_loss_variants(overrides):
     model = make_tiny_model(seed=1)
     cfg = TrainConfig(lr=3e-2, max_grad_norm=10.0, **overrides)
-    trainer = PolicyTrainer(model, cfg, TorchStepper(model, make_adamw(model, cfg), cfg.max_grad_norm), norm_length=1)
+    trainer = PolicyTrainer(
+        model, cfg, TorchStepper(model, make_adamw(model, cfg), cfg.max_grad_norm), norm_length=1
+    )
     generator = torch.Generator().manual_seed(0)
     for iteration in range(12):
         probs = _answer_probs(model)

@@ -1,0 +1,204 @@
+"""Training throughput: the train stage's update vs a bare torch forward/backward/step loop, same batch.
+
+Both sides train SmolLM2-135M-Instruct (fp32, torch AdamW, one optimizer step over the whole batch, token-mean
+PPO-clip loss with one advantage per sequence) on the same synthetic batch: `--sequences` sequences of
+`--prompt-tokens` prompt tokens and up to `--response-tokens` response tokens (lengths vary, as rollouts do).
+
+  (a) bare: the loop a user would write: `model(input_ids).logits`, full `log_softmax` over the vocabulary,
+      `gather` of the sampled tokens, PPO-clip loss, `backward`, `clip_grad_norm_`, `AdamW.step`; the
+      micro-batches are the stage's (same packing, same padding), so both do the same model work;
+  (b) stage: `stages.rl.session.run_job`, the function the train stage calls: load, `PolicyTrainer.train`
+      (chunked LM head + log-softmax with recompute, the metrics), save the checkpoint and optimizer state.
+
+Tokens/s is non-padding tokens (prompt + response) per second of the update (load and save are timed apart
+and left out of both), by wall clock and per CPU-second of the process (all threads; on a shared machine
+the wall clock mostly measures the other jobs, CPU time much less so). Each measurement runs in its own
+fresh process, so each peak RSS is its own; the two sides alternate (`--repeats` times each), and the
+load average before and after each is printed with it. Target: (b) / (a) >= 0.9.
+
+Run: `.venv/bin/python -m benchmarks.train` (`--help` for the knobs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing
+import os
+import statistics
+import tempfile
+import time
+from typing import Any
+
+
+def synthetic_samples(n: int, prompt_tokens: int, response_tokens: int, vocab: int, seed: int) -> list[dict]:
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    samples = []
+    for i in range(n):
+        length = int(rng.integers(response_tokens // 2, response_tokens + 1))
+        samples.append(
+            {
+                "prompt_ids": rng.integers(10, vocab, size=prompt_tokens).tolist(),
+                "response_ids": rng.integers(10, vocab, size=length).tolist(),
+                "behaviour_logprobs": [-3.0] * length,
+                "advantage": 1.0 if i % 2 else -1.0,
+            }
+        )
+    return samples
+
+
+def peak_rss_mb() -> float:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def run_bare(model_dir: str, samples: list[dict], threads: int, budget: int) -> dict[str, Any]:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from stages.rl.logprobs import build_micro_batch, pack_by_tokens
+
+    torch.set_num_threads(threads)
+    torch.manual_seed(0)
+    started = time.monotonic()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model.train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6, foreach=True)
+    loaded = time.monotonic()
+    cpu_started = time.process_time()
+    prompts = [s["prompt_ids"] for s in samples]
+    responses = [s["response_ids"] for s in samples]
+    advantages = torch.tensor([s["advantage"] for s in samples])
+    total_tokens = sum(len(r) for r in responses)
+    tokens = 0
+    for indices in pack_by_tokens([len(p) + len(r) for p, r in zip(prompts, responses, strict=True)], budget):
+        micro = build_micro_batch(indices, prompts, responses)
+        logits = model(input_ids=micro.input_ids_BL, attention_mask=micro.attention_mask_BL).logits
+        logp_all = torch.log_softmax(logits.float(), dim=-1)
+        logp_BT = micro.to_BT(
+            logp_all[micro.rows_N, micro.positions_N].gather(-1, micro.targets_N[:, None])[:, 0]
+        )
+        mask_BT = micro.response_mask_BT()
+        ratio = torch.exp(logp_BT - logp_BT.detach())
+        adv_BT = advantages[indices][:, None]
+        loss_BT = torch.maximum(-adv_BT * ratio, -adv_BT * ratio.clamp(0.8, 1.2))
+        ((loss_BT * mask_BT).sum() / total_tokens).backward()
+        tokens += micro.tokens
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    trained = time.monotonic()
+    return {
+        "tokens": tokens,
+        "train_seconds": trained - loaded,
+        "train_cpu_seconds": time.process_time() - cpu_started,
+        "load_seconds": loaded - started,
+        "save_seconds": 0.0,
+        "peak_rss_mb": peak_rss_mb(),
+    }
+
+
+def run_stage(model_dir: str, samples: list[dict], threads: int, budget: int) -> dict[str, Any]:
+    from schemas.config import TrainConfig
+    from stages.rl.session import TrainJob, run_job
+
+    cfg = TrainConfig(lr=1e-6, micro_batch_tokens=budget)
+    with tempfile.TemporaryDirectory(prefix="rlpipe-bench-") as out:
+        job = TrainJob(
+            policy_dir=model_dir,
+            out_dir=out,
+            train=cfg.model_dump(mode="json"),
+            iteration=0,
+            threads=threads,
+            samples=samples,
+        )
+        rows, metrics = run_job(job)
+    return {
+        "tokens": sum(r["tokens"] for r in rows),
+        "train_seconds": metrics["train_seconds"],
+        "train_cpu_seconds": metrics["train_cpu_seconds"],
+        "load_seconds": metrics["load_seconds"],
+        "save_seconds": metrics["save_seconds"],
+        "peak_rss_mb": metrics["peak_rss_mb"],
+    }
+
+
+def _child(name: str, args: tuple, queue: multiprocessing.Queue) -> None:
+    queue.put((run_bare if name == "bare" else run_stage)(*args))
+
+
+def measure(name: str, args: tuple) -> dict[str, Any]:
+    context = multiprocessing.get_context("spawn")
+    queue = context.Queue()
+    load_before = os.getloadavg()[0]
+    process = context.Process(target=_child, args=(name, args, queue))
+    process.start()
+    result = queue.get()
+    process.join()
+    result.update(name=name, load_before=load_before, load_after=os.getloadavg()[0])
+    result["tokens_per_second"] = result["tokens"] / result["train_seconds"]
+    result["tokens_per_cpu_second"] = result["tokens"] / result["train_cpu_seconds"]
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument(
+        "--model", default=None, help="HF model dir (default: the converted SmolLM2-135M-Instruct)"
+    )
+    parser.add_argument("--sequences", type=int, default=16)
+    parser.add_argument("--prompt-tokens", type=int, default=128)
+    parser.add_argument("--response-tokens", type=int, default=96)
+    parser.add_argument("--micro-batch-tokens", type=int, default=2048)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=1)
+    args = parser.parse_args()
+
+    if args.model is None:
+        from schemas.config import ModelConfig
+        from stages.models import resolve_model
+
+        args.model = str(resolve_model(ModelConfig()))
+    from transformers import AutoConfig
+
+    vocab = AutoConfig.from_pretrained(args.model).vocab_size
+    samples = synthetic_samples(args.sequences, args.prompt_tokens, args.response_tokens, vocab, seed=0)
+    child_args = (args.model, samples, args.threads, args.micro_batch_tokens)
+    results: dict[str, list[dict]] = {"bare": [], "stage": []}
+    for _ in range(args.repeats):
+        for name in ("bare", "stage"):
+            result = measure(name, child_args)
+            results[name].append(result)
+            print(
+                f"{name:<6} {result['tokens']:>6} tok  {result['train_seconds']:>7.1f} s wall "
+                f"{result['tokens_per_second']:>6.1f} tok/s  {result['train_cpu_seconds']:>7.1f} s CPU "
+                f"{result['tokens_per_cpu_second']:>6.1f} tok/CPU-s  "
+                f"peak RSS {result['peak_rss_mb']:>6.0f} MB  "
+                f"load/save {result['load_seconds']:.1f}/{result['save_seconds']:.1f} s  "
+                f"loadavg {result['load_before']:.1f} -> {result['load_after']:.1f}",
+                flush=True,
+            )
+    print(
+        f"\nbatch: {args.sequences} sequences x ({args.prompt_tokens} prompt + <= {args.response_tokens} "
+        f"response) tokens, {args.threads} threads, micro-batch budget {args.micro_batch_tokens} tokens"
+    )
+    summary = {}
+    for name in ("bare", "stage"):
+        runs = results[name]
+        summary[name] = (
+            statistics.median(r["tokens_per_second"] for r in runs),
+            statistics.median(r["tokens_per_cpu_second"] for r in runs),
+        )
+        print(
+            f"{name:<6} {summary[name][0]:6.1f} tok/s wall  {summary[name][1]:6.1f} tok/CPU-s  "
+            f"peak RSS {max(r['peak_rss_mb'] for r in runs):.0f} MB  (median of {len(runs)})"
+        )
+    wall = summary["stage"][0] / summary["bare"][0]
+    cpu = summary["stage"][1] / summary["bare"][1]
+    print(f"ratio stage / bare: {wall:.2f} wall-clock, {cpu:.2f} per CPU-second (target >= 0.9)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,267 @@
+"""Running rlpipe as a team: a Prefect server, work pools with workers, and the deployments of prefect.yaml.
+
+`rlpipe server` starts a Prefect server on 127.0.0.1 (for people without Prefect Cloud), creates the work
+pools that deployments/prefect.yaml names, and starts one worker per pool on this machine; `rlpipe deploy`
+registers the deployments with `prefect deploy` (optionally scheduling one run to advance by an iteration per
+trigger). Other machines join by starting a worker of their pool against the same server (README, "Running as
+a team"); the storage root (S3) is the only thing the machines share.
+
+Everything here is a plain function around Prefect's own CLI and client, so that tests can start the same
+pieces the commands start, and tear them down: every child is started in its own process group and
+`stop_processes` ends each group, never anything by name.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from schemas.config import ConfigError
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+PREFECT_YAML = REPO_ROOT / "deployments" / "prefect.yaml"
+# The deployment a schedule drives: the `iteration` flow with no iteration advances the run by the next one.
+SCHEDULED_DEPLOYMENT = "advance"
+PREFECT_QUIET = {"PREFECT_SERVER_ANALYTICS_ENABLED": "false", "DO_NOT_TRACK": "1"}
+
+
+class DeployError(RuntimeError):
+    pass
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The pull step workers run before each flow run
+
+
+def enter_checkout(directory: str | None = None) -> dict[str, str]:
+    """Prefect pull step: work from this machine's rlpipe checkout.
+
+    `$RLPIPE_HOME` when set, else the checkout the installed `flows` package lives in. Each worker machine
+    has its own checkout (or install) of the same rlpipe version, so nothing is copied at run time and the
+    path on the machine that ran `prefect deploy` does not matter.
+    """
+    target = Path(directory or os.environ.get("RLPIPE_HOME") or REPO_ROOT).expanduser().resolve()
+    if not (target / "flows" / "pipeline.py").is_file():
+        raise DeployError(f"{target} is not an rlpipe checkout (no flows/pipeline.py); set RLPIPE_HOME on the worker")
+    os.chdir(target)
+    return {"directory": str(target)}
+
+
+# ---------------------------------------------------------------------------------------------------------
+# prefect.yaml
+
+
+def load_spec(path: Path = PREFECT_YAML) -> dict[str, Any]:
+    return yaml.safe_load(path.read_text())
+
+
+def deployment_pools(spec: dict[str, Any]) -> dict[str, str]:
+    """Deployment name -> work pool name."""
+    return {d["name"]: d["work_pool"]["name"] for d in spec["deployments"]}
+
+
+def pool_names(spec: dict[str, Any]) -> list[str]:
+    return sorted(set(deployment_pools(spec).values()))
+
+
+def render_spec(spec: dict[str, Any], run_id: str | None, root: str | None, every_s: float | None) -> dict[str, Any]:
+    """The spec with the scheduled deployment bound to one run, and its schedule on when `every_s` is given."""
+    rendered = copy.deepcopy(spec)
+    if run_id is None:
+        if every_s is not None:
+            raise ConfigError("a schedule advances one run: give --run-id and --root with --every")
+        return rendered
+    if not root:
+        raise ConfigError("--run-id needs --root (the storage root the run lives in, e.g. s3://bucket/prefix)")
+    (scheduled,) = [d for d in rendered["deployments"] if d["name"] == SCHEDULED_DEPLOYMENT]
+    scheduled["parameters"] = {**scheduled.get("parameters", {}), "root": root, "run_id": run_id}
+    if every_s is not None:
+        scheduled["schedules"] = [{"interval": every_s, "active": True}]
+    return rendered
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Processes: server, workers, prefect deploy
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as probe:
+        probe.bind((host, 0))
+        return probe.getsockname()[1]
+
+
+def prefect_executable() -> list[str]:
+    return [sys.executable, "-m", "prefect"]
+
+
+def client_environment(api_url: str, home: Path | None = None, extra: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment of a process that talks to the server at `api_url` (workers, `prefect deploy`)."""
+    env = {**os.environ, **PREFECT_QUIET, "PREFECT_API_URL": api_url, **(extra or {})}
+    # A server is given: never start a temporary one (flows/prefect_env.py turns that on for the local case).
+    env["PREFECT_SERVER_EPHEMERAL_ENABLED"] = "false"
+    if home is not None:
+        env["PREFECT_HOME"] = str(home)
+    return env
+
+
+def _spawn(command: list[str], env: dict[str, str], log_path: Path | None, cwd: Path = REPO_ROOT) -> subprocess.Popen:
+    output = open(log_path, "ab") if log_path else subprocess.DEVNULL  # noqa: SIM115 - the child owns it
+    try:
+        # A process group of its own, so that stopping it stops everything it started.
+        return subprocess.Popen(command, env=env, cwd=cwd, stdout=output, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+    finally:
+        if log_path:
+            output.close()
+
+
+def start_server(host: str, port: int, home: Path, log_path: Path | None = None, ui: bool = False) -> subprocess.Popen:
+    env = {**os.environ, **PREFECT_QUIET, "PREFECT_HOME": str(home), "PREFECT_UI_ENABLED": str(ui).lower()}
+    env.pop("PREFECT_API_URL", None)
+    home.mkdir(parents=True, exist_ok=True)
+    command = [*prefect_executable(), "server", "start", "--host", host, "--port", str(port), "--analytics-off"]
+    return _spawn(command, env, log_path)
+
+
+def api_url_for(host: str, port: int) -> str:
+    return f"http://{host}:{port}/api"
+
+
+def wait_healthy(api_url: str, timeout_s: float, process: subprocess.Popen | None = None) -> float:
+    """Seconds until `GET /health` answers; raises if the server process dies or the time runs out."""
+    import httpx
+
+    started = time.monotonic()
+    while time.monotonic() - started < timeout_s:
+        if process is not None and process.poll() is not None:
+            raise DeployError(f"the Prefect server exited with code {process.returncode} before it was healthy")
+        try:
+            if httpx.get(f"{api_url}/health", timeout=5).status_code == 200:
+                return time.monotonic() - started
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)
+    raise DeployError(f"the Prefect server at {api_url} was not healthy after {timeout_s:.0f}s")
+
+
+def ensure_work_pools(names: Iterable[str], pool_type: str = "process") -> list[str]:
+    """Create the pools that do not exist yet (server from $PREFECT_API_URL); returns those created."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.actions import WorkPoolCreate
+    from prefect.exceptions import ObjectAlreadyExists, ObjectNotFound
+    from prefect.workers.base import BaseWorker
+
+    created = []
+    with get_client(sync_client=True) as client:
+        for name in names:
+            try:
+                client.read_work_pool(name)
+                continue
+            except ObjectNotFound:
+                pass
+            worker_class = BaseWorker.get_worker_class_from_type(pool_type)
+            if worker_class is None:
+                raise DeployError(f"no worker type {pool_type!r} is installed here to create pool {name!r}")
+            template = worker_class.get_default_base_job_template()
+            try:
+                client.create_work_pool(WorkPoolCreate(name=name, type=pool_type, base_job_template=template))
+                created.append(name)
+            except ObjectAlreadyExists:
+                pass  # another `rlpipe deploy` created it in the meantime
+    return created
+
+
+def start_worker(pool: str, env: dict[str, str], log_path: Path | None = None, limit: int | None = None,
+                 name: str | None = None) -> subprocess.Popen:
+    command = [*prefect_executable(), "worker", "start", "--pool", pool, "--type", "process"]
+    command += ["--name", name or f"{pool}-{socket.gethostname()}-{os.getpid()}"]
+    if limit is not None:
+        command += ["--limit", str(limit)]
+    return _spawn(command, env, log_path)
+
+
+def stop_processes(processes: Iterable[subprocess.Popen], grace_s: float = 15.0) -> None:
+    """SIGTERM each process group, then SIGKILL what is left after `grace_s`."""
+    processes = [p for p in processes if p is not None]
+    for process in processes:
+        if process.poll() is None:
+            try:
+                os.killpg(process.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+    deadline = time.monotonic() + grace_s
+    for process in processes:
+        try:
+            process.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pass
+        # Children of the group may outlive its leader (a flow run a worker started): kill the group always.
+        try:
+            os.killpg(process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        process.wait()
+
+
+def run_prefect_deploy(spec: dict[str, Any], env: dict[str, str], timeout_s: float = 600) -> str:
+    """`prefect deploy --all` for `spec` (written to a temporary prefect.yaml); returns its output."""
+    with tempfile.NamedTemporaryFile("w", suffix=".yaml", prefix="rlpipe-prefect-", delete=False) as handle:
+        yaml.safe_dump(spec, handle, sort_keys=False)
+        spec_path = handle.name
+    try:
+        command = [*prefect_executable(), "--no-prompt", "deploy", "--all", "--prefect-file", spec_path]
+        completed = subprocess.run(command, env=env, cwd=REPO_ROOT, capture_output=True, text=True, timeout=timeout_s)
+    finally:
+        os.unlink(spec_path)
+    output = completed.stdout + completed.stderr
+    # `prefect deploy` only warns about a spec it cannot validate, and exits 0 having deployed nothing.
+    if completed.returncode != 0 or "Skipping" in output:
+        raise DeployError(f"prefect deploy failed (exit code {completed.returncode}):\n{output[-4000:]}")
+    return output
+
+
+def deployed_names(api_url: str) -> set[str]:
+    """'flow/deployment' of every deployment on the server at `api_url`."""
+    import httpx
+
+    flows = httpx.post(f"{api_url}/flows/filter", json={}, timeout=30).json()
+    names = {f["id"]: f["name"] for f in flows}
+    deployments = httpx.post(f"{api_url}/deployments/filter", json={}, timeout=30).json()
+    return {f"{names.get(d['flow_id'], '?')}/{d['name']}" for d in deployments}
+
+
+def entrypoint_flow(entrypoint: str) -> Any:
+    """The flow object an entrypoint `path/to/module.py:function` (relative to the checkout) names."""
+    import importlib
+
+    path, _, function = entrypoint.partition(":")
+    module = importlib.import_module(path.removesuffix(".py").replace("/", "."))
+    return getattr(module, function)
+
+
+def expected_names(spec: dict[str, Any]) -> set[str]:
+    """'flow/deployment' for each deployment of `spec`."""
+    return {f"{entrypoint_flow(d['entrypoint']).name}/{d['name']}" for d in spec["deployments"]}
+
+
+def deploy(api_url: str, spec: dict[str, Any], pool_type: str = "process") -> set[str]:
+    """Create the pools `spec` names, deploy every deployment, check the server lists them all."""
+    env = client_environment(api_url)
+    os.environ.update({"PREFECT_API_URL": api_url, "PREFECT_SERVER_EPHEMERAL_ENABLED": "false"})
+    ensure_work_pools(pool_names(spec), pool_type)
+    run_prefect_deploy(spec, env)
+    missing = expected_names(spec) - deployed_names(api_url)
+    if missing:
+        raise DeployError(f"prefect deploy finished, but the server lacks deployments {sorted(missing)}")
+    return expected_names(spec)

@@ -1,0 +1,378 @@
+"""The inspection commands of `rlpipe`: query, show, lineage, report. Read-only over the run history.
+
+    rlpipe query "SQL" [--run RUN ...] [--out FILE.csv|FILE.parquet] [--max-rows N] [--root ROOT]
+    rlpipe show RUN ITER PROMPT SAMPLE [--round R] [--root ROOT]
+    rlpipe lineage RUN [ITER] [--quick] [--json] [--root ROOT]
+    rlpipe report RUN [--out FILE] [--root ROOT]
+
+`add_inspect_commands(subparsers, common)` registers them on the main parser (flows/cli.py). None of them
+imports Prefect, torch or Great Expectations, so they start fast. Exit codes: 0 fine, 1 lineage found a
+problem, 2 bad arguments or SQL (the message says which).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+from collections.abc import Callable
+from typing import Any
+
+from rich.console import Console, Group
+from rich.panel import Panel
+from rich.syntax import Syntax
+from rich.table import Table
+from rich.text import Text
+
+console = Console()
+err_console = Console(stderr=True)
+DEFAULT_ROOT = "./rlpipe-data"  # the same default as flows/cli.py
+
+
+def _root(args: argparse.Namespace) -> str:
+    return args.root or os.environ.get("RLPIPE_ROOT") or DEFAULT_ROOT
+
+
+# --- query ---------------------------------------------------------------------------------------------------
+
+
+def format_cell(value: Any, width: int = 80) -> str:
+    """A result cell as short text: lists as their length, long strings cut, floats to 6 significant digits."""
+    if value is None:
+        return "NULL"
+    if isinstance(value, float):
+        return f"{value:.6g}" if math.isfinite(value) else str(value)
+    if isinstance(value, list | tuple):
+        return f"[{len(value)} items]"
+    if isinstance(value, dict):
+        value = json.dumps(value, default=str)
+    text = str(value).replace("\n", "⏎")
+    return text if len(text) <= width else text[: width - 1] + "…"
+
+
+def run_query(root: str, sql: str, runs: list[str] | None = None, out: str | None = None,
+              max_rows: int = 50) -> tuple[Any, bool]:
+    """Run `sql` over the catalog: write all rows to `out` (CSV or Parquet, by extension) when given, and
+    return (the first `max_rows` rows as an Arrow table, whether there are more)."""
+    from storage.catalog import Catalog
+
+    sql = sql.strip().rstrip(";")
+    with Catalog(root, runs) as catalog:
+        for skipped in catalog.skipped:
+            err_console.print(f"[dim]not read: {skipped.path} ({skipped.reason})[/]")
+        if out:
+            fmt = "parquet" if out.endswith(".parquet") else "csv"
+            options = "FORMAT parquet, COMPRESSION zstd" if fmt == "parquet" else "FORMAT csv, HEADER true"
+            target = out.replace("'", "''")
+            # COPY streams the result to the file (local, or s3:// through the registered file system).
+            catalog.con.execute(f"COPY ({sql}) TO '{target}' ({options})")
+        head = catalog.sql(f"SELECT * FROM ({sql}) LIMIT {int(max_rows) + 1}").to_arrow_table()
+    return head.slice(0, max_rows), head.num_rows > max_rows
+
+
+def query_table(head: Any, more: bool, vertical: bool | None = None) -> Table | Group:
+    """A result as a table, or, when it has too many columns to read across, one block per row."""
+    caption = (f"first {head.num_rows} rows shown; more rows exist (use --out to get them all)" if more
+               else f"{head.num_rows} row{'s' if head.num_rows != 1 else ''}")
+    if vertical is None:
+        vertical = len(head.column_names) > max(console.width // 14, 6)
+    if vertical:
+        blocks: list[Any] = []
+        for number, row in enumerate(head.to_pylist()):
+            grid = Table.grid(padding=(0, 2))
+            grid.add_column(style="bold")
+            grid.add_column(overflow="fold")
+            for name, value in row.items():
+                grid.add_row(name, format_cell(value, width=200))
+            blocks.append(Panel(grid, title=f"row {number + 1}", title_align="left"))
+        return Group(*blocks, Text(caption, style="dim"))
+    table = Table(show_lines=False, caption=caption)
+    for name in head.column_names:
+        table.add_column(name, overflow="fold")
+    for row in head.to_pylist():
+        table.add_row(*[format_cell(v) for v in row.values()])
+    return table
+
+
+def cmd_query(args: argparse.Namespace) -> int:
+    import duckdb
+
+    try:
+        head, more = run_query(_root(args), args.sql, args.run or None, args.out, args.max_rows)
+    except duckdb.Error as error:
+        err_console.print(f"[red]query failed: {error}[/]")
+        return 2
+    console.print(query_table(head, more, True if args.vertical else None))
+    if args.out:
+        console.print(f"wrote {args.out}")
+    return 0
+
+
+# --- show ----------------------------------------------------------------------------------------------------
+
+
+class SampleNotFound(LookupError):
+    pass
+
+
+def sample_story(root: str, run_id: str, iteration: int, prompt: str, sample_idx: int,
+                 round_: int | None = None) -> list[dict[str, Any]]:
+    """The samples-view rows (one per generation round) of one sample, with its prompt's messages and spec.
+
+    `prompt` may be a unique prefix of the prompt id.
+    """
+    from storage.catalog import Catalog
+
+    with Catalog(root, [run_id]) as catalog:
+        ids = [r["prompt_id"] for r in catalog.rows(
+            """SELECT DISTINCT prompt_id FROM rollouts
+               WHERE run_id = $run AND iteration = $it AND starts_with(prompt_id, $prompt) ORDER BY 1""",
+            {"run": run_id, "it": iteration, "prompt": prompt})]
+        if not ids:
+            raise SampleNotFound(f"run {run_id} iteration {iteration} has no rollouts of a prompt {prompt!r}")
+        if len(ids) > 1:
+            raise SampleNotFound(f"prompt {prompt!r} is ambiguous in run {run_id} iteration {iteration}: {ids}")
+        rows = catalog.rows(
+            """SELECT s.*, p.messages, p.reward_spec, p.dataset,
+                      c.url AS generated_by_path, t.url AS trained_into_path
+               FROM samples s
+               LEFT JOIN (SELECT DISTINCT ON (run_id, prompt_id) * FROM prompts ORDER BY run_id, prompt_id, split)
+                 p ON p.run_id = s.run_id AND p.prompt_id = s.prompt_id
+               LEFT JOIN checkpoints c ON c.run_id = s.run_id AND c.checkpoint = s.generated_by
+               LEFT JOIN checkpoints t ON t.run_id = s.run_id AND t.checkpoint = s.trained_into
+               WHERE s.run_id = $run AND s.iteration = $it AND s.prompt_id = $pid AND s.sample_idx = $idx
+                 AND ($round IS NULL OR s.round = $round)
+               ORDER BY s.round""",
+            {"run": run_id, "it": iteration, "pid": ids[0], "idx": sample_idx, "round": round_})
+    if not rows:
+        raise SampleNotFound(f"run {run_id} iteration {iteration} prompt {ids[0]} has no sample {sample_idx}"
+                             + (f" in round {round_}" if round_ is not None else ""))
+    return rows
+
+
+def _messages(text: str | None) -> Text:
+    out = Text()
+    try:
+        items = json.loads(text or "[]")
+    except json.JSONDecodeError:
+        return Text(text or "")
+    for message in items:
+        out.append(f"{message.get('role', '?')}: ", style="bold cyan")
+        out.append(f"{message.get('content', '')}\n")
+    return out
+
+
+def _tests_table(tests: str | None) -> Table | Text:
+    try:
+        items = json.loads(tests or "[]")
+    except json.JSONDecodeError:
+        return Text(tests or "")
+    if not items:
+        return Text("no tests were run (no code was found, or the spec has none)", style="dim")
+    table = Table(show_header=True, header_style="bold", box=None, pad_edge=False)
+    for column in ("", "test", "status", "message"):
+        table.add_column(column, overflow="fold")
+    for test in items:
+        mark = "[green]✓[/]" if test.get("passed") else "[red]✗[/]"
+        table.add_row(mark, str(test.get("name", "")), str(test.get("status", "")), str(test.get("message") or ""))
+    return table
+
+
+def render_story(row: dict[str, Any]) -> Group:
+    """Everything about one sample, top to bottom: where it came from, what it said, how it scored."""
+    sha = (row.get("policy_version") or "")[:12]
+    generated = f"{row.get('generated_by') or 'unknown checkpoint'} (sha {sha})"
+    if row.get("trained_into"):
+        used = ("in the loss (kept)" if row.get("kept") else
+                f"[yellow]not in the loss: dropped, {row.get('drop_reason')}[/]")
+        trained = f"{row['trained_into']} (sha {(row.get('trained_into_sha256') or '')[:12]}), {used}"
+    else:
+        trained = "[dim]not trained on yet (no checkpoint of this iteration names this batch as its input)[/]"
+    spec = {}
+    try:
+        spec = json.loads(row.get("reward_spec") or "{}")
+    except json.JSONDecodeError:
+        pass
+    header = Table.grid(padding=(0, 2))
+    header.add_column(style="bold")
+    header.add_column()
+    header.add_row("sample", f"run {row['run_id']} · iteration {row['iteration']} · round {row['round']} · "
+                             f"prompt {row['prompt_id']} · sample {row['sample_idx']}")
+    header.add_row("prompt", f"{row.get('dataset') or '?'} · reward kind {spec.get('kind', '?')}")
+    header.add_row("generated by", generated)
+    header.add_row("trained into", trained)
+    header.add_row("generation", f"{row.get('num_tokens')} tokens · finish {row.get('finish_reason')} · "
+                                 f"seed {row.get('seed')} · backend {row.get('backend')}")
+    reward = row.get("reward")
+    reward_style = "green" if reward is not None and reward >= 1 else ("red" if not reward else "yellow")
+    score = Table.grid(padding=(0, 2))
+    score.add_column(style="bold")
+    score.add_column()
+    sandbox = format_cell(row.get("sandbox_seconds"))
+    score.add_row("reward", f"[{reward_style}]{format_cell(reward)}[/] · {row.get('passed')}/{row.get('total')} "
+                            f"tests passed · status {row.get('status')} · sandbox {sandbox} s")
+    if row.get("advantage") is not None:
+        score.add_row("advantage", f"{format_cell(row.get('advantage'))} (shaped reward "
+                                   f"{format_cell(row.get('shaped_reward'))}; group of {row.get('group_size')}: mean "
+                                   f"{format_cell(row.get('group_mean'))}, std {format_cell(row.get('group_std'))})")
+    else:
+        score.add_row("advantage", "[dim]no batch row yet (advantage stage not run)[/]")
+    code = row.get("code")
+    parts = [
+        header,
+        Panel(_messages(row.get("messages")), title="prompt", title_align="left"),
+        Panel(Text(row.get("response_text") or ""), title="response", title_align="left"),
+        Panel(Syntax(code, "python", word_wrap=True) if code else Text("no code extracted", style="dim"),
+              title="extracted code", title_align="left"),
+        Panel(_tests_table(row.get("tests")), title="tests", title_align="left"),
+        score,
+    ]
+    return Group(*parts)
+
+
+def cmd_show(args: argparse.Namespace) -> int:
+    try:
+        rows = sample_story(_root(args), args.run, args.iter, args.prompt, args.sample, args.round)
+    except SampleNotFound as error:
+        err_console.print(f"[red]{error}[/]")
+        return 2
+    for row in rows:
+        console.print(render_story(row))
+    return 0
+
+
+# --- lineage -------------------------------------------------------------------------------------------------
+
+
+def latest_iteration(root: str, run_id: str) -> int:
+    from storage.catalog import list_outputs
+
+    listing = list_outputs(root, [run_id])
+    iterations = [e.iteration for e in listing.checkpoints if e.iteration is not None and e.iteration >= 0]
+    iterations = iterations or [e.iteration for e in listing.all_entries() if e.iteration is not None]
+    if not iterations:
+        raise FileNotFoundError(f"run {run_id} has no outputs under {root}")
+    return max(iterations)
+
+
+def lineage_lines(result: Any) -> list[Text]:
+    """One line per output, oldest first: check mark, output, what it is, hash, what it was made from."""
+    from storage.lineage import describe
+
+    marks = {"ok": ("✓", "green"), "missing": ("✗", "red"), "modified": ("✗", "red"), "unverified": ("?", "yellow")}
+    data = ", ".join(f"{k}={v}" for k, v in result.data.items() if k in ("train", "test"))
+    title = f"lineage of run {result.run_id}, iteration {result.iteration}" + (f" (data: {data})" if data else "")
+    lines = [Text(title, style="bold")]
+    for node in result.nodes:
+        mark, style = marks.get(node.check, ("·", "dim"))
+        line = Text(f"  {mark} ", style=style)
+        line.append(f"{node.label:<24}", style="bold")
+        line.append(f" {node.manifest.sha256[:12]}  ", style="dim")
+        line.append(describe(node))
+        if node.inputs:
+            made_from = ", ".join(label or f"{name}: unresolved" for name, label in sorted(node.inputs.items()))
+            line.append(f"  ← {made_from}", style="cyan" if all(node.inputs.values()) else "red")
+        if node.check not in ("ok", "not checked"):
+            line.append(f"  [{node.check}]", style=style)
+        lines.append(line)
+    return lines
+
+
+def cmd_lineage(args: argparse.Namespace) -> int:
+    from storage.lineage import lineage, to_json
+
+    root = _root(args)
+    try:
+        iteration = args.iter if args.iter is not None else latest_iteration(root, args.run)
+        result = lineage(root, args.run, iteration, mode="size" if args.quick else "hash")
+    except FileNotFoundError as error:
+        err_console.print(f"[red]{error}[/]")
+        return 2
+    if args.json:
+        print(to_json(result))
+        return 0 if result.ok else 1
+    for line in lineage_lines(result):
+        console.print(line, soft_wrap=True)
+    for warning in result.warnings:
+        console.print(f"[yellow]! {warning}[/]")
+    for problem in result.problems:
+        console.print(f"[red]✗ {problem}[/]")
+    hashed = sum(n.hashed_bytes for n in result.nodes)
+    if result.ok:
+        how = "sizes checked" if args.quick else f"{hashed / 1e6:.1f} MB hashed"
+        console.print(f"[green]✓ every file of the chain matches its manifest ({len(result.nodes)} outputs, {how})[/]")
+        return 0
+    console.print(f"[red]{len(result.problems)} problem(s) in the lineage of {args.run} iteration {iteration}[/]")
+    return 1
+
+
+# --- report --------------------------------------------------------------------------------------------------
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from reports.html import build_report, write_report
+
+    root = _root(args)
+    if args.out:
+        with open(args.out, "w", encoding="utf-8") as handle:
+            handle.write(build_report(root, args.run))
+        path = args.out
+    else:
+        path = write_report(root, args.run)
+    console.print(f"wrote {path}")
+    return 0
+
+
+# --- registration --------------------------------------------------------------------------------------------
+
+
+def add_inspect_commands(
+    commands: argparse._SubParsersAction, common: Callable[[argparse.ArgumentParser], None]
+) -> None:
+    """Register query, show, lineage and report on `rlpipe`'s subcommands (`common` adds --root)."""
+    query = commands.add_parser("query", help="SQL over every run's tables (DuckDB)")
+    query.add_argument("sql", help="e.g. \"SELECT iteration, avg(reward) FROM scores GROUP BY 1 ORDER BY 1\"")
+    query.add_argument("--run", action="append", default=[], help="only these runs (repeatable; default all)")
+    query.add_argument("--out", help="write all rows to this .csv or .parquet file")
+    query.add_argument("--max-rows", type=int, default=50, help="rows to print (default 50)")
+    query.add_argument("--vertical", action="store_true", help="one block per row (automatic for wide results)")
+    common(query)
+    query.set_defaults(func=cmd_query)
+
+    show = commands.add_parser("show", help="one sample's full story")
+    show.add_argument("run")
+    show.add_argument("iter", type=int)
+    show.add_argument("prompt", help="prompt id (a unique prefix is enough)")
+    show.add_argument("sample", type=int, help="sample index")
+    show.add_argument("--round", type=int, help="generation round (default: all)")
+    common(show)
+    show.set_defaults(func=cmd_show)
+
+    lineage = commands.add_parser("lineage", help="the chain from base model and data to a checkpoint, verified")
+    lineage.add_argument("run")
+    lineage.add_argument("iter", type=int, nargs="?", help="iteration (default: the latest with a checkpoint)")
+    lineage.add_argument("--quick", action="store_true", help="compare sizes instead of hashing contents")
+    lineage.add_argument("--json", action="store_true", help="print the lineage as JSON")
+    common(lineage)
+    lineage.set_defaults(func=cmd_lineage)
+
+    report = commands.add_parser("report", help="write the run's HTML report (runs/<run>/report.html)")
+    report.add_argument("run")
+    report.add_argument("--out", help="write here instead of into the run directory")
+    common(report)
+    report.set_defaults(func=cmd_report)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run only the inspection commands (what `rlpipe` does once flows/cli.py registers them)."""
+    parser = argparse.ArgumentParser(prog="rlpipe")
+    commands = parser.add_subparsers(dest="command", required=True)
+    add_inspect_commands(commands, lambda p: p.add_argument("--root"))
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,354 @@
+"""`rlpipe report RUN`: one self-contained HTML page about a run, read through the catalog.
+
+Sections: reward and solve rate per iteration; held-out pass@k and greedy accuracy per iteration (base
+model included, as iteration -1); response length and truncation; clip fractions, KL and entropy per
+optimizer step; the sandbox's status mix; time per stage; the best and worst samples of the last
+iteration. Plots are inline SVG (reports/svg.py); there are no external assets, so the file renders
+offline, from S3, or as a CI artifact, and one inline script only marks each chart as laid out (for tests).
+
+`collect` gathers the numbers (testable on their own); `render` turns them into HTML; `write_report`
+writes `runs/<run>/report.html` atomically (local or S3). The flow calls it at the end of every iteration.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from html import escape
+from typing import Any
+
+import yaml
+
+from reports.svg import STATUS_COLOURS, Series, line_chart, stacked_bar_chart
+from schemas.config import ConfigError, RunConfig, parse_config
+from storage.catalog import Catalog
+from storage.fs import atomic_write_bytes, join
+from storage.layout import RunLayout
+from storage.manifest import code_version
+
+STAGES = ("generate", "score", "advantage", "train", "evaluate")
+RUN_STAGES = ("prompts", "base_model", "evaluate_base")
+SAMPLE_COLUMNS = ("prompt_id", "sample_idx", "round", "reward", "passed", "total", "status", "advantage", "kept",
+                  "num_tokens", "finish_reason")
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k (Chen et al. 2021): 1 - C(n-c, k) / C(n, k); the same estimator as stages/evaluate.py,
+    repeated here because reports may import storage only (not the stage code and its model stack)."""
+    if n - c < k:
+        return 1.0
+    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
+
+
+@dataclass
+class ReportData:
+    run_id: str
+    root: str
+    config: RunConfig | None
+    iterations: list[int] = field(default_factory=list)
+    reward: list[dict[str, Any]] = field(default_factory=list)  # iteration, mean_reward, solve_rate, rows
+    evaluation: list[dict[str, Any]] = field(default_factory=list)  # iteration, greedy, pass@k..., prompts
+    lengths: list[dict[str, Any]] = field(default_factory=list)  # iteration, mean, p50, p90, truncated
+    train: list[dict[str, Any]] = field(default_factory=list)  # one row per optimizer step
+    statuses: dict[int, dict[str, int]] = field(default_factory=dict)  # iteration -> status -> count
+    stage_seconds: dict[str, dict[str, float]] = field(default_factory=dict)  # column label -> stage -> s
+    best: list[dict[str, Any]] = field(default_factory=list)
+    worst: list[dict[str, Any]] = field(default_factory=list)
+    last_iteration: int | None = None
+    ks: list[int] = field(default_factory=lambda: [1])
+    notes: list[str] = field(default_factory=list)
+
+
+def read_config(layout: RunLayout) -> RunConfig | None:
+    try:
+        return parse_config(yaml.safe_load(layout.fs.cat_file(layout.config_path)) or {}, layout.config_path)
+    except (FileNotFoundError, ConfigError, yaml.YAMLError):
+        return None
+
+
+def _evaluation(catalog: Catalog, run_id: str, ks: list[int]) -> list[dict[str, Any]]:
+    groups = catalog.rows(
+        """SELECT iteration, dataset, prompt_id, count(*) AS n, CAST(count_if(correct) AS BIGINT) AS c
+           FROM eval WHERE run_id = $run AND mode = 'sampled' GROUP BY ALL""", {"run": run_id})
+    greedy = {
+        row["iteration"]: row["accuracy"] for row in catalog.rows(
+            """SELECT iteration, avg(CAST(correct AS DOUBLE)) AS accuracy
+               FROM eval WHERE run_id = $run AND mode = 'greedy' GROUP BY ALL""", {"run": run_id})
+    }
+    by_iteration: dict[int, list[dict[str, Any]]] = {}
+    for row in groups:
+        by_iteration.setdefault(row["iteration"], []).append(row)
+    result = []
+    for iteration in sorted(set(by_iteration) | set(greedy)):
+        entry: dict[str, Any] = {"iteration": iteration, "greedy": greedy.get(iteration),
+                                 "prompts": len(by_iteration.get(iteration, []))}
+        for k in ks:
+            values = [pass_at_k(g["n"], g["c"], k) for g in by_iteration.get(iteration, []) if g["n"] >= k]
+            entry[f"pass@{k}"] = sum(values) / len(values) if values else None
+        result.append(entry)
+    return result
+
+
+def collect(catalog: Catalog, run_id: str, config: RunConfig | None) -> ReportData:
+    """Every number the report shows, from the catalog's views (one run)."""
+    data = ReportData(run_id=run_id, root=catalog.root, config=config)
+    data.ks = list(config.evaluate.k) if config else [1]
+    run = {"run": run_id}
+    data.reward = catalog.rows(
+        """SELECT iteration, avg(reward) AS mean_reward, avg(CAST(status = 'ok' AS DOUBLE)) AS solve_rate,
+                  count(*) AS rows
+           FROM scores WHERE run_id = $run GROUP BY iteration ORDER BY iteration""", run)
+    data.evaluation = _evaluation(catalog, run_id, data.ks)
+    data.lengths = catalog.rows(
+        """SELECT iteration, avg(num_tokens) AS mean, quantile_cont(num_tokens, 0.5) AS p50,
+                  quantile_cont(num_tokens, 0.9) AS p90, avg(CAST(truncated AS DOUBLE)) AS truncated
+           FROM rollouts WHERE run_id = $run GROUP BY iteration ORDER BY iteration""", run)
+    data.train = catalog.rows("SELECT * FROM train_metrics WHERE run_id = $run ORDER BY step", run)
+    for row in catalog.rows(
+        "SELECT iteration, status, count(*) AS n FROM scores WHERE run_id = $run GROUP BY ALL ORDER BY ALL", run
+    ):
+        data.statuses.setdefault(row["iteration"], {})[row["status"]] = row["n"]
+    # A stage's seconds are recorded in each of its outputs' manifests (train has two): one value per stage.
+    for row in catalog.rows(
+        """SELECT iter, stage, max(seconds) AS seconds FROM manifests
+           WHERE run_id = $run AND stage IS NOT NULL GROUP BY ALL ORDER BY ALL""", run
+    ):
+        label = "run" if row["stage"] in RUN_STAGES or row["iter"] is None or row["iter"] < 0 else str(row["iter"])
+        data.stage_seconds.setdefault(label, {})[row["stage"]] = row["seconds"]
+    iterations = sorted({r["iteration"] for r in data.reward} | {r["iteration"] for r in data.lengths})
+    data.iterations = iterations
+    data.last_iteration = iterations[-1] if iterations else None
+    if data.last_iteration is not None:
+        query = """SELECT s.*, p.messages FROM samples s
+                    LEFT JOIN (SELECT DISTINCT ON (run_id, prompt_id) run_id, prompt_id, messages FROM prompts) p
+                      ON p.run_id = s.run_id AND p.prompt_id = s.prompt_id
+                    WHERE s.run_id = $run AND s.iteration = $iteration AND s.reward IS NOT NULL
+                    ORDER BY s.reward {order}, s.advantage {order} NULLS LAST, s.prompt_id, s.sample_idx
+                    LIMIT 5"""
+        params = {"run": run_id, "iteration": data.last_iteration}
+        data.best = catalog.rows(query.format(order="DESC"), params)
+        data.worst = catalog.rows(query.format(order="ASC"), params)
+    data.notes = [f"{s.path}: {s.reason}" for s in catalog.skipped]
+    return data
+
+
+# --- rendering ---------------------------------------------------------------------------------------------
+
+CSS = """
+body { font-family: system-ui, -apple-system, "Segoe UI", sans-serif; margin: 24px auto; max-width: 1200px;
+       color: #222; padding: 0 16px; }
+h1 { font-size: 22px; margin-bottom: 4px; } h2 { font-size: 17px; margin-top: 28px; border-bottom: 1px solid #ddd; }
+.meta { color: #666; font-size: 13px; } .grid { display: flex; flex-wrap: wrap; gap: 16px; }
+.card { border: 1px solid #e2e2e2; border-radius: 6px; padding: 6px; background: #fff; }
+table { border-collapse: collapse; font-size: 13px; margin: 8px 0; }
+th, td { border-bottom: 1px solid #eee; padding: 4px 8px; text-align: left; vertical-align: top; }
+th { background: #f6f6f6; } td.num { text-align: right; font-variant-numeric: tabular-nums; }
+pre { white-space: pre-wrap; background: #f7f7f7; padding: 6px; margin: 4px 0; max-width: 640px;
+      font-size: 12px; }
+.kpi { display: inline-block; margin-right: 28px; } .kpi b { font-size: 20px; display: block; }
+.note { color: #a15c00; font-size: 13px; }
+"""
+
+# Marks each chart with its laid-out size once the page has rendered (headless tests read the attribute).
+SCRIPT = """
+window.addEventListener('load', function () {
+  document.querySelectorAll('svg.chart').forEach(function (svg) {
+    var box = svg.getBoundingClientRect();
+    var marks = svg.querySelectorAll('polyline.series, rect.bar, circle.point').length;
+    svg.setAttribute('data-rendered', Math.round(box.width) + 'x' + Math.round(box.height) + ':' + marks);
+  });
+  document.body.setAttribute('data-charts-rendered', document.querySelectorAll('svg[data-rendered]').length);
+});
+"""
+
+
+def _num(value: Any, digits: int = 3) -> str:
+    if value is None:
+        return "–"
+    if isinstance(value, float):
+        return f"{value:.{digits}f}" if math.isfinite(value) else str(value)
+    return escape(str(value))
+
+
+def _pct(value: float | None) -> str:
+    return "–" if value is None else f"{value:.1%}"
+
+
+def _charts(data: ReportData) -> list[str]:
+    iteration_labels = {float(i): ("base" if i < 0 else str(i)) for i in
+                        sorted({r["iteration"] for r in data.evaluation} | set(data.iterations))}
+    xs = [float(r["iteration"]) for r in data.reward]
+    charts = [line_chart(
+        "chart-reward", "Training reward per iteration",
+        [Series("mean reward", xs, [r["mean_reward"] for r in data.reward]),
+         Series("solve rate", xs, [r["solve_rate"] for r in data.reward], dashed=True)],
+        "iteration", "reward", y_range=(0.0, 1.0), x_labels=iteration_labels,
+    )]
+    ev_xs = [float(r["iteration"]) for r in data.evaluation]
+    ev_series = [Series(f"pass@{k}", ev_xs, [r.get(f"pass@{k}") for r in data.evaluation]) for k in data.ks]
+    ev_series.append(Series("greedy accuracy", ev_xs, [r["greedy"] for r in data.evaluation], dashed=True))
+    charts.append(line_chart("chart-pass-at-k", "Held-out pass@k per iteration (base = before training)",
+                             ev_series, "iteration", "fraction of prompts", y_range=(0.0, 1.0),
+                             x_labels=iteration_labels))
+    len_xs = [float(r["iteration"]) for r in data.lengths]
+    charts.append(line_chart(
+        "chart-length", "Response length (tokens)",
+        [Series("mean", len_xs, [r["mean"] for r in data.lengths]),
+         Series("median", len_xs, [r["p50"] for r in data.lengths], dashed=True),
+         Series("90th percentile", len_xs, [r["p90"] for r in data.lengths], dashed=True)],
+        "iteration", "tokens", y_range=(0.0, None), x_labels=iteration_labels,
+    ))
+    charts.append(line_chart(
+        "chart-truncated", "Truncated responses (hit max_new_tokens)",
+        [Series("truncated", len_xs, [r["truncated"] for r in data.lengths])],
+        "iteration", "fraction", y_range=(0.0, None), x_labels=iteration_labels,
+    ))
+    trained = [r for r in data.train if not r.get("skipped")]
+    steps = [float(r["step"]) for r in trained]
+
+    def metric(name: str) -> list[float | None]:
+        return [r.get(name) for r in trained]
+
+    clip = [Series("clip fraction low", steps, metric("clip_frac_low")),
+            Series("clip fraction high", steps, metric("clip_frac_high"))]
+    if trained and "clip_frac_dual" in trained[0]:
+        clip.append(Series("dual clip", steps, metric("clip_frac_dual"), dashed=True))
+    charts.append(line_chart("chart-clip", "Clip fraction per optimizer step", clip, "step", "fraction of tokens",
+                             y_range=(0.0, None)))
+    kl = [Series("approx KL", steps, metric("approx_kl"))]
+    if trained and "kl_ref" in trained[0]:
+        kl.append(Series("KL to ref.", steps, metric("kl_ref"), dashed=True))
+    charts.append(line_chart("chart-kl", "KL per optimizer step", kl, "step", "nats per token", y_range=(0.0, None)))
+    charts.append(line_chart("chart-entropy", "Policy entropy per optimizer step",
+                             [Series("entropy", steps, metric("entropy"))], "step", "nats per token",
+                             y_range=(0.0, None)))
+    iterations = sorted(data.statuses)
+    statuses = [s for s in STATUS_COLOURS if any(s in data.statuses[i] for i in iterations)]
+    statuses += sorted({s for i in iterations for s in data.statuses[i]} - set(statuses))
+    charts.append(stacked_bar_chart(
+        "chart-status", "Sandbox status mix per iteration", [str(i) for i in iterations],
+        {s: [float(data.statuses[i].get(s, 0)) for i in iterations] for s in statuses},
+        "iteration", "share of samples", colours=STATUS_COLOURS, normalise=True,
+    ))
+    columns = sorted(data.stage_seconds, key=lambda c: (c != "run", int(c) if c.isdigit() else -1))
+    stages = [s for s in (*RUN_STAGES, *STAGES) if any(s in data.stage_seconds[c] for c in columns)]
+    charts.append(stacked_bar_chart(
+        "chart-stage-time", "Time per stage", columns,
+        {s: [float(data.stage_seconds[c].get(s) or 0.0) for c in columns] for s in stages},
+        "iteration (run = run-level stages)", "seconds",
+    ))
+    return charts
+
+
+def _prompt_text(messages: str | None) -> str:
+    try:
+        items = json.loads(messages or "[]")
+        return "\n".join(f"[{m.get('role')}] {m.get('content')}" for m in items if m.get("role") != "system")
+    except (json.JSONDecodeError, AttributeError):
+        return messages or ""
+
+
+def _samples_table(title: str, rows: list[dict[str, Any]], css_class: str) -> str:
+    if not rows:
+        return f"<h3>{escape(title)}</h3><p class='meta'>no scored samples</p>"
+    head = "".join(f"<th>{escape(c)}</th>" for c in SAMPLE_COLUMNS) + "<th>prompt / response / tests</th>"
+    body = []
+    for row in rows:
+        cells = []
+        for column in SAMPLE_COLUMNS:
+            value = row.get(column)
+            numeric = isinstance(value, int | float) and not isinstance(value, bool)
+            cells.append(f"<td class='num'>{_num(value)}</td>" if numeric else f"<td>{_num(value)}</td>")
+        tests = row.get("tests") or "[]"
+        try:
+            tests_text = "\n".join(f"{'✓' if t.get('passed') else '✗'} {t.get('name')} {t.get('message') or ''}"
+                                   for t in json.loads(tests))
+        except (json.JSONDecodeError, AttributeError):
+            tests_text = tests
+        details = (
+            "<details><summary>show</summary>"
+            f"<b>prompt</b><pre>{escape(_prompt_text(row.get('messages'))[:1500])}</pre>"
+            f"<b>response</b><pre>{escape((row.get('response_text') or '')[:3000])}</pre>"
+            f"<b>tests</b><pre>{escape(tests_text[:2000])}</pre></details>"
+        )
+        body.append(f"<tr>{''.join(cells)}<td>{details}</td></tr>")
+    return (f"<h3>{escape(title)}</h3><table class='{css_class}'><thead><tr>{head}</tr></thead>"
+            f"<tbody>{''.join(body)}</tbody></table>")
+
+
+def _summary(data: ReportData) -> str:
+    parts = []
+    if data.evaluation:
+        first, last = data.evaluation[0], data.evaluation[-1]
+        k = data.ks[0]
+        parts.append(f"<span class='kpi'>pass@{k} {'base' if first['iteration'] < 0 else first['iteration']} → "
+                     f"{last['iteration']}<b>{_pct(first.get(f'pass@{k}'))} → {_pct(last.get(f'pass@{k}'))}</b></span>")
+    if data.reward:
+        parts.append(f"<span class='kpi'>mean train reward, last iteration<b>{_num(data.reward[-1]['mean_reward'])}"
+                     "</b></span>")
+        parts.append(f"<span class='kpi'>iterations with data<b>{len(data.iterations)}</b></span>")
+    if data.train:
+        parts.append(f"<span class='kpi'>optimizer steps<b>{len(data.train)}</b></span>")
+    return "<div>" + "".join(parts) + "</div>"
+
+
+def render(data: ReportData) -> str:
+    """The whole page as one HTML string (no external references)."""
+    config = data.config
+    described = ""
+    if config:
+        described = (f"model {escape(config.model.name_or_path)} · data {escape(config.data.train)} · "
+                     f"{config.iterations} iterations × {config.generate.prompts_per_iteration} prompts × "
+                     f"{config.generate.n_samples} samples · advantage {escape(config.advantage.estimator)} · "
+                     f"loss {escape(config.train.policy_loss)}")
+    charts = "".join(f"<div class='card'>{chart}</div>" for chart in _charts(data))
+    evaluation_rows = "".join(
+        "<tr><td>" + ("base" if r["iteration"] < 0 else str(r["iteration"])) + "</td>"
+        + "".join(f"<td class='num'>{_pct(r.get(f'pass@{k}'))}</td>" for k in data.ks)
+        + f"<td class='num'>{_pct(r['greedy'])}</td><td class='num'>{r['prompts']}</td></tr>"
+        for r in data.evaluation
+    )
+    evaluation_table = (
+        "<table><thead><tr><th>iteration</th>" + "".join(f"<th>pass@{k}</th>" for k in data.ks)
+        + f"<th>greedy</th><th>prompts</th></tr></thead><tbody>{evaluation_rows}</tbody></table>"
+        if data.evaluation else "<p class='meta'>no evaluation yet</p>"
+    )
+    notes = "".join(f"<p class='note'>not read: {escape(n)}</p>" for n in data.notes)
+    last = "–" if data.last_iteration is None else str(data.last_iteration)
+    generated = datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")
+    return f"""<!DOCTYPE html>
+<html lang="en"><head><meta charset="utf-8"><title>rlpipe report · {escape(data.run_id)}</title>
+<meta name="viewport" content="width=device-width, initial-scale=1"><style>{CSS}</style></head>
+<body data-run="{escape(data.run_id)}">
+<h1>rlpipe run {escape(data.run_id)}</h1>
+<p class="meta">{described}<br>root {escape(data.root)} · generated {generated} · rlpipe {escape(code_version())}</p>
+{_summary(data)}{notes}
+<h2>Plots</h2><div class="grid">{charts}</div>
+<h2>Held-out evaluation</h2>{evaluation_table}
+<h2>Best and worst samples of the last iteration ({last})</h2>
+{_samples_table("best", data.best, "best")}
+{_samples_table("worst", data.worst, "worst")}
+<script>{SCRIPT}</script>
+</body></html>
+"""
+
+
+def report_path(root: str, run_id: str) -> str:
+    return join(RunLayout.create(root, run_id).run_dir, "report.html")
+
+
+def build_report(root: str, run_id: str) -> str:
+    """The report's HTML for one run under `root`."""
+    layout = RunLayout.create(root, run_id)
+    with Catalog(layout.root, [run_id]) as catalog:
+        return render(collect(catalog, run_id, read_config(layout)))
+
+
+def write_report(root: str, run_id: str) -> str:
+    """Write `runs/<run_id>/report.html` (atomically; local or S3) and return its path."""
+    layout = RunLayout.create(root, run_id)
+    path = report_path(layout.root, run_id)
+    atomic_write_bytes(layout.fs, path, build_report(layout.root, run_id).encode())
+    return path

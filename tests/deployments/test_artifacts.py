@@ -1,0 +1,59 @@
+"""The iteration's Prefect artifacts: a metrics table built from the storage root, and a report link that is
+skipped, with its reason, when the report builder is absent or fails. (Publishing to a live server is checked
+by the team-run test.)"""
+
+from __future__ import annotations
+
+import sys
+import types
+from pathlib import Path
+
+import pytest
+
+from flows.artifacts import _flatten, artifact_key, iteration_metrics, report_link
+from flows.cli import start_run
+from schemas.config import load_config
+from stages.registry import ITERATION_STAGES
+
+
+def test_artifact_keys_fit_prefects_rules() -> None:
+    assert artifact_key("My_Run.v2", "metrics") == "rlpipe-my-run-v2-metrics"
+
+
+def test_only_numbers_are_flattened_and_bookkeeping_is_left_out() -> None:
+    metrics = {"humaneval": {"pass@1": 0.25, "n": 8, "name": "x"}, "files": {"a": {"bytes": 3}}, "kept": True}
+    assert _flatten("", metrics) == [(".humaneval.n", 8.0), (".humaneval.pass@1", 0.25), (".kept", 1.0)]
+
+
+def test_metrics_of_an_iteration_that_has_not_run_say_so(tmp_path: Path) -> None:
+    config = load_config(None, ["run_id=r"])
+    layout = start_run(config, str(tmp_path))
+    rows = iteration_metrics(layout, config, 0)
+    assert rows == [{"stage": stage, "metric": "status", "value": "missing"} for stage in ITERATION_STAGES]
+
+
+def test_report_link_is_skipped_with_a_reason_when_the_builder_is_absent(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "reports.html", None)  # the builder not installed (yet)
+    link, why = report_link("/data", "r")
+    assert link is None and why.startswith("report skipped: reports.html.write_report is not available")
+
+
+def test_report_link_is_skipped_when_the_builder_fails(monkeypatch: pytest.MonkeyPatch) -> None:
+    broken = types.ModuleType("reports.html")
+
+    def write_report(root: str, run_id: str) -> str:
+        raise OSError("disk full")
+
+    broken.write_report = write_report
+    monkeypatch.setitem(sys.modules, "reports.html", broken)
+    assert report_link("/data", "r") == (None, "report skipped: write_report failed: OSError: disk full")
+
+
+def test_report_link_points_at_the_written_report(tmp_path: Path) -> None:
+    pytest.importorskip("reports.html", reason="reports/html.py is not there yet")
+    config = load_config(None, ["run_id=r"])
+    start_run(config, str(tmp_path))
+    link, why = report_link(str(tmp_path), "r")
+    if link is None:
+        pytest.skip(f"the report builder cannot report an empty run: {why}")
+    assert link.startswith("file://") and Path(link.removeprefix("file://")).exists()

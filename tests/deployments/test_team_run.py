@@ -1,0 +1,258 @@
+"""A team's setup on one machine, real parts only: S3 (moto's server), `rlpipe server` (a Prefect server on
+127.0.0.1, pools `gpu` and `cpu`, one process worker each), `rlpipe deploy`, and the real tiny pipeline.
+
+Two triggers of the scheduled deployment are fired at the same instant: one advances the run by iteration 0
+with every stage dispatched to a worker of its pool, the other finds the run lease held and ends `Skipped`.
+The flow-run records must show each stage once, on its intended pool; the bucket must hold every table with
+its manifest; the iteration must have published its metrics artifact. A third trigger resumes: nothing of
+iteration 0 runs again and iteration 1 is done. Everything is torn down even when an assertion fails.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from flows.deploy import REPO_ROOT, deployment_pools, free_port, load_spec, stop_processes
+from stages.common import read_run_config
+from stages.registry import ITERATION_STAGES, RUN_STAGES, STAGES, stage_state
+from storage.layout import BASE, RunLayout
+
+pytestmark = pytest.mark.slow
+
+CONFIG = Path(__file__).with_name("tiny.yaml")
+BUCKET = "rlpipe-team"
+RUN_ID = "tiny"
+TERMINAL = {"COMPLETED", "FAILED", "CRASHED", "CANCELLED"}
+MARKER_VARIABLE = "RLPIPE_TEST_CLUSTER"
+
+
+@dataclass
+class Cluster:
+    api: str
+    root: str
+    env: dict[str, str]
+    logs: Path
+
+
+def start_moto(log_dir: Path) -> tuple[subprocess.Popen, str]:
+    import botocore.session
+
+    port = free_port()
+    endpoint = f"http://127.0.0.1:{port}"
+    command = [str(Path(sys.executable).parent / "moto_server"), "-H", "127.0.0.1", "-p", str(port)]
+    with open(log_dir / "moto.log", "ab") as log:
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    for _ in range(240):
+        try:
+            httpx.get(endpoint, timeout=2)
+            break
+        except httpx.HTTPError:
+            assert process.poll() is None, (log_dir / "moto.log").read_text()
+            time.sleep(0.5)
+    client = botocore.session.get_session().create_client(
+        "s3", endpoint_url=endpoint, region_name="us-east-1", aws_access_key_id="testing",
+        aws_secret_access_key="testing",
+    )
+    client.create_bucket(Bucket=BUCKET)
+    return process, endpoint
+
+
+def kill_marked(marker: str) -> None:
+    """SIGKILL any process still carrying this test's marker in its environment (flow runs, stages, sandboxes
+    that left their worker's process group); these are all descendants of processes this test started."""
+    needle = f"{MARKER_VARIABLE}={marker}".encode()
+    for environ in Path("/proc").glob("[0-9]*/environ"):
+        try:
+            if needle in environ.read_bytes().split(b"\0"):
+                os.kill(int(environ.parent.name), signal.SIGKILL)
+        except (OSError, ValueError):
+            continue
+
+
+def wait_for(condition: Any, timeout_s: float, what: str, interval_s: float = 1.0) -> Any:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        time.sleep(interval_s)
+    raise AssertionError(f"timed out after {timeout_s:.0f}s waiting for {what}")
+
+
+def api_post(api: str, path: str, body: dict | None = None) -> Any:
+    response = httpx.post(f"{api}{path}", json=body or {}, timeout=60)
+    response.raise_for_status()
+    return response.json()
+
+
+def online_workers(api: str, pool: str) -> list[dict]:
+    try:
+        return [w for w in api_post(api, f"/work_pools/{pool}/workers/filter") if w.get("status") == "ONLINE"]
+    except httpx.HTTPError:
+        return []
+
+
+def rlpipe(env: dict[str, str], *args: str, timeout: float = 900) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "flows.cli", *args], env=env, cwd=REPO_ROOT, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    logs = tmp_path_factory.mktemp("cluster")
+    marker = uuid.uuid4().hex
+    processes: list[subprocess.Popen] = []
+    try:
+        moto, endpoint = start_moto(logs)
+        processes.append(moto)
+        port = free_port()
+        api = f"http://127.0.0.1:{port}/api"
+        (logs / "cache").mkdir()
+        env = {
+            **os.environ, MARKER_VARIABLE: marker, "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+            "AWS_DEFAULT_REGION": "us-east-1", "RLPIPE_S3_ENDPOINT_URL": endpoint, "RLPIPE_CACHE": str(logs / "cache"),
+            "PREFECT_API_URL": api, "PREFECT_HOME": str(logs / "client-home"),
+            "PREFECT_SERVER_EPHEMERAL_ENABLED": "false", "PREFECT_WORKER_QUERY_SECONDS": "1",
+            "PREFECT_LOGGING_LEVEL": "INFO", "RLPIPE_DISPATCH_POLL_S": "1", "DO_NOT_TRACK": "1", "COLUMNS": "200",
+        }
+        env.pop("RLPIPE_DISPATCH", None)
+        with open(logs / "rlpipe-server.log", "ab") as log:
+            server = subprocess.Popen(
+                [sys.executable, "-m", "flows.cli", "server", "--port", str(port), "--home", str(logs / "server-home"),
+                 "--no-ui", "--timeout", "400"],
+                env=env, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+            )
+        processes.append(server)
+
+        def ready() -> bool:
+            assert server.poll() is None, (logs / "rlpipe-server.log").read_text()[-5000:]
+            return bool(online_workers(api, "gpu") and online_workers(api, "cpu"))
+
+        wait_for(ready, 480, "the Prefect server and one online worker per pool", interval_s=2)
+        root = f"s3://{BUCKET}/team"
+        deployed = rlpipe(env, "deploy", "--api-url", api, "--run-id", RUN_ID, "--root", root, "--config", str(CONFIG))
+        assert deployed.returncode == 0, deployed.stdout[-3000:] + deployed.stderr[-3000:]
+        with pytest.MonkeyPatch.context() as patch:
+            for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION", "RLPIPE_S3_ENDPOINT_URL"):
+                patch.setenv(name, env[name])
+            yield Cluster(api=api, root=root, env=env, logs=logs)
+    finally:
+        # `rlpipe server` stops its server and workers on SIGTERM; then anything left is killed outright.
+        stop_processes(reversed(processes), grace_s=30)
+        kill_marked(marker)
+
+
+def trigger(api: str, deployment: str) -> str:
+    flow, name = deployment.split("/")
+    deployment_id = httpx.get(f"{api}/deployments/name/{flow}/{name}", timeout=60).json()["id"]
+    return api_post(api, f"/deployments/{deployment_id}/create_flow_run", {})["id"]
+
+
+def flow_run(api: str, run_id: str) -> dict:
+    return httpx.get(f"{api}/flow_runs/{run_id}", timeout=60).json()
+
+
+def run_logs(api: str, run_id: str) -> str:
+    logs = api_post(api, "/logs/filter", {"logs": {"flow_run_id": {"any_": [run_id]}}, "limit": 200})
+    return "\n".join(entry["message"] for entry in logs)[-4000:]
+
+
+def wait_finished(cluster: Cluster, run_ids: list[str], timeout_s: float) -> list[dict]:
+    def finished() -> list[dict] | None:
+        runs = [flow_run(cluster.api, run_id) for run_id in run_ids]
+        return runs if all(run["state"]["type"] in TERMINAL for run in runs) else None
+
+    try:
+        return wait_for(finished, timeout_s, f"flow runs {run_ids}", interval_s=3)
+    except AssertionError:
+        worker_logs = "".join(p.read_text()[-3000:] for p in (cluster.logs / "server-home").glob("worker-*.log"))
+        raise AssertionError(f"flow runs did not finish; worker logs:\n{worker_logs}") from None
+
+
+def stage_runs(api: str) -> list[dict]:
+    return api_post(api, "/flow_runs/filter", {"flows": {"name": {"any_": ["stage"]}}, "limit": 200})
+
+
+def describe_failures(api: str, runs: list[dict]) -> str:
+    return "\n\n".join(f"{run['name']}: {run['state']['name']}\n{run_logs(api, run['id'])}"
+                       for run in runs if run["state"]["type"] != "COMPLETED")
+
+
+def output_manifests(layout: RunLayout, stages: list[str], iteration: int) -> dict[str, dict]:
+    fs = layout.fs
+    fs.invalidate_cache()
+    found = {}
+    for stage in stages:
+        for output in STAGES[stage].outputs(iteration):
+            found[output.manifest_path(layout)] = json.loads(fs.cat_file(output.manifest_path(layout)))
+    return found
+
+
+def test_two_pools_s3_root_overlapping_triggers_then_resume(cluster: Cluster) -> None:
+    api = cluster.api
+    expected_pool = deployment_pools(load_spec())
+    layout = RunLayout.create(cluster.root, RUN_ID)
+
+    # Two triggers at once: one advances the run, the other finds it driven and is skipped.
+    first = [trigger(api, "iteration/advance") for _ in range(2)]
+    runs = wait_finished(cluster, first, timeout_s=900)
+    assert sorted(run["state"]["name"] for run in runs) == ["Completed", "Skipped"], describe_failures(api, runs)
+    skipped = next(run for run in runs if run["state"]["name"] == "Skipped")
+    assert f"run {RUN_ID} is being driven by" in skipped["state"]["message"]
+
+    # Every stage ran once, as a flow run on a worker of its own pool, and finished.
+    stages = stage_runs(api)
+    assert not describe_failures(api, stages), describe_failures(api, stages)
+    ran = sorted((run["parameters"]["stage"], run["parameters"]["iteration"]) for run in stages)
+    assert ran == sorted([(s, BASE) for s in RUN_STAGES] + [(s, 0) for s in ITERATION_STAGES])
+    for run in stages:
+        assert run["work_pool_name"] == expected_pool[run["parameters"]["stage"]], run["name"]
+    assert {run["work_pool_name"] for run in stages} == {"gpu", "cpu"}
+
+    # Every table is in the bucket with its manifest, and the run is done up to iteration 0.
+    config = read_run_config(layout)
+    fs = layout.fs
+    fs.invalidate_cache()
+    for k, names in ((BASE, RUN_STAGES), (0, ITERATION_STAGES)):
+        for stage in names:
+            assert stage_state(fs, layout, config, STAGES[stage], k).done, (stage, k)
+    for table in ("rollouts", "scores", "batch", "train_metrics", "eval"):
+        path = layout.table_path(table, 0)
+        assert fs.exists(path) and fs.exists(path + ".manifest.json"), path
+    assert fs.exists(layout.table_path("prompts", BASE) + ".manifest.json")
+    checkpoint = json.loads(fs.cat_file(f"{layout.checkpoint_dir(0)}/manifest.json"))
+    assert checkpoint["path"].startswith("s3://") and "model.safetensors" in checkpoint["files"]
+    assert not stage_state(fs, layout, config, STAGES["generate"], 1).done
+
+    # The iteration published its metrics to the Prefect UI.
+    artifacts = api_post(api, "/artifacts/filter", {"artifacts": {"key": {"any_": [f"rlpipe-{RUN_ID}-metrics"]}}})
+    assert len(artifacts) == 1 and artifacts[0]["type"] == "table"
+    rows = json.loads(artifacts[0]["data"]) if isinstance(artifacts[0]["data"], str) else artifacts[0]["data"]
+    assert {"stage": "evaluate", "metric": "status", "value": "done"} in rows
+
+    # A later trigger resumes: iteration 0 is not touched, iteration 1 is done.
+    before = output_manifests(layout, RUN_STAGES, BASE) | output_manifests(layout, ITERATION_STAGES, 0)
+    [third] = wait_finished(cluster, [trigger(api, "iteration/advance")], timeout_s=900)
+    assert third["state"]["name"] == "Completed", describe_failures(api, [third, *stage_runs(api)])
+    after = output_manifests(layout, RUN_STAGES, BASE) | output_manifests(layout, ITERATION_STAGES, 0)
+    assert {path: m["ended_at"] for path, m in after.items()} == {path: m["ended_at"] for path, m in before.items()}
+    later = [run for run in stage_runs(api) if run["id"] not in {r["id"] for r in stages}]
+    assert sorted(run["parameters"]["stage"] for run in later) == sorted(ITERATION_STAGES)
+    assert {run["parameters"]["iteration"] for run in later} == {1}
+    assert not describe_failures(api, later), describe_failures(api, later)
+    fs.invalidate_cache()
+    for stage in ITERATION_STAGES:
+        assert stage_state(fs, layout, config, STAGES[stage], 1).done, stage

@@ -1,0 +1,61 @@
+"""The command line refuses bad input before any stage runs, naming the file, line or field."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+FIXTURES = Path(__file__).parents[1] / "fixtures"
+
+
+def rlpipe(root: Path, *args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "RLPIPE_ROOT": str(root), "COLUMNS": "200"}
+    return subprocess.run([sys.executable, "-m", "flows.cli", *args], env=env, capture_output=True, text=True,
+                          timeout=120)
+
+
+@pytest.mark.parametrize(
+    ("source", "expected"),
+    [
+        ("bad_json.jsonl", "bad_json.jsonl line 3"),
+        ("bad_empty_test.jsonl", "bad_empty_test.jsonl line 2"),
+    ],
+)
+def test_bad_data_is_refused_before_anything_is_written(tmp_path: Path, source: str, expected: str) -> None:
+    result = rlpipe(tmp_path, "run", "--set", f"data.train={FIXTURES / source}", "--run-id", "bad")
+    assert result.returncode == 2
+    assert expected in result.stdout.replace("\n", "")
+    assert not (tmp_path / "runs").exists()
+
+
+def test_config_typo_names_the_field(tmp_path: Path) -> None:
+    config = tmp_path / "typo.yaml"
+    config.write_text("train:\n  lrr: 0.1\n")
+    result = rlpipe(tmp_path, "run", "--config", str(config))
+    assert result.returncode == 2
+    assert "train.lrr" in result.stdout and str(config) in result.stdout.replace("\n", "")
+    assert not (tmp_path / "runs").exists()
+
+
+def test_run_id_with_path_separator_is_refused(tmp_path: Path) -> None:
+    result = rlpipe(tmp_path, "run", "--run-id", "../escape")
+    assert result.returncode == 2 and "run_id" in result.stdout
+    assert not (tmp_path / "runs").exists() and not (tmp_path.parent / "escape").exists()
+
+
+def test_status_of_unknown_run_is_a_clear_error(tmp_path: Path) -> None:
+    result = rlpipe(tmp_path, "status", "nope")
+    assert result.returncode == 2 and "has no config" in result.stdout
+
+
+def test_existing_run_with_other_config_is_not_silently_changed(tmp_path: Path) -> None:
+    from flows.cli import start_run
+    from schemas.config import load_config
+
+    start_run(load_config(None, ["run_id=r"]), str(tmp_path))
+    result = rlpipe(tmp_path, "run", "--run-id", "r", "--set", "train.lr=0.5")
+    assert result.returncode == 2 and "rlpipe resume r --set" in result.stdout.replace("\n", " ")

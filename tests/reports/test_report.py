@@ -1,0 +1,141 @@
+"""The HTML report: its numbers (through the catalog), self-containment, and rendering in headless Chromium."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+import pytest
+
+from flows.inspect_cli import main as inspect_main
+from reports.html import collect, pass_at_k, read_config, write_report
+from reports.synthetic import SyntheticSpec, write_synthetic_run
+from storage.catalog import Catalog
+from storage.layout import RunLayout
+
+CHART_IDS = ("chart-reward", "chart-pass-at-k", "chart-length", "chart-truncated", "chart-clip", "chart-kl",
+             "chart-entropy", "chart-status", "chart-stage-time")
+
+
+@pytest.fixture(scope="module")
+def run_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("report")
+    write_synthetic_run(str(root), SyntheticSpec(run_id="rep", iterations=4, train_prompts=12, prompts_per_iteration=6,
+                                                 steps_per_iteration=3, seed=7))
+    write_synthetic_run(str(root), SyntheticSpec(run_id="other", iterations=1, seed=8))  # must not leak in
+    return root
+
+
+def test_pass_at_k_matches_the_unbiased_estimator() -> None:
+    assert pass_at_k(4, 1, 1) == pytest.approx(0.25)
+    assert pass_at_k(5, 2, 2) == pytest.approx(1 - 3 / 10)
+    assert pass_at_k(4, 1, 4) == 1.0 and pass_at_k(4, 0, 2) == 0.0
+
+
+def test_collect_numbers_match_the_tables(run_root: Path) -> None:
+    layout = RunLayout.create(str(run_root), "rep")
+    with Catalog(str(run_root), ["rep"]) as catalog:
+        data = collect(catalog, "rep", read_config(layout))
+    run_dir = run_root / "runs/rep"
+    assert data.iterations == [0, 1, 2, 3] and data.last_iteration == 3
+    for row in data.reward:
+        scores = pq.read_table(run_dir / f"iter={row['iteration']:04d}/scores.parquet")
+        assert row["mean_reward"] == pytest.approx(pc.mean(scores.column("reward")).as_py())
+        ok = pc.sum(pc.equal(scores.column("status"), "ok")).as_py()
+        assert row["solve_rate"] == pytest.approx(ok / scores.num_rows)
+        assert sum(data.statuses[row["iteration"]].values()) == scores.num_rows == 24
+    assert [r["iteration"] for r in data.evaluation] == [-1, 0, 1, 2, 3]
+    for row in data.evaluation:
+        name = "base/eval.parquet" if row["iteration"] < 0 else f"iter={row['iteration']:04d}/eval.parquet"
+        ev = pq.read_table(run_dir / name).to_pylist()
+        by_prompt: dict[str, list[bool]] = {}
+        for r in ev:
+            if r["mode"] == "sampled":
+                by_prompt.setdefault(r["prompt_id"], []).append(r["correct"])
+        for k in (1, 4):
+            expected = sum(pass_at_k(len(c), sum(c), k) for c in by_prompt.values()) / len(by_prompt)
+            assert row[f"pass@{k}"] == pytest.approx(expected)
+        greedy = [r["correct"] for r in ev if r["mode"] == "greedy"]
+        assert row["greedy"] == pytest.approx(sum(greedy) / len(greedy))
+    rollouts = pq.read_table(run_dir / "iter=0002/rollouts.parquet")
+    assert data.lengths[2]["mean"] == pytest.approx(pc.mean(rollouts.column("num_tokens")).as_py())
+    assert len(data.train) == 4 * 3 and [r["step"] for r in data.train] == list(range(12))
+    manifest = json.loads((run_dir / "iter=0001/rollouts.parquet.manifest.json").read_text())
+    assert data.stage_seconds["1"]["generate"] == pytest.approx(manifest["seconds"])
+    assert set(data.stage_seconds["run"]) == {"prompts", "base_model", "evaluate_base"}
+    assert set(data.stage_seconds["3"]) == {"generate", "score", "advantage", "train", "evaluate"}
+    best, worst = [r["reward"] for r in data.best], [r["reward"] for r in data.worst]
+    last = pq.read_table(run_dir / "iter=0003/scores.parquet").column("reward")
+    assert best == sorted(best, reverse=True) and best[0] == pc.max(last).as_py()
+    assert worst == sorted(worst) and worst[0] == pc.min(last).as_py()
+    assert all(r["iteration"] == 3 and r["run_id"] == "rep" for r in data.best + data.worst)
+
+
+def test_report_is_one_self_contained_file(run_root: Path) -> None:
+    path = write_report(str(run_root), "rep")
+    assert path == f"{run_root}/runs/rep/report.html"
+    html = Path(path).read_text()
+    assert re.findall(r'(?:src|href)\s*=\s*"(?!#)', html) == []  # no scripts, styles or images from elsewhere
+    assert "http://" not in html.replace("http://www.w3.org/2000/svg", "")
+    assert "https://" not in html
+    for chart in CHART_IDS:
+        assert f'id="{chart}"' in html
+    assert html.count('class="series"') >= 10 and html.count('class="bar"') >= 4 * 3
+
+
+def test_partial_run_still_reports(tmp_path: Path) -> None:
+    write_synthetic_run(str(tmp_path), SyntheticSpec(run_id="young", iterations=1, with_checkpoints=False,
+                                                     with_eval=False))
+    html = Path(write_report(str(tmp_path), "young")).read_text()
+    assert html.count("no data yet") == 4  # pass@k, clip, KL, entropy: nothing trained or evaluated yet
+    assert 'id="chart-reward"' in html and "<polyline" not in html.split('id="chart-reward"')[1].split("</svg>")[0]
+
+
+def test_report_command(run_root: Path, tmp_path: Path) -> None:
+    out = tmp_path / "copy.html"
+    assert inspect_main(["report", "rep", "--root", str(run_root), "--out", str(out)]) == 0
+    assert out.read_text().startswith("<!DOCTYPE html>")
+
+
+# --- headless Chromium: the page renders, and the plots are drawn -------------------------------------------
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
+
+
+def chromium(args: list[str], profile: Path) -> subprocess.CompletedProcess[str]:
+    command = [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+               "--disable-component-update", "--disable-sync", "--no-first-run", f"--user-data-dir={profile}", *args]
+    return subprocess.run(command, capture_output=True, text=True, timeout=180, check=True)
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="needs Debian `chromium` (make system-deps installs it)")
+def test_charts_render_in_headless_chromium(run_root: Path, tmp_path: Path) -> None:
+    url = Path(write_report(str(run_root), "rep")).as_uri()
+    dom = chromium(["--dump-dom", url], tmp_path / "profile-dom").stdout
+    # The page's script marks each chart with its laid-out size and number of drawn marks on `load`.
+    rendered = dict(re.findall(r'<svg[^>]*id="([^"]+)"[^>]*data-rendered="([^"]+)"', dom))
+    assert sorted(rendered) == sorted(CHART_IDS)
+    for chart, value in rendered.items():
+        width, height, marks = map(int, re.fullmatch(r"(\d+)x(\d+):(\d+)", value).groups())
+        assert width == 560 and height == 280 and marks > 0, (chart, value)
+    assert 'data-charts-rendered="9"' in dom
+
+    image_module = pytest.importorskip("PIL.Image", reason="pillow (installed with vllm) reads the screenshot")
+    screenshot = tmp_path / "report.png"
+    chromium([f"--screenshot={screenshot}", "--window-size=1280,2600", url], tmp_path / "profile-shot")
+    image = image_module.open(screenshot).convert("RGB")
+    assert image.size == (1280, 2600)
+    colours = image.getcolors(maxcolors=1 << 20)
+    counts = {rgb: n for n, rgb in colours}
+
+    def pixels_near(rgb: tuple[int, int, int], tolerance: int = 12) -> int:
+        return sum(n for c, n in counts.items() if all(abs(a - b) <= tolerance for a, b in zip(c, rgb, strict=True)))
+
+    assert pixels_near((0x00, 0x72, 0xB2)) > 2000  # the first series' blue: lines, markers, legends
+    assert pixels_near((0x00, 0x9E, 0x73)) > 2000  # status "ok" bars (green)
+    assert pixels_near((0xD5, 0x5E, 0x00)) > 2000  # status "fail" bars (vermillion)
