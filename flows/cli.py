@@ -5,6 +5,9 @@
     rlpipe status RUN [--root ROOT]
     rlpipe stage NAME --run RUN [--iter K] [--root ROOT]
     rlpipe sandbox serve [--config FILE] [--host 127.0.0.1] [--port 8080]
+    rlpipe query "SQL" [--out FILE]      rlpipe show RUN ITER PROMPT SAMPLE
+    rlpipe lineage RUN [ITER]            rlpipe report RUN
+    rlpipe server                        rlpipe deploy
 
 Everything that can be checked before a stage runs is checked first: the config (unknown keys, wrong
 types), the run id, the data files (malformed lines, rows without tests). Errors name the file, line or
@@ -281,6 +284,9 @@ def build_parser() -> argparse.ArgumentParser:
     deploy.add_argument("--pool-type", default="process", help="worker type of pools that do not exist yet")
     common(deploy)
     deploy.set_defaults(func=cmd_deploy)
+    from flows.inspect_cli import add_inspect_commands
+
+    add_inspect_commands(commands, common)
     return parser
 
 

@@ -142,8 +142,8 @@ def sample_story(root: str, run_id: str, iteration: int, prompt: str, sample_idx
                  p ON p.run_id = s.run_id AND p.prompt_id = s.prompt_id
                LEFT JOIN checkpoints c ON c.run_id = s.run_id AND c.checkpoint = s.generated_by
                LEFT JOIN checkpoints t ON t.run_id = s.run_id AND t.checkpoint = s.trained_into
-               WHERE s.run_id = $run AND s.iteration = $it AND s.prompt_id = $pid AND s.sample_idx = $idx
-                 AND ($round IS NULL OR s.round = $round)
+               WHERE s.run_id = $run AND s.iter = $it AND s.iteration = $it  -- iter: Hive pruning of files
+                 AND s.prompt_id = $pid AND s.sample_idx = $idx AND ($round IS NULL OR s.round = $round)
                ORDER BY s.round""",
             {"run": run_id, "it": iteration, "pid": ids[0], "idx": sample_idx, "round": round_})
     if not rows:

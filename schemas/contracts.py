@@ -43,7 +43,7 @@ import pyarrow.compute as pc
 from schemas.config import RunConfig, ScoreConfig
 from schemas.tables import TABLES
 
-FINITE_BOUND = 1e300  # |x| <= this  <=>  x is finite, for float64 (NaN is caught by the not-null check)
+FINITE_BOUND = 1e300  # |x| <= this  <=>  x is finite, for float64 (GX sees NaN as +inf: see to_frame)
 SAMPLE_ROWS = 5
 STATUSES = ("ok", "fail", "timeout", "error", "no_code")
 REWARD_KINDS = ("code_tests", "code_stdio", "math")
@@ -128,7 +128,7 @@ def float_ranges(table_name: str, config: RunConfig) -> dict[str, tuple[float, f
         "group_std": (0.0, FINITE_BOUND, "group_std >= 0"),
     }
     if table_name == "train_metrics":
-        # Skipped steps are recorded, not trained: their metrics are not checked (see to_frame).
+        # Skipped steps are recorded, not trained: their metrics are not checked (see out_of_range).
         for name in ("clip_frac_low", "clip_frac_high", "clip_frac_dual", "rejected_frac", "padding_frac", "is_ess"):
             known[name] = (0.0, 1.0, f"{name} in [0, 1]")
         for name in ("entropy", "grad_norm", "lr", "is_ratio_mean", "is_ratio_min", "is_ratio_max", "seconds"):
@@ -156,6 +156,16 @@ def out_of_range(table_name: str, table: pa.Table, config: RunConfig) -> list[st
         for row in np.flatnonzero(bad):
             note = f"{column}={values[row]:g} ({rule})"
             messages[row] = f"{messages[row]}; {note}" if messages[row] else note
+    names = set(table.column_names)
+    if table_name == "train_metrics" and {"is_ratio_min", "is_ratio_mean", "is_ratio_max"} <= names:
+        low, mean, high = (table.column(c).to_numpy(zero_copy_only=False).astype(np.float64)
+                           for c in ("is_ratio_min", "is_ratio_mean", "is_ratio_max"))
+        disordered = ~((low <= mean) & (mean <= high))
+        if skipped is not None:
+            disordered &= ~skipped
+        for row in np.flatnonzero(disordered):
+            note = f"is_ratio min/mean/max = {low[row]:g}/{mean[row]:g}/{high[row]:g} (min <= mean <= max)"
+            messages[row] = f"{messages[row]}; {note}" if messages[row] else note
     return messages
 
 
@@ -182,13 +192,15 @@ def checks_for(table_name: str, config: RunConfig) -> list[Check]:
         checks.append(_in_set("run_id", [config.run_id], f"rows belong to run {config.run_id}"))
 
     # Reward and advantage: GX range checks of their own. Every other float column: `_out_of_range`.
-    for column, (low_, high_, rule) in float_ranges(table_name, config).items():
+    ranges = float_ranges(table_name, config)
+    for column, (low_, high_, rule) in ranges.items():
         if column in NATIVE_RANGES:
             checks.append(_between(column, low_, high_, rule))
-    ranges = float_ranges(table_name, config)
     folded = [c for c in ranges if c not in NATIVE_RANGES]
     if folded:
         rule = "every other float column is in its range: " + "; ".join(ranges[c][2] for c in folded)
+        if table_name == "train_metrics":
+            rule += "; is_ratio_min <= is_ratio_mean <= is_ratio_max (trained steps only)"
         checks.append(_in_set("_out_of_range", [""], rule))
 
     iterations = f"0..{config.iterations - 1}"
@@ -254,8 +266,7 @@ def checks_for(table_name: str, config: RunConfig) -> list[Check]:
         for f in spec.schema:
             if pa.types.is_integer(f.type) and f.name != "iteration":
                 checks.append(_between(f.name, 0, None, f"{f.name} >= 0"))
-        checks.append(_at_least("is_ratio_mean", "is_ratio_min", "is_ratio_min <= is_ratio_mean on trained steps"))
-        checks.append(_at_least("is_ratio_max", "is_ratio_mean", "is_ratio_mean <= is_ratio_max on trained steps"))
+
     # Drop checks on columns this schema version does not have (derived columns are always there).
     return [c for c in checks if all(col in names or col.startswith("_") for col in c.columns)]
 

@@ -30,10 +30,11 @@ import pyarrow as pa
 from rich.console import Console
 
 from schemas.config import ConfigError, RunConfig, parse_config
-from schemas.tables import TABLES, SchemaMismatch
+from schemas.contracts import ContractViolation, rejected_path, validate_table, validation_path
+from schemas.tables import TABLES, SchemaMismatch, conform
 from stages.registry import STAGES, MissingInput, Output, StageSpec, expected_key, input_manifests
 from storage.checkpoints import checkpoint_digest, fetch_checkpoint, publish_checkpoint
-from storage.fs import is_remote
+from storage.fs import atomic_write_bytes, is_remote
 from storage.layout import BASE, RunLayout
 from storage.manifest import Manifest, config_hash, read_manifest, write_manifest
 from storage.tables import TableVersionError, read_table, write_table
@@ -129,12 +130,30 @@ class StageContext:
         )
 
     def write_table(self, name: str, table: pa.Table, metrics: dict[str, Any] | None = None) -> Manifest:
+        """Check `table` against its schema and data contract, then write it (manifest comes in `finish`).
+
+        A table that breaks its contract is kept beside the output as `<table>.rejected.parquet` (never under
+        the output's name) and the stage fails naming the expectations and sample rows. The validation
+        result is stored beside the table either way (JSON, and GX's HTML page).
+        """
         output = self.output(name)
         spec = TABLES[name]
-        written = write_table(self.fs, output.path(self.layout), table, spec)
+        path = output.path(self.layout)
+        table = conform(table, spec, path)
+        contract = validate_table(name, table, self.config)
+        atomic_write_bytes(self.fs, validation_path(path), contract.to_json())
+        if (html := contract.to_html()) is not None:
+            atomic_write_bytes(self.fs, validation_path(path, "html"), html.encode())
+        if not contract.success:
+            write_table(self.fs, rejected_path(path), table, spec)
+            raise ContractViolation(path, contract, kept_at=rejected_path(path))
+        if self.fs.exists(rejected_path(path)):
+            self.fs.rm_file(rejected_path(path))
+        written = write_table(self.fs, path, table, spec)
+        contract_metrics = {"contract": {"expectations": contract.evaluated, "seconds": round(contract.seconds, 3)}}
         manifest = self._manifest(
             output, path=written.path, sha256=written.sha256, bytes=written.bytes, rows=written.rows,
-            schema=spec.tag, metrics=dict(metrics or {}),
+            schema=spec.tag, metrics={**contract_metrics, **(metrics or {})},
         )
         self.written.append((output, manifest))
         return manifest
@@ -251,6 +270,9 @@ def main(stage: str, run: Callable[[StageContext], None], argv: list[str] | None
     except (ConfigError, StageInputError, MissingInput, SchemaMismatch, TableVersionError) as error:
         console.print(f"[red]✗ {stage}: {error}[/]")
         return 2
+    except ContractViolation as error:  # the stage's own output is wrong: not a bad-input exit
+        console.print(f"[red]✗ {stage}: {error}[/]")
+        return 1
     return 0
 
 

@@ -25,6 +25,7 @@ needs; nothing is loaded when the catalog opens. Call `refresh()` to pick up out
 from __future__ import annotations
 
 import json
+import os
 import re
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -104,6 +105,40 @@ def _strip(fs: fsspec.AbstractFileSystem, path: str) -> str:
     return path if isinstance(fs, LocalFileSystem) else fs._strip_protocol(path)
 
 
+def _find(fs: fsspec.AbstractFileSystem, directory: str) -> dict[str, dict[str, Any]]:
+    """path -> {"size": bytes} of every file under `directory`. Locally os.walk: fsspec's local `find` costs
+    ~0.3 ms per file in path normalisation, which is most of opening a long history."""
+    if not isinstance(fs, LocalFileSystem):
+        return fs.find(directory, detail=True)
+    if not os.path.isdir(directory):
+        raise FileNotFoundError(directory)
+    found = {}
+    for parent, _, names in os.walk(directory):
+        for name in names:
+            path = f"{parent}/{name}"
+            try:
+                found[path] = {"size": os.stat(path).st_size}
+            except FileNotFoundError:  # removed while we listed (a stage replacing its output)
+                continue
+    return found
+
+
+def _cat(fs: fsspec.AbstractFileSystem, paths: list[str]) -> dict[str, bytes]:
+    """path -> contents; concurrent GETs on S3 (fsspec's batched cat), plain reads locally."""
+    if not paths:
+        return {}
+    if not isinstance(fs, LocalFileSystem):
+        return fs.cat(paths, on_error="omit")
+    contents = {}
+    for path in paths:
+        try:
+            with open(path, "rb") as handle:
+                contents[path] = handle.read()
+        except FileNotFoundError:  # removed while we listed: read as "unreadable", i.e. skipped
+            continue
+    return contents
+
+
 def _iteration(match: re.Match[str]) -> int | None:
     if match.group("dir") is None:
         return None
@@ -120,10 +155,14 @@ def list_outputs(root: str, run_ids: list[str] | None = None) -> Listing:
     runs_dir = _strip(fs, join(root, "runs"))
     listing = Listing()
     found: dict[str, dict[str, Any]] = {}
+    if not isinstance(fs, LocalFileSystem):
+        # The S3 file system object is shared in the process (storage/fs.py) and caches listings: outputs
+        # written since (by stage processes, other machines) would be missed.
+        fs.invalidate_cache()
     # With run ids given, only their directories are listed (a shared root may hold many runs).
     for directory in [f"{runs_dir}/{run_id}" for run_id in run_ids] if run_ids else [runs_dir]:
         try:
-            found.update(fs.find(directory, detail=True))
+            found.update(_find(fs, directory))
         except FileNotFoundError:
             continue
     relative = {path[len(runs_dir) + 1 :]: info for path, info in found.items() if path.startswith(runs_dir + "/")}
@@ -132,8 +171,7 @@ def list_outputs(root: str, run_ids: list[str] | None = None) -> Listing:
         match = _TABLE_MANIFEST.match(rel) or _CHECKPOINT_MANIFEST.match(rel)
         if match:
             manifest_paths[f"{runs_dir}/{rel}"] = (rel, match)
-    # fsspec's cat of a list returns {path: bytes} (concurrent GETs on S3).
-    contents: dict[str, bytes] = fs.cat(list(manifest_paths)) if manifest_paths else {}
+    contents = _cat(fs, list(manifest_paths))
     listed_with_manifest: set[str] = set()
     for full, (rel, match) in sorted(manifest_paths.items()):
         try:
@@ -176,6 +214,13 @@ def _sql_list(urls: list[str]) -> str:
     return "[" + ", ".join("'" + url.replace("'", "''") + "'" for url in urls) + "]"
 
 
+def _union_by_name(entries: list[CatalogEntry]) -> str:
+    """Match columns by name across files only when their schema versions differ: with one version,
+    DuckDB binds the view from one file's footer instead of reading every file's (the slow part of
+    opening a long history)."""
+    return ", union_by_name = true" if len({e.manifest.schema for e in entries}) > 1 else ""
+
+
 def _table_view_sql(name: str, entries: list[CatalogEntry], empty_relation: str | None) -> str:
     """SELECT over a table's files with the `iter` partition column (and `run_id` for run-level tables)."""
     if not entries:
@@ -183,20 +228,21 @@ def _table_view_sql(name: str, entries: list[CatalogEntry], empty_relation: str 
             raise ValueError(f"no files and no schema for table {name}")
         extra = ", CAST(NULL AS VARCHAR) AS run_id" if name == "prompts" else ""
         return f"SELECT *{extra}, CAST(NULL AS INTEGER) AS iter FROM {empty_relation}"
-    partitioned = [e.url for e in entries if e.iteration is not None and e.iteration != BASE]
-    base = [e.url for e in entries if e.iteration == BASE]
+    partitioned = [e for e in entries if e.iteration is not None and e.iteration != BASE]
+    base = [e for e in entries if e.iteration == BASE]
     run_level = [e for e in entries if e.iteration is None]
     parts = []
     if partitioned:
         # Hive partitioning gives `iter` from the directory and prunes files on `WHERE iter = ...`;
         # the directory name is zero-padded ("0003"), so the type is given, not guessed.
         parts.append(
-            f"SELECT * FROM read_parquet({_sql_list(partitioned)}, hive_partitioning = true, "
-            "hive_types = {'iter': INTEGER}, union_by_name = true)"
+            f"SELECT * FROM read_parquet({_sql_list([e.url for e in partitioned])}, hive_partitioning = true, "
+            f"hive_types = {{'iter': INTEGER}}{_union_by_name(partitioned)})"
         )
     if base:  # base/ has no key=value directory: Hive partitioning would reject the mix, so it is its own part
         parts.append(
-            f"SELECT *, CAST({BASE} AS INTEGER) AS iter FROM read_parquet({_sql_list(base)}, union_by_name = true)"
+            f"SELECT *, CAST({BASE} AS INTEGER) AS iter "
+            f"FROM read_parquet({_sql_list([e.url for e in base])}{_union_by_name(base)})"
         )
     if run_level:
         # A run-level table (prompts) carries no run_id: it comes from the run directory, per file.
@@ -209,7 +255,7 @@ def _table_view_sql(name: str, entries: list[CatalogEntry], empty_relation: str 
         run_id = "" if has_run_id else f", CASE filename {cases} END AS run_id"
         parts.append(
             f"SELECT * EXCLUDE (filename){run_id}, CAST(NULL AS INTEGER) AS iter "
-            f"FROM read_parquet({urls}, filename = true, union_by_name = true)"
+            f"FROM read_parquet({urls}, filename = true{_union_by_name(run_level)})"
         )
     return "\nUNION ALL BY NAME\n".join(parts)
 
@@ -313,7 +359,7 @@ class Catalog:
         names = list(TABLE_VIEWS) + sorted(set(self.listing.tables) - set(TABLE_VIEWS))
         for name in names:
             empty = None
-            if name in TABLES:
+            if name in TABLES and not self.entries(name):  # no files yet: an empty relation of the schema
                 empty = f"_empty_{name}"
                 self.con.register(empty, TABLES[name].schema.empty_table())
             sql = _table_view_sql(name, self.entries(name), empty)

@@ -13,7 +13,7 @@ from stages.generation.base import GenerationRequest, SamplingSpec
 from stages.generation.hf_backend import HFBackend, batch_order, find_stop, processed_logprobs
 from stages.generation.mismatch import recompute_logprobs, summarize
 
-SAMPLED = SamplingSpec(temperature=0.7, top_p=0.9, top_k=20, max_new_tokens=24)
+SAMPLED = SamplingSpec(temperature=0.7, top_p=0.9, top_k=20, max_new_tokens=16)
 
 
 @pytest.fixture(scope="module")
@@ -112,10 +112,10 @@ def test_logprobs_are_the_processed_distribution(backend: HFBackend, prompt_ids:
 
 
 def test_stop_string_trims_text_and_tokens(backend: HFBackend, prompt_ids: list[list[int]]) -> None:
-    spec = SamplingSpec(temperature=0.0, max_new_tokens=48, stop=["\n"])
+    spec = SamplingSpec(temperature=0.0, max_new_tokens=24, stop=["\n"])
     stopped = backend.generate([GenerationRequest(prompt_ids[0], 0)], spec)[0]
     free = backend.generate([GenerationRequest(prompt_ids[0], 0)],
-                            SamplingSpec(temperature=0.0, max_new_tokens=48))[0]
+                            SamplingSpec(temperature=0.0, max_new_tokens=24))[0]
     assert "\n" in backend.tokenizer.decode(free.token_ids), "the prompt must lead to a newline"
     assert stopped.finish_reason == "stop"
     assert "\n" not in stopped.text
@@ -128,20 +128,21 @@ def test_stop_string_trims_text_and_tokens(backend: HFBackend, prompt_ids: list[
 
 
 def test_greedy_equals_transformers_generate(backend: HFBackend, prompt_ids: list[list[int]]) -> None:
-    spec = SamplingSpec(temperature=0.0, max_new_tokens=24)
-    samples = backend.generate([GenerationRequest(p, 0) for p in prompt_ids], spec)
-    for prompt, sample in zip(prompt_ids, samples, strict=True):
+    spec = SamplingSpec(temperature=0.0, max_new_tokens=16)
+    prompts = prompt_ids[:3]  # three prompts of different lengths: the batch is left-padded
+    samples = backend.generate([GenerationRequest(p, 0) for p in prompts], spec)
+    for prompt, sample in zip(prompts, samples, strict=True):
         with torch.inference_mode():
-            out = backend.model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=24,
+            out = backend.model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=16,
                                          pad_token_id=backend.pad_id)
         expected = out[0, len(prompt):].tolist()
         assert sample.token_ids == expected[:len(sample.token_ids)]
         if sample.finish_reason == "length":
-            assert len(sample.token_ids) == 24
+            assert len(sample.token_ids) == 16
         else:
             assert sample.token_ids[-1] in backend.stop_ids
     # Greedy logprobs are the raw log-softmax of the chosen (most likely) token.
-    recomputed = recompute_logprobs(backend.model, [GenerationRequest(p, 0) for p in prompt_ids], samples, spec,
+    recomputed = recompute_logprobs(backend.model, [GenerationRequest(p, 0) for p in prompts], samples, spec,
                                     pad_id=backend.pad_id)
     assert summarize([s.logprobs for s in samples], recomputed)["max_abs"] < 1e-4
 

@@ -169,6 +169,11 @@ def test_skipped_training_steps_need_no_numbers(tables: dict[str, pa.Table], con
          "_out_of_range": "clip_frac_high=1.5 (clip_frac_high in [0, 1])"},
         {"run_id": "c", "iteration": 1, "step": steps[1], "_out_of_range": "loss=nan (loss finite)"},
     ]
+    disordered = replace(metrics, "is_ratio_min", [1.2, 0.5])  # above the mean in the first step
+    failure = failing(validate_table("train_metrics", disordered, config), "expect_column_values_to_be_in_set",
+                      "_out_of_range")
+    assert failure.unexpected_count == 1
+    assert failure.sample_rows[0]["_out_of_range"].startswith("is_ratio min/mean/max = 1.2/")
 
 
 def test_eval_groups_and_correctness(tables: dict[str, pa.Table], config: RunConfig) -> None:
