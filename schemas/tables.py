@@ -133,11 +133,11 @@ TRAIN_METRICS = TableSchema(
             ("skipped", pa.bool_()),
             ("loss", pa.float64()),  # policy loss + kl_coef * KL term - entropy_coef * entropy term
             ("policy_loss", pa.float64()),
-            ("clip_frac_low", pa.float64()),  # loss tokens whose low clip is active (A < 0, r < 1 - eps_low)
-            ("clip_frac_high", pa.float64()),  # loss tokens whose high clip is active (A > 0, r > 1 + eps_high)
+            ("clip_frac_low", pa.float64()),  # loss tokens low-clipped (A < 0, r < 1 - eps_low)
+            ("clip_frac_high", pa.float64()),  # loss tokens high-clipped (A > 0, r > 1 + eps_high)
             ("clip_frac_dual", pa.float64()),  # loss tokens capped by the dual clip
             ("approx_kl", pa.float64()),  # k3 estimate of KL(pi_old || pi_theta) per loss token
-            ("kl_ref", pa.float64()),  # the configured estimator of KL(pi_theta || pi_ref) per token; 0 if off
+            ("kl_ref", pa.float64()),  # KL(pi_theta || pi_ref) per token (train.kl_estimator); 0 if off
             ("entropy", pa.float64()),  # mean entropy of pi_theta over loss tokens
             ("is_ratio_mean", pa.float64()),  # pi_old / pi_sampler over response tokens (before truncation)
             ("is_ratio_min", pa.float64()),

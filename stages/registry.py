@@ -11,7 +11,8 @@ Run-level stages run once per run; iteration stages run once per iteration k:
     generate  k    prompts, policy k-1   -> iter=k/rollouts.parquet     (policy -1 is the base model)
     score     k    prompts, rollouts k   -> iter=k/scores.parquet
     advantage k    rollouts k, scores k  -> iter=k/batch.parquet
-    train     k    batch k, rollouts k, policy k-1 -> checkpoints/iter=k + iter=k/train_metrics.parquet
+    train     k    batch k, rollouts k, policy k-1, base_model (KL reference)
+                                         -> checkpoints/iter=k + iter=k/train_metrics.parquet
     evaluate  k    prompts, checkpoint k -> iter=k/eval.parquet
 """
 
@@ -110,9 +111,11 @@ STAGES: dict[str, StageSpec] = {
             outputs=lambda k: [Output("batch", k)],
         ),
         StageSpec(
-            "train", False, _sections("train", "threads"),
+            # Train recomputes logprobs at the sampling temperature, and uses the base model as KL reference.
+            "train", False, _sections("train", "threads", "generate.temperature"),
             inputs=lambda k: {
                 "batch": Output("batch", k), "rollouts": Output("rollouts", k), "policy": policy_output(k),
+                "reference": Output("checkpoint", BASE),
             },
             outputs=lambda k: [Output("checkpoint", k), Output("train_metrics", k)],
         ),

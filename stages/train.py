@@ -9,7 +9,7 @@ itself is `stages/rl/session.py` (plain torch, in this process, the default) or
 - Old-policy logprobs are recomputed by the trainer; the sampler's `response_logprobs` are the behaviour
   policy for rollout correction (or the old policy itself with `bypass_old_logprobs`).
 - Logprobs use the generation temperature (`generate.temperature`), as the sampler's do.
-- The KL reference is the base model (when `kl_coef` > 0).
+- The KL reference is the base model (when `kl_coef` > 0), verified against the run's base-model hash.
 - A skipped batch (no kept sample with a nonzero advantage, the skip rule in stages/rl/filters.py) trains
   nothing: the checkpoint is a copy of the input policy (so iteration k+1 has a policy) and the table holds
   one row with skipped = True.
@@ -99,14 +99,11 @@ def skipped_row(global_step: int, lr: float) -> dict[str, Any]:
     }
 
 
-def reference_dir(ctx: StageContext, policy_dir: Path) -> Path | None:
+def reference_dir(ctx: StageContext) -> Path | None:
+    """The frozen KL reference: the base model, re-resolved on this machine and checked against its hash."""
     if ctx.config.train.kl_coef <= 0:
         return None
-    if ctx.iteration == 0:
-        return policy_dir  # the base model is the policy that generated iteration 0
-    from stages.models import resolve_model
-
-    return resolve_model(ctx.config.model)
+    return ctx.policy_dir("reference")
 
 
 def run(ctx: StageContext) -> None:
@@ -136,7 +133,7 @@ def run(ctx: StageContext) -> None:
             iteration=ctx.iteration,
             temperature=ctx.config.generate.temperature,
             norm_length=cfg.loss_norm_length or ctx.config.generate.max_new_tokens,
-            reference_dir=str(ref) if (ref := reference_dir(ctx, policy_dir)) else None,
+            reference_dir=str(ref) if (ref := reference_dir(ctx)) else None,
             threads=ctx.config.threads,
             samples=samples,
         )

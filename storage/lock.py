@@ -234,7 +234,9 @@ class S3Lease:
             holder = json.loads(body)
         except json.JSONDecodeError:
             holder = {}  # unreadable: treated as held by nobody we know, expiring after the default ttl
-        server_now = parsedate_to_datetime(response["ResponseMetadata"]["HTTPHeaders"]["date"])
+        date = response["ResponseMetadata"].get("HTTPHeaders", {}).get("date")
+        # The server's clock when it has a Date header (every S3 has); ours, skew and all, otherwise.
+        server_now = parsedate_to_datetime(date) if date else datetime.now(UTC)
         age_s = (server_now - response["LastModified"]).total_seconds()
         return Observed(holder=holder, etag=response["ETag"], age_s=age_s)
 
@@ -273,7 +275,8 @@ class S3Lease:
                     raise
                 if self._ours_after_conflict():
                     return None
-        return self.read()
+        # Still contended after several rounds (it keeps vanishing and reappearing): report it as held.
+        return self.read() or Observed(holder={}, etag="", age_s=0.0)
 
     def renew(self) -> bool:
         from botocore.exceptions import ClientError

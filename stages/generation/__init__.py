@@ -46,9 +46,11 @@ def make_backend(name: str, model_dir: Path, cfg: GenerateConfig) -> Backend:
         return HFBackend(Path(model_dir), dtype=cfg.dtype, batch_size=cfg.batch_size)
     from stages.generation.vllm_backend import VLLMBackend, context_length
 
+    # vLLM on CPU is fastest in bf16 while training wants fp32: a `vllm_dtype` field, where the config has
+    # one, sets the engine's precision apart from `dtype`.
     return VLLMBackend(
         Path(model_dir),
-        dtype=cfg.dtype,
+        dtype=getattr(cfg, "vllm_dtype", None) or cfg.dtype,
         max_model_len=context_length(cfg.max_prompt_tokens, cfg.max_new_tokens),
         kv_cache_gib=cfg.vllm_kv_cache_gib,
         tensor_parallel_size=cfg.vllm_tensor_parallel_size,

@@ -1,0 +1,266 @@
+"""Storage drills: a disk that fills up, a storage root that cannot be written, an S3 server that dies mid-write.
+
+Real file systems (a small tmpfs, a read-only remount of it; root ignores file modes, so the mount takes the
+permission away) and a real S3 API (moto's server on 127.0.0.1, killed with SIGKILL and started again).
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import random
+import signal
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from stages.common import read_run_config
+from stages.registry import STAGES, stage_state
+from storage.layout import BASE, RunLayout
+
+from . import helpers as h
+from .conftest import BUCKET, Moto, remount, tmpfs
+
+
+def fill(directory: Path, leave_bytes: int = 0) -> Path:
+    """A ballast file that takes the file system's free space, all of it or all but `leave_bytes`."""
+    ballast = directory / "ballast"
+    stat = os.statvfs(directory)
+    target = max(0, stat.f_bavail * stat.f_frsize - leave_bytes)
+    with open(ballast, "wb") as handle:
+        try:
+            while target > 0:
+                chunk = min(target, 1 << 20)
+                handle.write(b"\0" * chunk)
+                handle.flush()
+                target -= chunk
+        except OSError as error:
+            assert error.errno == errno.ENOSPC
+    return ballast
+
+
+def assert_one_clear_line(output: str, *names: str) -> None:
+    """The failure is reported as a message naming what failed, not as a Python traceback."""
+    assert "Traceback" not in output, f"a traceback instead of a message:\n{output[-2500:]}"
+    for name in names:
+        assert name in output.replace("\n", ""), f"{name!r} not named in:\n{output[-2500:]}"
+
+
+def test_disk_full_during_a_table_write(tmp_path: Path) -> None:
+    """Proves: when the disk under the storage root is full while the score stage writes its table (a 4 MiB
+    tmpfs filled by a ballast file), the stage exits non-zero with a message naming the reason and the table,
+    without a traceback; no temporary is left; the old scores file is byte for byte what it was, no manifest
+    vouches for anything incomplete and every other output and manifest is untouched. Once the space is freed,
+    running the stage again completes with exactly the expected keys."""
+    with tmpfs(tmp_path / "disk", "4m") as disk:
+        layout = h.start(str(disk / "root"), tmp_path / "sources")
+        h.build_run(layout)
+        run_dir = Path(layout.run_dir)
+        scores = Path(layout.table_path("scores", 0))
+        assert scores.stat().st_size > 4096  # more than the one page the harness frees by removing the manifest
+        before = h.snapshot(run_dir)
+        ballast = fill(disk)
+
+        failed = h.run(h.stage_command(layout, "score"), layout.root)
+        output = failed.stdout + failed.stderr
+        assert failed.returncode != 0
+        assert "No space left on device" in output, output[-2500:]
+        after = h.snapshot(run_dir)
+        assert {k for k in before if after.get(k) != before[k]} == {"iter=0000/scores.parquet.manifest.json"}
+        assert set(after) <= set(before), f"new files on a full disk: {set(after) - set(before)}"
+        assert after["iter=0000/scores.parquet"] == before["iter=0000/scores.parquet"]
+        h.assert_manifests_vouch_for_their_outputs(layout.fs, h.manifests_of(layout).values())
+        assert h.temporary_files(run_dir) == []
+
+        ballast.unlink()
+        resumed = h.run(h.stage_command(layout, "score"), layout.root)
+        assert resumed.returncode == 0, resumed.stderr[-3000:]
+        h.ensure_upstream_done(layout, "train")
+        h.assert_exact_keys(layout)
+        h.assert_manifests_vouch_for_their_outputs(layout.fs, h.manifests_of(layout).values())
+        assert_one_clear_line(output, "No space left on device", "scores.parquet")
+
+
+def test_disk_full_during_a_checkpoint_write_then_free_space_and_resume(tmp_path: Path) -> None:
+    """Proves: when the disk fills up while a stage builds its checkpoint (train's stand-in work writes 1.5 MiB
+    of weights through the real harness on a 4 MiB tmpfs with 1 MiB free), the stage fails with a message naming
+    the reason, the previous checkpoint's files and every manifest are intact, and after freeing exactly as much
+    space as the checkpoint needs, resuming the stage completes: the failed attempt's partial checkpoint does
+    not keep holding the space."""
+    weights = 1536 << 10
+    with tmpfs(tmp_path / "disk", "4m") as disk:
+        layout = h.start(str(disk / "root"), tmp_path / "sources")
+        h.build_run(layout)
+        run_dir = Path(layout.run_dir)
+        before = h.snapshot(run_dir)
+        ballast = fill(disk, leave_bytes=1 << 20)
+        command = h.standin_command(layout, "train")
+
+        failed = h.run(command, layout.root, RLPIPE_DRILL_WEIGHTS_BYTES=str(weights))
+        output = failed.stdout + failed.stderr
+        assert failed.returncode != 0 and "No space left on device" in output, output[-2500:]
+        after = h.snapshot(run_dir)
+        for name, digest in before.items():
+            if "manifest" in name and name.startswith(("checkpoints/iter=0000", "iter=0000/train_metrics")):
+                continue  # train's own manifests are removed before it writes (by design)
+            if name.startswith(("checkpoints/iter=0000", "iter=0000/train_metrics")) or "manifest" not in name:
+                assert after.get(name) == digest, f"{name} changed on a failed write"
+        h.assert_manifests_vouch_for_their_outputs(layout.fs, h.manifests_of(layout).values())
+
+        # Free what the checkpoint needs, and only that.
+        with open(ballast, "r+b") as handle:
+            handle.truncate(max(0, ballast.stat().st_size - weights))
+        resumed = h.run(command, layout.root, RLPIPE_DRILL_WEIGHTS_BYTES=str(weights))
+        assert resumed.returncode == 0, (
+            f"resume after freeing {weights} bytes failed; temporaries: {h.temporary_files(run_dir)}\n"
+            + resumed.stderr[-1500:]
+        )
+        config = read_run_config(layout)
+        assert stage_state(layout.fs, layout, config, STAGES["train"], 0).done
+        assert h.temporary_files(run_dir) == []
+        assert_one_clear_line(output, "No space left on device")
+
+
+def test_storage_root_without_write_permission(tmp_path: Path) -> None:
+    """Proves: on a storage root that cannot be written (a tmpfs remounted read-only: as root, file modes would
+    not stop us), `rlpipe run` of a new run and a stage of an existing run exit non-zero with a message naming
+    the path and the reason, without a traceback, and nothing under the root changes. After the root is
+    writable again the stage runs."""
+    with tmpfs(tmp_path / "disk", "4m") as disk:
+        layout = h.start(str(disk / "root"), tmp_path / "sources")
+        h.build_run(layout)
+        before = h.snapshot(disk)
+        remount(disk, "ro")
+        try:
+            train, test = h.write_sources(tmp_path / "sources")
+            new_run = h.run(h.rlpipe_command("run", "--run-id", "fresh", "--set", f"data.train={train}",
+                                             "--set", f"data.test={test}"), layout.root)
+            stage = h.run(h.stage_command(layout, "score"), layout.root)
+            assert h.snapshot(disk) == before
+        finally:
+            remount(disk, "rw")
+        assert new_run.returncode != 0 and stage.returncode != 0
+        rerun = h.run(h.stage_command(layout, "score"), layout.root)
+        assert rerun.returncode == 0, rerun.stderr[-2000:]
+        assert_one_clear_line(new_run.stdout + new_run.stderr, "Read-only file system", str(disk))
+        assert_one_clear_line(stage.stdout + stage.stderr, "Read-only file system", str(disk))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# S3
+
+
+def s3_manifests(layout: RunLayout) -> list:
+    from storage.manifest import read_manifest
+
+    fs = layout.fs
+    fs.invalidate_cache()
+    paths = [p for p in fs.find(layout.run_dir) if p.endswith("manifest.json")]
+    return [read_manifest(fs, f"s3://{p}") for p in paths]
+
+
+def put_seen(moto: Moto, key_part: str) -> bool:
+    """Whether moto has received a PUT whose URL contains `key_part` (its recorder logs each request first)."""
+    try:
+        lines = moto.recording.read_text().splitlines()
+    except OSError:
+        return False
+    for line in lines:
+        try:
+            entry = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if entry.get("method") == "PUT" and key_part in entry.get("url", ""):
+            return True
+    return False
+
+
+def outage_during(moto: Moto, process: subprocess.Popen, kill_when, outage_s: float) -> bool:  # noqa: ANN001
+    """When `kill_when()` holds (or the stage ends first: then False), SIGKILL moto; the stage keeps running
+    against the dead endpoint for `outage_s`, then is frozen while moto restarts and replays its state (so the
+    replay cannot interleave with the stage's own requests), then continues."""
+    while process.poll() is None and not kill_when():
+        time.sleep(0.01)
+    if process.poll() is not None:
+        return False
+    moto.stop()
+    time.sleep(outage_s)
+    os.killpg(process.pid, signal.SIGSTOP)
+    try:
+        moto.start(replay=True)
+    finally:
+        os.killpg(process.pid, signal.SIGCONT)
+    return True
+
+
+@pytest.fixture(scope="module")
+def s3_run(moto: Moto, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunLayout]:
+    base = tmp_path_factory.mktemp("s3")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("RLPIPE_CACHE", str(base / "cache"))  # stage processes inherit it
+        layout = h.start(f"s3://{BUCKET}/drills", base / "sources")
+        h.build_run(layout)
+        yield layout
+
+
+@pytest.mark.parametrize(("stage", "output_key"), [("prompts", "prompts.parquet"),
+                                                   ("train", "checkpoints/iter=0000/")])
+def test_s3_server_killed_mid_write_and_restarted(
+    moto: Moto, s3_run: RunLayout, stage: str, output_key: str, tmp_path: Path
+) -> None:
+    """Proves: when the S3 server dies (SIGKILL of moto) while a stage writes to it (at a random point of the
+    stage, and at the first PUT of its output: the table, or the first file of a multi-file checkpoint) and
+    comes back 3 s later with its data, the stage either finishes through its retries with backoff, or fails;
+    either way no manifest in the bucket points at a missing or partial object, and running the stage again
+    leaves it done with the same content as a clean run."""
+    layout = s3_run
+    h.ensure_upstream_done(layout, stage)
+    command = h.command_for(layout, stage)
+    started = time.monotonic()
+    clean = h.run(command, layout.root)
+    clean_seconds = time.monotonic() - started
+    assert clean.returncode == 0, clean.stderr[-3000:]
+    reference = h.output_contents(layout, stage)
+
+    delay = random.Random(stage).uniform(0.0, clean_seconds)
+    outcomes = {}
+    for name in ("random", "first PUT of the output"):
+        process = h.spawn(command, layout.root, tmp_path / f"{name.replace(' ', '-')}.log")
+        point_started = time.monotonic()
+        if name == "random":
+            def kill_when(t0: float = point_started) -> bool:
+                return time.monotonic() - t0 >= delay
+        else:
+            def kill_when() -> bool:
+                return put_seen(moto, f"drills/runs/drill/{output_key}")
+        hit = outage_during(moto, process, kill_when, outage_s=3.0)
+        code = h.finish(process, timeout=600)
+        outcomes[name] = (hit, code)
+        h.assert_manifests_vouch_for_their_outputs(layout.fs, s3_manifests(layout))
+        if code != 0:
+            again = h.run(command, layout.root)
+            assert again.returncode == 0, again.stderr[-3000:]
+        config = read_run_config(layout)
+        layout.fs.invalidate_cache()
+        iteration = BASE if STAGES[stage].run_level else 0
+        assert stage_state(layout.fs, layout, config, STAGES[stage], iteration).done, (name, outcomes)
+        assert h.output_contents(layout, stage) == reference, name
+        h.assert_manifests_vouch_for_their_outputs(layout.fs, s3_manifests(layout))
+    assert outcomes["first PUT of the output"][0], f"the outage never met a write: {outcomes}"
+
+
+def test_checkpoint_on_s3_leaves_no_local_copy_behind(moto: Moto, s3_run: RunLayout) -> None:
+    """Proves: a stage that publishes a checkpoint to an S3 root (train's stand-in work through the real harness)
+    does not leave its local build directory behind in the worker's cache: on a worker that trains every
+    iteration, each leftover would be a whole model plus optimizer state."""
+    layout = s3_run
+    h.ensure_upstream_done(layout, "train")
+    cache = Path(os.environ["RLPIPE_CACHE"])
+    before = set(cache.glob("rlpipe-ckpt-*")) if cache.exists() else set()
+    result = h.run(h.standin_command(layout, "train"), layout.root)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert set(cache.glob("rlpipe-ckpt-*")) - before == set()
