@@ -141,6 +141,17 @@ def to_sample(completion: Any) -> Sample:
                   finish_reason=completion.finish_reason)
 
 
+def external_request_id(internal: str) -> str:
+    """The id a `RequestOutput` carries, given the id `LLM.enqueue` returned for the request.
+
+    `LLM` numbers requests "0", "1", ...; the engine makes that unique by appending "-" and 8 random
+    characters (`InputProcessor.assign_request_id`) and hands back the suffixed id, while outputs carry the
+    plain number. Without the suffix (VLLM_DISABLE_REQUEST_ID_RANDOMIZATION) the two are the same.
+    """
+    head, sep, tail = internal.rpartition("-")
+    return head if sep and head.isdigit() and len(tail) == 8 else internal
+
+
 def windows(count: int, size: int) -> Iterator[range]:
     for start in range(0, count, size):
         yield range(start, min(start + size, count))
@@ -218,7 +229,7 @@ class VLLMBackend:
         prompts = [{"prompt_token_ids": list(requests[i].prompt_token_ids)} for i in batch]
         params = [sampling_params(requests[i], sampling) for i in batch]
         ids = self.llm.enqueue(prompts, params, use_tqdm=False)
-        return dict(zip(ids, batch, strict=True))
+        return {external_request_id(internal): index for internal, index in zip(ids, batch, strict=True)}
 
     def close(self) -> None:
         llm = getattr(self, "llm", None)

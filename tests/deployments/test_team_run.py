@@ -92,17 +92,33 @@ def wait_for(condition: Any, timeout_s: float, what: str, interval_s: float = 1.
     raise AssertionError(f"timed out after {timeout_s:.0f}s waiting for {what}")
 
 
-def api_post(api: str, path: str, body: dict | None = None) -> Any:
-    response = httpx.post(f"{api}{path}", json=body or {}, timeout=60)
+def rest(method: str, url: str, body: dict | None = None, attempts: int = 10) -> Any:
+    """One REST call, retried on 5xx and connection errors: under load the server's SQLite database is
+    sometimes locked and it answers 503 (Prefect's own client retries those the same way)."""
+    for attempt in range(attempts):
+        try:
+            response = httpx.request(method, url, json=body, timeout=60)
+            if response.status_code < 500:
+                response.raise_for_status()
+                return response.json()
+        except httpx.TransportError:
+            if attempt == attempts - 1:
+                raise
+        time.sleep(min(2**attempt, 15))
     response.raise_for_status()
-    return response.json()
+    return None
 
 
-def online_workers(api: str, pool: str) -> list[dict]:
+def api_post(api_url: str, path: str, body: dict | None = None) -> Any:
+    return rest("POST", f"{api_url}{path}", body or {})
+
+
+def online_workers(api_url: str, pool: str) -> list[dict]:
     try:
-        return [w for w in api_post(api, f"/work_pools/{pool}/workers/filter") if w.get("status") == "ONLINE"]
+        workers = api_post(api_url, f"/work_pools/{pool}/workers/filter")
     except httpx.HTTPError:
-        return []
+        return []  # not up yet, or the pool not created yet
+    return [w for w in workers if w.get("status") == "ONLINE"]
 
 
 def rlpipe(env: dict[str, str], *args: str, timeout: float = 900) -> subprocess.CompletedProcess:
@@ -125,7 +141,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
             **os.environ, MARKER_VARIABLE: marker, "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
             "AWS_DEFAULT_REGION": "us-east-1", "RLPIPE_S3_ENDPOINT_URL": endpoint, "RLPIPE_CACHE": str(logs / "cache"),
             "PREFECT_API_URL": api, "PREFECT_HOME": str(logs / "client-home"),
-            "PREFECT_SERVER_EPHEMERAL_ENABLED": "false", "PREFECT_WORKER_QUERY_SECONDS": "1",
+            "PREFECT_SERVER_EPHEMERAL_ENABLED": "false", "PREFECT_WORKER_QUERY_SECONDS": "2",
             "PREFECT_LOGGING_LEVEL": "INFO", "RLPIPE_DISPATCH_POLL_S": "1", "DO_NOT_TRACK": "1", "COLUMNS": "200",
         }
         env.pop("RLPIPE_DISPATCH", None)
@@ -155,18 +171,17 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         kill_marked(marker)
 
 
-def trigger(api: str, deployment: str) -> str:
-    flow, name = deployment.split("/")
-    deployment_id = httpx.get(f"{api}/deployments/name/{flow}/{name}", timeout=60).json()["id"]
-    return api_post(api, f"/deployments/{deployment_id}/create_flow_run", {})["id"]
+def trigger(api_url: str, deployment: str) -> str:
+    deployment_id = rest("GET", f"{api_url}/deployments/name/{deployment}")["id"]
+    return api_post(api_url, f"/deployments/{deployment_id}/create_flow_run", {})["id"]
 
 
-def flow_run(api: str, run_id: str) -> dict:
-    return httpx.get(f"{api}/flow_runs/{run_id}", timeout=60).json()
+def flow_run(api_url: str, run_id: str) -> dict:
+    return rest("GET", f"{api_url}/flow_runs/{run_id}")
 
 
-def run_logs(api: str, run_id: str) -> str:
-    logs = api_post(api, "/logs/filter", {"logs": {"flow_run_id": {"any_": [run_id]}}, "limit": 200})
+def run_logs(api_url: str, run_id: str) -> str:
+    logs = api_post(api_url, "/logs/filter", {"logs": {"flow_run_id": {"any_": [run_id]}}, "limit": 200})
     return "\n".join(entry["message"] for entry in logs)[-4000:]
 
 
@@ -182,12 +197,12 @@ def wait_finished(cluster: Cluster, run_ids: list[str], timeout_s: float) -> lis
         raise AssertionError(f"flow runs did not finish; worker logs:\n{worker_logs}") from None
 
 
-def stage_runs(api: str) -> list[dict]:
-    return api_post(api, "/flow_runs/filter", {"flows": {"name": {"any_": ["stage"]}}, "limit": 200})
+def stage_runs(api_url: str) -> list[dict]:
+    return api_post(api_url, "/flow_runs/filter", {"flows": {"name": {"any_": ["stage"]}}, "limit": 200})
 
 
-def describe_failures(api: str, runs: list[dict]) -> str:
-    return "\n\n".join(f"{run['name']}: {run['state']['name']}\n{run_logs(api, run['id'])}"
+def describe_failures(api_url: str, runs: list[dict]) -> str:
+    return "\n\n".join(f"{run['name']}: {run['state']['name']}\n{run_logs(api_url, run['id'])}"
                        for run in runs if run["state"]["type"] != "COMPLETED")
 
 

@@ -21,7 +21,7 @@ import pyarrow.parquet as pq
 import pytest
 from safetensors import safe_open
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(2700)]
 
 CONFIG = Path(__file__).with_name("tiny.yaml")
 PROMPTS_PER_ITERATION, N_SAMPLES, ITERATIONS = 2, 4, 2

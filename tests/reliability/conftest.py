@@ -48,6 +48,29 @@ def pytest_terminal_summary(terminalreporter) -> None:  # noqa: ANN001 - pytest'
 
 
 # ---------------------------------------------------------------------------------------------------------
+# Runs
+
+
+@pytest.fixture(scope="session")
+def pristine_run(tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN201 - a RunLayout
+    """One finished stand-in run (tests/reliability/helpers.py), built once; drills work on clones of it."""
+    from . import helpers as h
+
+    base = tmp_path_factory.mktemp("pristine")
+    layout = h.start(str(base / "root"), base / "sources")
+    h.build_run(layout)
+    return layout
+
+
+@pytest.fixture
+def clone(pristine_run, tmp_path: Path):  # noqa: ANN001, ANN201 - RunLayout in and out
+    """A fresh copy of the pristine run under this test's tmp_path."""
+    from . import helpers as h
+
+    return h.clone_run(pristine_run, tmp_path / "root")
+
+
+# ---------------------------------------------------------------------------------------------------------
 # tmpfs
 
 

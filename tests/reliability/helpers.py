@@ -82,7 +82,7 @@ def run_overrides(sources: Path, *extra: str) -> list[str]:
     return [
         f"run_id={RUN_ID}", f"data.train={train}", f"data.test={test}", "iterations=1", "threads=1",
         "generate.prompts_per_iteration=2", f"generate.n_samples={N_SAMPLES}", "score.workers=2",
-        "score.timeout_s=2", "evaluate.n_samples=2", "evaluate.k=[1,2]", *extra,
+        "score.timeout_s=5", "evaluate.n_samples=2", "evaluate.k=[1,2]", *extra,
     ]
 
 
@@ -432,3 +432,94 @@ def output_contents(layout: RunLayout, stage: str) -> dict[str, object]:
             rows = table_rows(layout, output.name, output.iteration)
             contents[output.name] = [{k: v for k, v in r.items() if k not in TIMING_COLUMNS} for r in rows]
     return contents
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Stage processes forked from this one
+
+
+@dataclass
+class Forked:
+    """A stage process forked from the test process: `stages.common.main(stage, work, argv)`, exactly what
+    `python -m stages.<name>` runs, minus the interpreter start and imports (GX alone costs seconds of CPU per
+    process), so that a drill can start dozens of them. It leads a session of its own (its sandbox workers
+    die with it when the group is killed) and writes its output to `log`."""
+
+    pid: int
+    log: Path
+    returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+            if pid:
+                self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def wait(self, timeout: float) -> int:
+        deadline = time.monotonic() + timeout
+        while self.poll() is None:
+            if time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(str(self.pid), timeout)
+            time.sleep(0.01)
+        return self.returncode
+
+    def kill(self) -> None:
+        if self.poll() is None:
+            try:
+                os.killpg(self.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            self.wait(60)
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace")
+
+
+def fork_stage(layout: RunLayout, stage: str, work, log: Path, **env: str) -> Forked:  # noqa: ANN001
+    from stages.common import main
+
+    iteration = BASE if STAGES[stage].run_level else 0
+    argv = ["--root", layout.root, "--run", layout.run_id, "--iter", str(iteration)]
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid == 0:  # the child: never returns into pytest
+        code = 1
+        try:
+            os.setsid()
+            handle = open(log, "w")  # noqa: SIM115 - the process ends below
+            os.dup2(handle.fileno(), 1)
+            os.dup2(handle.fileno(), 2)
+            sys.stdout = sys.stderr = handle
+            os.environ.update(env)
+            code = main(stage, work, argv)
+        except BaseException:  # noqa: BLE001 - report anything, exit 1 like an uncaught exception would
+            import traceback
+
+            traceback.print_exc()
+        finally:
+            try:
+                sys.stdout.flush()
+            finally:
+                os._exit(code)
+    return Forked(pid, log)
+
+
+def work_for(stage: str):  # noqa: ANN201 - a stage's run(ctx)
+    return real_stage(stage) if stage in REAL else STANDINS[stage]
+
+
+def clone_run(pristine: RunLayout, root: Path) -> RunLayout:
+    """A copy of a finished run under another storage root, as if it had been run there. Manifests record
+    their output's full path, so the old root is replaced by the new one in them; everything else (keys,
+    content hashes, config) does not depend on where the root is. Costs milliseconds where building a run
+    costs seconds of CPU (every table passes its data contract on the way in)."""
+    import shutil
+
+    source = Path(pristine.run_dir)
+    target = Path(root) / "runs" / pristine.run_id
+    shutil.copytree(source, target, ignore=shutil.ignore_patterns("*.lock"))
+    for manifest in target.rglob("*manifest.json"):
+        manifest.write_text(manifest.read_text().replace(pristine.root + "/", str(Path(root).resolve()) + "/"))
+    return RunLayout.create(str(root), pristine.run_id)

@@ -17,6 +17,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from schemas.tables import ROLLOUT_KEY, TABLES
 from stages.common import StageContext, run_stage
 from stages.registry import Output
 from storage.fs import atomic_write_bytes
@@ -30,10 +31,8 @@ FIXTURES = Path(__file__).parents[1] / "fixtures"
 
 
 @pytest.fixture
-def run(tmp_path: Path) -> RunLayout:
-    layout = h.start(str(tmp_path / "root"), tmp_path / "sources")
-    h.build_run(layout)
-    return layout
+def run(clone: RunLayout) -> RunLayout:
+    return clone
 
 
 def refused(result, *names: str, code: int = 2) -> str:  # noqa: ANN001 - a CompletedProcess
@@ -50,14 +49,17 @@ def unchanged(layout: RunLayout, before: dict[str, str], stale_manifest: str | N
     """Every file of the run is as it was; only `stale_manifest` (the refusing stage's own manifest, stale
     already because its input changed) may have been removed."""
     after = h.snapshot(Path(layout.run_dir))
-    changed = {k for k in before.keys() | after.keys() if before.get(k) != after.get(k)}
+    changed = {k for k in before.keys() | after.keys() if before.get(k) != after.get(k)
+               and ".validation." not in k and ".rejected." not in k}  # contract reports may be (re)written
     assert changed <= ({stale_manifest} - after.keys() if stale_manifest else set()), changed
 
 
-def write_raw(ctx: StageContext, name: str, table: pa.Table, tag: str) -> None:
-    """Write `table` as output `name` with schema tag `tag`, bypassing the schema check, with a manifest that
-    vouches for it: what an older (or broken) rlpipe would have left behind."""
+def write_raw(ctx: StageContext, name: str, table: pa.Table, tag: str, cast: bool = True) -> None:
+    """Write `table` as output `name` with schema tag `tag`, past the schema and contract checks, with a manifest
+    that vouches for it: what an older rlpipe, or another tool, would have left behind."""
     output = Output(name, ctx.iteration)
+    if cast:
+        table = table.cast(TABLES[name].schema)
     sink = io.BytesIO()
     pq.write_table(table.replace_schema_metadata({SCHEMA_METADATA_KEY: tag.encode()}), sink)
     data = sink.getvalue()
@@ -97,18 +99,18 @@ def test_bad_prompt_source_is_refused_and_the_run_is_untouched(run: RunLayout, s
 
 
 def test_parquet_source_with_a_wrong_type_names_row_and_field(run: RunLayout, tmp_path: Path) -> None:
-    """Proves: a Parquet prompt source whose third row has an integer where the test code should be, and one
-    whose `test` is null, are refused naming the file, the row and the field; the run is untouched."""
+    """Proves: a Parquet prompt source whose `entry_point` column holds integers, and one whose second row has a
+    null `test`, are refused naming the file, the row and the field; the run is untouched."""
     rows = [dict(p) for p in h.PROBLEMS]
     bad_type = tmp_path / "bad_type.parquet"
-    pq.write_table(pa.Table.from_pylist(rows[:2] + [{**rows[2], "entry_point": 7}]), bad_type)
+    pq.write_table(pa.Table.from_pylist([{**r, "entry_point": i} for i, r in enumerate(rows)]), bad_type)
     no_tests = tmp_path / "no_tests.parquet"
     pq.write_table(pa.Table.from_pylist(
         [{"messages": json.dumps([{"role": "user", "content": "q"}]), "test": r["test"]} for r in rows[:1]]
         + [{"messages": json.dumps([{"role": "user", "content": "r"}]), "test": None}]), no_tests)
     before = h.snapshot(Path(run.run_dir))
-    for source, named in [(bad_type, ["bad_type.parquet row 2", "entry_point"]),
-                          (no_tests, ["no_tests.parquet row", "test"])]:
+    for source, named in [(bad_type, ["bad_type.parquet row 0", "'entry_point'"]),
+                          (no_tests, ["no_tests.parquet row 1", "'test'"])]:
         result = h.run(h.rlpipe_command("resume", run.run_id, "--set", f"data.train={source}"), run.root)
         refused(result, *named)
     unchanged(run, before)
@@ -128,7 +130,7 @@ def test_hand_edited_config_with_a_wrong_type_stops_a_stage(run: RunLayout) -> N
     """Proves: a run whose config.yaml was edited by hand to hold a wrong type makes a stage exit 2 naming the
     config file and the field, before it touches its outputs."""
     config = Path(run.config_path)
-    config.write_text(config.read_text().replace("timeout_s: 2.0", "timeout_s: soon"))
+    config.write_text(config.read_text().replace("timeout_s: 5.0", "timeout_s: soon"))
     before = h.snapshot(Path(run.run_dir))
     refused(h.run(h.stage_command(run, "score"), run.root), str(config), "score.timeout_s")
     unchanged(run, before)
@@ -156,9 +158,14 @@ def test_a_stage_that_finds_bad_input_keeps_its_previous_output_valid(run: RunLa
     from stages.common import read_run_config
 
     source = Path(read_run_config(run).data.train)
-    source.write_text(source.read_text() + '{"prompt": "broken",,}\n')
-    before = h.snapshot(Path(run.run_dir))
-    refused(h.run(h.rlpipe_command("stage", "prompts", "--run", run.run_id), run.root), f"{source} line 3")
+    good = source.read_text()
+    source.write_text(good + '{"prompt": "broken",,}\n')  # the sources are shared with other drills: restored below
+    try:
+        before = h.snapshot(Path(run.run_dir))
+        result = h.run(h.rlpipe_command("stage", "prompts", "--run", run.run_id), run.root)
+    finally:
+        source.write_text(good)
+    refused(result, f"{source} line 3")
     unchanged(run, before)
     h.assert_run_done(run)
 
@@ -172,7 +179,7 @@ def test_table_with_an_old_schema_version_is_refused(run: RunLayout) -> None:
     all) makes the score stage exit 2 naming the file and both versions; the old scores table is untouched."""
 
     def old_generate(ctx: StageContext) -> None:
-        write_raw(ctx, "rollouts", rollouts_table(ctx), "rollouts/v0")
+        write_raw(ctx, "rollouts", rollouts_table(ctx), "rollouts/v0")  # same columns, older tag
 
     run_stage("generate", run, 0, old_generate)
     before = h.snapshot(Path(run.run_dir))
@@ -188,7 +195,7 @@ def test_table_with_a_wrong_schema_is_refused(run: RunLayout) -> None:
                            (lambda t: t.set_column(t.schema.get_field_index("num_tokens"), "num_tokens",
                                                    pa.array(["two"] * t.num_rows)), "num_tokens")]:
         def bad_generate(ctx: StageContext, broken=broken) -> None:  # noqa: ANN001
-            write_raw(ctx, "rollouts", broken(rollouts_table(ctx)), "rollouts/v1")
+            write_raw(ctx, "rollouts", broken(rollouts_table(ctx)), "rollouts/v1", cast=False)
 
         run_stage("generate", run, 0, bad_generate)
         before = h.snapshot(Path(run.run_dir))
@@ -207,7 +214,8 @@ def test_non_finite_reward_is_refused(run: RunLayout, reward: float) -> None:
         for row in rows:
             if row["prompt_id"] == victim["prompt_id"] and row["sample_idx"] == victim["sample_idx"]:
                 row["reward"] = reward
-        ctx.write_table("scores", pa.Table.from_pylist(rows))
+        # Past the contract check (which would refuse it at write time): a table from elsewhere.
+        write_raw(ctx, "scores", pa.Table.from_pylist(rows, schema=TABLES["scores"].schema), "scores/v1")
 
     run_stage("score", run, 0, bad_score)
     before = h.snapshot(Path(run.run_dir))
@@ -218,17 +226,27 @@ def test_non_finite_reward_is_refused(run: RunLayout, reward: float) -> None:
 
 def test_group_smaller_than_n_samples_is_refused(run: RunLayout) -> None:
     """Proves: rollouts (and their scores) where one prompt has 3 samples although `generate.n_samples` is 4 (a
-    lost sample) make the advantage stage exit 2 naming the table, the prompt and n_samples, instead of
-    computing advantages over a short group; the batch table is not rewritten."""
+    lost sample) make the advantage stage exit 2 (bad input) naming the input table, the prompt and n_samples,
+    instead of computing advantages over a short group; the batch table is not rewritten."""
     short = {h.TRAIN_IDS[0]: h.N_SAMPLES, h.TRAIN_IDS[1]: h.N_SAMPLES - 1}
 
     def short_generate(ctx: StageContext) -> None:
-        ctx.write_table("rollouts", rollouts_table(ctx, groups=short))
+        write_raw(ctx, "rollouts", rollouts_table(ctx, groups=short), "rollouts/v1")
 
+    def short_score(ctx: StageContext) -> None:
+        rows = [{**{k: r[k] for k in ROLLOUT_KEY}, "reward": float(r["sample_idx"] % 2 == 0), "passed": 1,
+                 "total": 2, "status": "ok", "tests": "[]", "code": None, "sandbox_seconds": 0.0}
+                for r in ctx.read_input("rollouts").to_pylist()]
+        write_raw(ctx, "scores", pa.Table.from_pylist(rows, schema=TABLES["scores"].schema), "scores/v1")
+
+    # Past the contract checks (which refuse short groups at write time): tables from elsewhere.
     run_stage("generate", run, 0, short_generate)
-    run_stage("score", run, 0, h.real_stage("score"))
+    run_stage("score", run, 0, short_score)
     before = h.snapshot(Path(run.run_dir))
-    refused(h.run(h.stage_command(run, "advantage"), run.root), h.TRAIN_IDS[1], "n_samples")
+    result = h.run(h.stage_command(run, "advantage"), run.root)
+    assert run.table_path("rollouts", 0) in result.stderr.replace("\n", "") or \
+        run.table_path("scores", 0) in result.stderr.replace("\n", ""), result.stderr[-2500:]
+    refused(result, h.TRAIN_IDS[1], "n_samples")
     unchanged(run, before, stale_manifest="iter=0000/batch.parquet.manifest.json")
 
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 import errno
 import json
 import os
-import random
 import signal
 import subprocess
 import time
@@ -20,7 +19,7 @@ import pytest
 
 from stages.common import read_run_config
 from stages.registry import STAGES, stage_state
-from storage.layout import BASE, RunLayout
+from storage.layout import RunLayout
 
 from . import helpers as h
 from .conftest import BUCKET, Moto, remount, tmpfs
@@ -50,15 +49,14 @@ def assert_one_clear_line(output: str, *names: str) -> None:
         assert name in output.replace("\n", ""), f"{name!r} not named in:\n{output[-2500:]}"
 
 
-def test_disk_full_during_a_table_write(tmp_path: Path) -> None:
+def test_disk_full_during_a_table_write(pristine_run: RunLayout, tmp_path: Path) -> None:
     """Proves: when the disk under the storage root is full while the score stage writes its table (a 4 MiB
     tmpfs filled by a ballast file), the stage exits non-zero with a message naming the reason and the table,
     without a traceback; no temporary is left; the old scores file is byte for byte what it was, no manifest
     vouches for anything incomplete and every other output and manifest is untouched. Once the space is freed,
     running the stage again completes with exactly the expected keys."""
     with tmpfs(tmp_path / "disk", "4m") as disk:
-        layout = h.start(str(disk / "root"), tmp_path / "sources")
-        h.build_run(layout)
+        layout = h.clone_run(pristine_run, disk / "root")
         run_dir = Path(layout.run_dir)
         scores = Path(layout.table_path("scores", 0))
         assert scores.stat().st_size > 4096  # more than the one page the harness frees by removing the manifest
@@ -85,7 +83,9 @@ def test_disk_full_during_a_table_write(tmp_path: Path) -> None:
         assert_one_clear_line(output, "No space left on device", "scores.parquet")
 
 
-def test_disk_full_during_a_checkpoint_write_then_free_space_and_resume(tmp_path: Path) -> None:
+def test_disk_full_during_a_checkpoint_write_then_free_space_and_resume(
+    pristine_run: RunLayout, tmp_path: Path
+) -> None:
     """Proves: when the disk fills up while a stage builds its checkpoint (train's stand-in work writes 1.5 MiB
     of weights through the real harness on a 4 MiB tmpfs with 1 MiB free), the stage fails with a message naming
     the reason, the previous checkpoint's files and every manifest are intact, and after freeing exactly as much
@@ -93,8 +93,7 @@ def test_disk_full_during_a_checkpoint_write_then_free_space_and_resume(tmp_path
     not keep holding the space."""
     weights = 1536 << 10
     with tmpfs(tmp_path / "disk", "4m") as disk:
-        layout = h.start(str(disk / "root"), tmp_path / "sources")
-        h.build_run(layout)
+        layout = h.clone_run(pristine_run, disk / "root")
         run_dir = Path(layout.run_dir)
         before = h.snapshot(run_dir)
         ballast = fill(disk, leave_bytes=1 << 20)
@@ -125,18 +124,17 @@ def test_disk_full_during_a_checkpoint_write_then_free_space_and_resume(tmp_path
         assert_one_clear_line(output, "No space left on device")
 
 
-def test_storage_root_without_write_permission(tmp_path: Path) -> None:
+def test_storage_root_without_write_permission(pristine_run: RunLayout, tmp_path: Path) -> None:
     """Proves: on a storage root that cannot be written (a tmpfs remounted read-only: as root, file modes would
     not stop us), `rlpipe run` of a new run and a stage of an existing run exit non-zero with a message naming
     the path and the reason, without a traceback, and nothing under the root changes. After the root is
     writable again the stage runs."""
     with tmpfs(tmp_path / "disk", "4m") as disk:
-        layout = h.start(str(disk / "root"), tmp_path / "sources")
-        h.build_run(layout)
+        layout = h.clone_run(pristine_run, disk / "root")
         before = h.snapshot(disk)
         remount(disk, "ro")
         try:
-            train, test = h.write_sources(tmp_path / "sources")
+            train, test = h.write_sources(tmp_path / "sources")  # the new run's own sources (readable)
             new_run = h.run(h.rlpipe_command("run", "--run-id", "fresh", "--set", f"data.train={train}",
                                              "--set", f"data.test={test}"), layout.root)
             stage = h.run(h.stage_command(layout, "score"), layout.root)
@@ -163,10 +161,11 @@ def s3_manifests(layout: RunLayout) -> list:
     return [read_manifest(fs, f"s3://{p}") for p in paths]
 
 
-def put_seen(moto: Moto, key_part: str) -> bool:
-    """Whether moto has received a PUT whose URL contains `key_part` (its recorder logs each request first)."""
+def put_seen(moto: Moto, key_part: str, after_line: int) -> bool:
+    """Whether moto has received a PUT whose URL contains `key_part`, among the requests after line `after_line`
+    of its recording (the recorder logs each request as it arrives)."""
     try:
-        lines = moto.recording.read_text().splitlines()
+        lines = moto.recording.read_text().splitlines()[after_line:]
     except OSError:
         return False
     for line in lines:
@@ -207,50 +206,34 @@ def s3_run(moto: Moto, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Run
         yield layout
 
 
-@pytest.mark.parametrize(("stage", "output_key"), [("prompts", "prompts.parquet"),
-                                                   ("train", "checkpoints/iter=0000/")])
+@pytest.mark.parametrize("output_key", ["checkpoints/iter=0000/", "iter=0000/train_metrics.parquet"])
 def test_s3_server_killed_mid_write_and_restarted(
-    moto: Moto, s3_run: RunLayout, stage: str, output_key: str, tmp_path: Path
+    moto: Moto, s3_run: RunLayout, output_key: str, tmp_path: Path
 ) -> None:
-    """Proves: when the S3 server dies (SIGKILL of moto) while a stage writes to it (at a random point of the
-    stage, and at the first PUT of its output: the table, or the first file of a multi-file checkpoint) and
-    comes back 3 s later with its data, the stage either finishes through its retries with backoff, or fails;
-    either way no manifest in the bucket points at a missing or partial object, and running the stage again
-    leaves it done with the same content as a clean run."""
+    """Proves: when the S3 server dies (SIGKILL of moto) while the train stage writes to it (its stand-in work
+    through the real harness: a multi-file checkpoint, then a table), at the first PUT of the checkpoint or of
+    the table, and comes back 3 s later with its data, the stage either finishes through its retries with
+    backoff or fails; either way no manifest in the bucket points at a missing or partial object, and
+    running the stage again (if it failed) leaves it done with the same content as before the outage."""
     layout = s3_run
-    h.ensure_upstream_done(layout, stage)
-    command = h.command_for(layout, stage)
-    started = time.monotonic()
-    clean = h.run(command, layout.root)
-    clean_seconds = time.monotonic() - started
-    assert clean.returncode == 0, clean.stderr[-3000:]
-    reference = h.output_contents(layout, stage)
-
-    delay = random.Random(stage).uniform(0.0, clean_seconds)
-    outcomes = {}
-    for name in ("random", "first PUT of the output"):
-        process = h.spawn(command, layout.root, tmp_path / f"{name.replace(' ', '-')}.log")
-        point_started = time.monotonic()
-        if name == "random":
-            def kill_when(t0: float = point_started) -> bool:
-                return time.monotonic() - t0 >= delay
-        else:
-            def kill_when() -> bool:
-                return put_seen(moto, f"drills/runs/drill/{output_key}")
-        hit = outage_during(moto, process, kill_when, outage_s=3.0)
-        code = h.finish(process, timeout=600)
-        outcomes[name] = (hit, code)
-        h.assert_manifests_vouch_for_their_outputs(layout.fs, s3_manifests(layout))
-        if code != 0:
-            again = h.run(command, layout.root)
-            assert again.returncode == 0, again.stderr[-3000:]
-        config = read_run_config(layout)
-        layout.fs.invalidate_cache()
-        iteration = BASE if STAGES[stage].run_level else 0
-        assert stage_state(layout.fs, layout, config, STAGES[stage], iteration).done, (name, outcomes)
-        assert h.output_contents(layout, stage) == reference, name
-        h.assert_manifests_vouch_for_their_outputs(layout.fs, s3_manifests(layout))
-    assert outcomes["first PUT of the output"][0], f"the outage never met a write: {outcomes}"
+    h.ensure_upstream_done(layout, "train")
+    reference = h.output_contents(layout, "train")
+    command = h.standin_command(layout, "train")
+    seen = len(moto.recording.read_text().splitlines())
+    process = h.spawn(command, layout.root, tmp_path / "train.log")
+    hit = outage_during(moto, process, lambda: put_seen(moto, f"drills/runs/drill/{output_key}", seen), outage_s=3.0)
+    code = h.finish(process, timeout=600)
+    assert hit, f"the stage ended before its first PUT of {output_key} was seen"
+    h.assert_manifests_vouch_for_their_outputs(layout.fs, s3_manifests(layout))
+    if code != 0:
+        output = (tmp_path / "train.log").read_text()
+        again = h.run(command, layout.root)
+        assert again.returncode == 0, output[-1500:] + again.stderr[-1500:]
+    config = read_run_config(layout)
+    layout.fs.invalidate_cache()
+    assert stage_state(layout.fs, layout, config, STAGES["train"], 0).done
+    assert h.output_contents(layout, "train") == reference
+    h.assert_manifests_vouch_for_their_outputs(layout.fs, s3_manifests(layout))
 
 
 def test_checkpoint_on_s3_leaves_no_local_copy_behind(moto: Moto, s3_run: RunLayout) -> None:
