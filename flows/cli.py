@@ -282,7 +282,7 @@ def build_parser() -> argparse.ArgumentParser:
     deploy.add_argument("--config", type=Path, help="start the run --run-id from this config in --root (checked now)")
     deploy.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE", help="override a field")
     deploy.add_argument("--pool-type", default="process", help="worker type of pools that do not exist yet")
-    common(deploy)
+    deploy.add_argument("--root", help="storage root of the --run-id run (default $RLPIPE_ROOT): s3://... for a team")
     deploy.set_defaults(func=cmd_deploy)
     from flows.inspect_cli import add_inspect_commands
 

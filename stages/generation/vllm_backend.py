@@ -74,7 +74,8 @@ def cpu_thread_binding() -> str:
 
 
 def configure_cpu_environment(kv_cache_gib: int, tensor_parallel_size: int) -> None:
-    """Environment the CPU engine reads at start; explicit settings in the environment win."""
+    """Environment the CPU engine reads at start: the config's KV-cache size, and defaults for the rest
+    (thread binding, compile cache, no telemetry) that a value already in the environment overrides."""
     os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(kv_cache_gib)
     if tensor_parallel_size == 1:
         # With tensor parallelism the binding lists one core range per rank ("0-7|8-15"); leave it to vLLM.

@@ -264,6 +264,9 @@ def test_two_pools_s3_root_overlapping_triggers_then_resume(cluster: Cluster) ->
     assert len(artifacts) == 1 and artifacts[0]["type"] == "table"
     rows = json.loads(artifacts[0]["data"]) if isinstance(artifacts[0]["data"], str) else artifacts[0]["data"]
     assert {"stage": "evaluate", "metric": "status", "value": "done"} in rows
+    [report] = api_post(api, "/artifacts/filter", {"artifacts": {"key": {"any_": [f"rlpipe-{RUN_ID}-report"]}}})
+    # Prefect stores a link artifact as markdown: "[text](link)".
+    assert report["type"] == "markdown" and f"({cluster.root}/runs/{RUN_ID}/report.html)" in report["data"]
 
     # A later trigger resumes: iteration 0 is not touched, iteration 1 is done.
     before = output_manifests(layout, RUN_STAGES, BASE) | output_manifests(layout, ITERATION_STAGES, 0)

@@ -398,6 +398,17 @@ def ensure_upstream_done(layout: RunLayout, stage: str) -> None:
             run_stage(name, layout, iteration, real_stage(name) if name in REAL else STANDINS[name])
 
 
+def ensure_done(layout: RunLayout, stage: str) -> None:
+    """`stage` and everything before it done (redone in this process where an earlier drill changed them)."""
+    from stages.common import read_run_config
+
+    ensure_upstream_done(layout, stage)
+    iteration = BASE if STAGES[stage].run_level else 0
+    layout.fs.invalidate_cache()
+    if not stage_state(layout.fs, layout, read_run_config(layout), STAGES[stage], iteration).done:
+        run_stage(stage, layout, iteration, work_for(stage))
+
+
 def job_uid_processes(owner_pid: int) -> list[int]:
     """Live processes running as one of the sandbox job uids of the sandbox in process `owner_pid`
     (stages/sandbox/isolation.py `job_uid`: (1 << 30) + (owner_pid << 6) + slot)."""
@@ -523,3 +534,20 @@ def clone_run(pristine: RunLayout, root: Path) -> RunLayout:
     for manifest in target.rglob("*manifest.json"):
         manifest.write_text(manifest.read_text().replace(pristine.root + "/", str(Path(root).resolve()) + "/"))
     return RunLayout.create(str(root), pristine.run_id)
+
+
+def assert_readers_see_only_finished_outputs(layout: RunLayout, unfinished: Iterable) -> None:
+    """The run's reader (the DuckDB catalog) reads no output that lacks a manifest, and sees every rollout key
+    at most once."""
+    from storage.catalog import Catalog
+
+    with Catalog(layout.root) as catalog:
+        for output in unfinished:
+            if output.kind == "table":
+                read = [e.url for e in catalog.entries(output.name)
+                        if e.iteration in (output.iteration, None) and e.problem is None]
+                assert read == [], f"the catalog reads {read}, which has no manifest"
+        for name in ("rollouts", "scores", "batch"):
+            duplicates = catalog.rows(
+                f"SELECT prompt_id, sample_idx, count(*) AS n FROM {name} GROUP BY ALL HAVING count(*) > 1")
+            assert duplicates == [], f"{name}: {duplicates}"

@@ -105,9 +105,10 @@ def test_parquet_source_with_a_wrong_type_names_row_and_field(run: RunLayout, tm
     bad_type = tmp_path / "bad_type.parquet"
     pq.write_table(pa.Table.from_pylist([{**r, "entry_point": i} for i, r in enumerate(rows)]), bad_type)
     no_tests = tmp_path / "no_tests.parquet"
-    pq.write_table(pa.Table.from_pylist(
-        [{"messages": json.dumps([{"role": "user", "content": "q"}]), "test": r["test"]} for r in rows[:1]]
-        + [{"messages": json.dumps([{"role": "user", "content": "r"}]), "test": None}]), no_tests)
+    pq.write_table(pa.Table.from_pylist([  # a mixed-format file: row 0 is a math row, row 1 has nothing to check
+        {"messages": json.dumps([{"role": "user", "content": "1 + 1?"}]), "gt_answer": "2", "test": None},
+        {"messages": json.dumps([{"role": "user", "content": "r"}]), "gt_answer": None, "test": None},
+    ]), no_tests)
     before = h.snapshot(Path(run.run_dir))
     for source, named in [(bad_type, ["bad_type.parquet row 0", "'entry_point'"]),
                           (no_tests, ["no_tests.parquet row 1", "'test'"])]:

@@ -45,13 +45,14 @@ def consumers(stage: str) -> list[str]:
 
 def assert_sound_after_kill(layout: RunLayout, stage: str, killed_pid: int | None = None) -> None:
     """What must hold right after a SIGKILL, whatever the point: every manifest vouches for a complete output
-    (full content hash), no consumer accepts an output the killed stage did not finish, and the killed stage's
-    sandbox jobs are gone."""
+    (full content hash), neither the catalog nor any consumer stage reads an output the killed stage did not
+    finish, no rollout key is seen twice, and the killed stage's sandbox jobs are gone."""
     layout.fs.invalidate_cache()
     h.assert_manifests_vouch_for_their_outputs(layout.fs, h.manifests_of(layout).values())
     config = read_run_config(layout)
     iteration = BASE if STAGES[stage].run_level else 0
     unfinished = [o for o in STAGES[stage].outputs(iteration) if not layout.fs.exists(o.manifest_path(layout))]
+    h.assert_readers_see_only_finished_outputs(layout, unfinished)
     for consumer in consumers(stage):
         if set(unfinished) & set(STAGES[consumer].inputs(0).values()):
             with pytest.raises(MissingInput):

@@ -14,6 +14,7 @@ import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from urllib.parse import unquote
 
 import pytest
 
@@ -162,8 +163,8 @@ def s3_manifests(layout: RunLayout) -> list:
 
 
 def put_seen(moto: Moto, key_part: str, after_line: int) -> bool:
-    """Whether moto has received a PUT whose URL contains `key_part`, among the requests after line `after_line`
-    of its recording (the recorder logs each request as it arrives)."""
+    """Whether moto has received a PUT of the object `key_part` (or of any object under it, for a prefix ending
+    in "/"), among the requests after line `after_line` of its recording (which logs requests as they arrive)."""
     try:
         lines = moto.recording.read_text().splitlines()[after_line:]
     except OSError:
@@ -173,7 +174,8 @@ def put_seen(moto: Moto, key_part: str, after_line: int) -> bool:
             entry = json.loads(line)
         except json.JSONDecodeError:
             continue
-        if entry.get("method") == "PUT" and key_part in entry.get("url", ""):
+        url = unquote(entry.get("url", "")).split("?")[0]
+        if entry.get("method") == "PUT" and (key_part in url if key_part.endswith("/") else url.endswith(key_part)):
             return True
     return False
 
@@ -199,6 +201,7 @@ def outage_during(moto: Moto, process: subprocess.Popen, kill_when, outage_s: fl
 @pytest.fixture(scope="module")
 def s3_run(moto: Moto, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunLayout]:
     base = tmp_path_factory.mktemp("s3")
+    (base / "cache").mkdir()  # as on a worker where rlpipe ran before (a fresh one: the drill below)
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("RLPIPE_CACHE", str(base / "cache"))  # stage processes inherit it
         layout = h.start(f"s3://{BUCKET}/drills", base / "sources")
@@ -243,7 +246,16 @@ def test_checkpoint_on_s3_leaves_no_local_copy_behind(moto: Moto, s3_run: RunLay
     layout = s3_run
     h.ensure_upstream_done(layout, "train")
     cache = Path(os.environ["RLPIPE_CACHE"])
-    before = set(cache.glob("rlpipe-ckpt-*")) if cache.exists() else set()
+    before = set(cache.glob("rlpipe-ckpt-*"))
     result = h.run(h.standin_command(layout, "train"), layout.root)
     assert result.returncode == 0, result.stderr[-2000:]
     assert set(cache.glob("rlpipe-ckpt-*")) - before == set()
+
+
+def test_checkpoint_on_s3_from_a_fresh_worker(moto: Moto, s3_run: RunLayout, tmp_path: Path) -> None:
+    """Proves: a stage that builds a checkpoint for an S3 root works on a fresh worker, whose local cache
+    directory ($RLPIPE_CACHE) does not exist yet."""
+    layout = s3_run
+    h.ensure_upstream_done(layout, "train")
+    result = h.run(h.standin_command(layout, "train"), layout.root, RLPIPE_CACHE=str(tmp_path / "fresh-cache"))
+    assert result.returncode == 0, result.stderr[-2000:]
