@@ -35,8 +35,8 @@ def test_rlpipe_stage_beside_a_running_stage_waits_or_names_the_holder(run: RunL
         process = h.spawn(h.rlpipe_command("stage", "score", "--run", run.run_id, "--iter", "0"), run.root,
                           tmp_path / "stage.log")
         try:
-            code = process.wait(timeout=60)
-        except subprocess.TimeoutExpired:  # still waiting after 60 s: it waits for the lease, which is fine
+            code = process.wait(timeout=30)
+        except subprocess.TimeoutExpired:  # still waiting after 30 s: it waits for the lease, which is fine
             code = None
         waited = time.monotonic() - started
         during = h.snapshot(Path(run.run_dir))

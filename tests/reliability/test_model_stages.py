@@ -1,11 +1,11 @@
 """Model-stage drills with the real model: SmolLM2-135M-Instruct, HF backend, 1 prompt x 2 samples, 16 tokens.
 
-generate and train run as real stage processes and are SIGKILLed at random points (2 seeds each, uniform over a
-clean run's duration), then run again: the resumed output must be the clean run's (same content hash: the HF
-backend on CPU with fixed seeds promises it, and its manifest says so), the checkpoint must load (weights,
-optimizer state, trainer state) and match its manifest file by file. Scoring uses a stand-in with fixed
-rewards (even samples right), so that the group has variance and train takes a real optimizer step whatever
-the model answers.
+generate and train run as real stage processes (forked; `python -m stages.<name>` for the last resume) and are
+SIGKILLed at random points (2 seeds each, uniform over a clean run's duration), then run again: the resumed
+output must be the clean run's (same content hash: the HF backend on CPU with fixed seeds promises it, and its
+manifest says so), the checkpoint must load (weights, optimizer state, trainer state) and match its manifest
+file by file. Scoring uses a stand-in with fixed rewards (even samples right), so that the group has variance
+and train takes a real optimizer step whatever the model answers.
 """
 
 from __future__ import annotations
@@ -55,6 +55,10 @@ def model_run(tmp_path_factory: pytest.TempPathFactory) -> RunLayout:
     layout = start_run(load_config(None, overrides), str(base / "root"))
     run_stage("prompts", layout, BASE, prompts.run)
     run_stage("base_model", layout, BASE, base_model.run)
+    h.ensure_upstream_done(layout, "generate")  # evaluate_base: a stand-in (the model's evaluation is not drilled)
+    import stages.generate  # noqa: F401 - imported here, so that forked stage processes start warm
+    import stages.train  # noqa: F401
+
     return layout
 
 
@@ -64,29 +68,36 @@ def done(layout: RunLayout, stage: str) -> bool:
 
 
 def kill_and_resume(layout: RunLayout, stage: str, tmp_path: Path) -> tuple[dict, list[str]]:
-    """A clean run, then SEEDS runs killed at random points, each followed by a run to completion. Returns the
-    clean run's manifests (by output name) and, per seed, what the kill found."""
-    command = h.stage_command(layout, stage)
-    started = time.monotonic()
-    clean = h.run(command, layout.root, timeout=900)
-    clean_seconds = time.monotonic() - started
-    assert clean.returncode == 0, clean.stderr[-3000:]
+    """A clean run, then SEEDS runs killed at random points, each followed by a run to completion; the last one
+    is `python -m stages.<stage>`, the others are forked from this process with the stage module imported
+    (helpers.fork_stage: torch, transformers and GX are imported once, not eight times). Returns the clean
+    run's manifests by output name, and what each kill found."""
+    import importlib
+
+    work = importlib.import_module(f"stages.{stage}").run
     outputs = {o.name: o for o in STAGES[stage].outputs(0)}
+    started = time.monotonic()
+    clean = h.fork_stage(layout, stage, work, tmp_path / f"{stage}-clean.log")
+    assert clean.wait(900) == 0, clean.output()[-3000:]
+    clean_seconds = time.monotonic() - started
     reference = {name: read_manifest(layout.fs, o.manifest_path(layout)) for name, o in outputs.items()}
     found = []
     for seed in range(SEEDS):
         delay = random.Random(f"model:{stage}:{seed}").uniform(0.0, clean_seconds)
-        process = h.spawn(command, layout.root, tmp_path / f"{stage}-{seed}.log")
+        process = h.fork_stage(layout, stage, work, tmp_path / f"{stage}-{seed}.log")
         try:
-            process.wait(timeout=delay)
-            h.finish(process)
+            process.wait(delay)
             found.append(f"seed {seed}: finished before the kill at {delay:.1f}s")
         except subprocess.TimeoutExpired:
-            h.kill_group(process)
+            process.kill()
             found.append(f"seed {seed}: killed at {delay:.1f}s of {clean_seconds:.1f}s, done={done(layout, stage)}")
         h.assert_manifests_vouch_for_their_outputs(layout.fs, h.manifests_of(layout).values())
-        resumed = h.run(command, layout.root, timeout=900)
-        assert resumed.returncode == 0, f"{found[-1]}: {resumed.stderr[-3000:]}"
+        if seed < SEEDS - 1:
+            resumed = h.fork_stage(layout, stage, work, tmp_path / f"{stage}-{seed}-resume.log")
+            assert resumed.wait(900) == 0, f"{found[-1]}: {resumed.output()[-3000:]}"
+        else:
+            result = h.run(h.stage_command(layout, stage), layout.root, timeout=900)
+            assert result.returncode == 0, f"{found[-1]}: {result.stderr[-3000:]}"
         assert done(layout, stage)
         for name, manifest in reference.items():
             again = read_manifest(layout.fs, outputs[name].manifest_path(layout))
