@@ -85,10 +85,11 @@ def _table_summaries(layout: RunLayout, iteration: int) -> list[tuple[str, str, 
 def iteration_metrics(layout: RunLayout, config: RunConfig, iteration: int) -> list[dict[str, Any]]:
     """Rows of {stage, metric, value} for one iteration: status, seconds, rows, host, and stage metrics."""
     fs = layout.fs
+    states = {stage: stage_state(fs, layout, config, STAGES[stage], iteration) for stage in ITERATION_STAGES}
+    # Every stage's status comes first, so the row limit can only ever cut details.
+    status = [{"stage": stage, "metric": "status", "value": state.reason} for stage, state in states.items()]
     rows: list[dict[str, Any]] = []
-    for stage in ITERATION_STAGES:
-        state = stage_state(fs, layout, config, STAGES[stage], iteration)
-        rows.append({"stage": stage, "metric": "status", "value": state.reason})
+    for stage, state in states.items():
         for manifest in state.manifests:
             rows.append({"stage": stage, "metric": "seconds", "value": round(manifest.seconds, 1)})
             rows.append({"stage": stage, "metric": "host", "value": manifest.host})
@@ -98,7 +99,7 @@ def iteration_metrics(layout: RunLayout, config: RunConfig, iteration: int) -> l
                 rows.append({"stage": stage, "metric": name.lstrip("."), "value": round(value, 6)})
     for stage, name, value in _table_summaries(layout, iteration):
         rows.append({"stage": stage, "metric": name, "value": round(value, 6)})
-    return rows[:MAX_METRIC_ROWS]
+    return status + rows[: MAX_METRIC_ROWS - len(status)]
 
 
 def report_link(root: str, run_id: str) -> tuple[str | None, str]:

@@ -27,7 +27,7 @@ import yaml
 from rich.console import Console
 
 from schemas.config import ConfigError, RunConfig, apply_overrides, dump_config, load_config, parse_config
-from storage.layout import RunLayout
+from storage.layout import InvalidRunId, RunLayout
 
 console = Console()
 DEFAULT_ROOT = "./rlpipe-data"
@@ -294,9 +294,14 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except ConfigError as error:
+    except (ConfigError, InvalidRunId) as error:
         console.print(f"[red]{error}[/]")
         return 2
+    except OSError as error:  # an unwritable or full storage root: one line naming the path, no traceback
+        from stages.common import describe_os_error
+
+        console.print(f"[red]storage error: {describe_os_error(error)}[/]")
+        return 1
 
 
 if __name__ == "__main__":

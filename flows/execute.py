@@ -22,7 +22,8 @@ from storage.layout import BASE, RunLayout
 class StageFailed(RuntimeError):
     def __init__(self, stage: str, iteration: int, returncode: int) -> None:
         where = stage if iteration == BASE else f"{stage} (iteration {iteration})"
-        why = "bad input or config (see the message above)" if returncode == 2 else f"exit code {returncode}"
+        why = {2: "bad input or config (see the message above)",
+               3: "another process holds its lease (see the message above)"}.get(returncode, f"exit code {returncode}")
         super().__init__(f"stage {where} failed: {why}")
         self.stage, self.iteration, self.returncode = stage, iteration, returncode
 
@@ -44,26 +45,24 @@ def stage_environment(config: RunConfig) -> dict[str, str]:
     return env
 
 
-def stage_command(layout: RunLayout, stage: str, iteration: int) -> list[str]:
-    return [sys.executable, "-m", f"stages.{stage}", "--root", layout.root, "--run", layout.run_id,
-            "--iter", str(iteration)]
+def stage_command(layout: RunLayout, stage: str, iteration: int, lock_wait_s: float | None = None) -> list[str]:
+    """The stage's process. With `lock_wait_s` it waits that long for the stage's lease if another process
+    holds it, and then does nothing if that process finished the stage (`--if-needed`)."""
+    command = [sys.executable, "-m", f"stages.{stage}", "--root", layout.root, "--run", layout.run_id,
+               "--iter", str(iteration)]
+    if lock_wait_s is not None:
+        command += ["--if-needed", "--lock-wait", str(lock_wait_s)]
+    return command
 
 
-def run_stage_process(layout: RunLayout, config: RunConfig, stage: str, iteration: int) -> float:
+def run_stage_process(
+    layout: RunLayout, config: RunConfig, stage: str, iteration: int, lock_wait_s: float | None = None
+) -> float:
     started = time.monotonic()
-    completed = subprocess.run(stage_command(layout, stage, iteration), env=stage_environment(config))
+    completed = subprocess.run(stage_command(layout, stage, iteration, lock_wait_s), env=stage_environment(config))
     if completed.returncode != 0:
         raise StageFailed(stage, iteration, completed.returncode)
     return time.monotonic() - started
-
-
-def ensure_stage(layout: RunLayout, config: RunConfig, stage: str, iteration: int) -> StageOutcome:
-    """Run `stage` unless its outputs are valid for the current config and inputs."""
-    spec = STAGES[stage]
-    iteration = BASE if spec.run_level else iteration
-    if stage_state(layout.fs, layout, config, spec, iteration).done:
-        return StageOutcome(stage, iteration, ran=False, seconds=0.0)
-    return StageOutcome(stage, iteration, ran=True, seconds=run_stage_process(layout, config, stage, iteration))
 
 
 def pending_stages(layout: RunLayout, config: RunConfig) -> list[tuple[str, int]]:

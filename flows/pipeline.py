@@ -41,7 +41,7 @@ from stages.common import read_run_config  # noqa: E402
 from stages.registry import ITERATION_STAGES, RUN_STAGES, STAGES, stage_state  # noqa: E402
 from storage.fs import filesystem, is_remote  # noqa: E402
 from storage.layout import BASE, RunLayout, iteration_name  # noqa: E402
-from storage.lock import RunLocked, run_lock, run_once, stage_lock  # noqa: E402
+from storage.lock import RunLocked, run_lock  # noqa: E402
 
 DISPATCH_MODES = ("local", "deployments")
 STAGE_FLOW = "stage"
@@ -84,17 +84,19 @@ def _stage_iteration(stage: str, iteration: int) -> int:
 
 
 def run_stage_here(root: str, run_id: str, stage: str, iteration: int) -> StageOutcome:
-    """Run a stage as a child process of this one, under its lease, unless its outputs are valid."""
+    """Run a stage as a child process of this one unless its outputs are valid.
+
+    The child takes the stage's lease itself (waiting for it if another trigger holds it, then skipping the
+    work if that one finished it), so the lease lives exactly as long as the stage: a flow process that is
+    killed cannot leave its stage running unguarded.
+    """
     layout = RunLayout.create(root, run_id)
     config = read_run_config(layout)
     iteration = _stage_iteration(stage, iteration)
-    started = time.monotonic()
-    ran, _ = run_once(
-        lock=lambda: stage_lock(layout, stage, iteration, wait_s=STAGE_LOCK_WAIT_S),
-        is_done=lambda: _is_done(layout, config, stage, iteration),
-        work=lambda: run_stage_process(layout, config, stage, iteration),
-    )
-    return StageOutcome(stage, iteration, ran=ran, seconds=time.monotonic() - started if ran else 0.0)
+    if _is_done(layout, config, stage, iteration):
+        return StageOutcome(stage, iteration, ran=False, seconds=0.0)
+    seconds = run_stage_process(layout, config, stage, iteration, lock_wait_s=STAGE_LOCK_WAIT_S)
+    return StageOutcome(stage, iteration, ran=True, seconds=seconds)
 
 
 def dispatch_stage(root: str, run_id: str, stage: str, iteration: int) -> StageOutcome:

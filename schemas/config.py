@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import hashlib
 import json
-import re
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from storage.layout import check_run_id
 
 
 class Section(BaseModel):
@@ -208,7 +209,6 @@ class EvaluateConfig(Section):
         return sorted(set(k))
 
 
-RUN_ID_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
 
 class RunConfig(Section):
@@ -228,12 +228,7 @@ class RunConfig(Section):
     @field_validator("run_id")
     @classmethod
     def _run_id_is_a_name(cls, run_id: str) -> str:
-        if not RUN_ID_PATTERN.match(run_id):
-            raise ValueError(
-                f"run_id {run_id!r} must be letters, digits, '.', '_' or '-' (no path separators), "
-                "at most 128 characters"
-            )
-        return run_id
+        return check_run_id(run_id)
 
 
 class ConfigError(ValueError):

@@ -80,6 +80,21 @@ def join_scores(rollouts: list[dict], scores: list[dict], source: str = "scores"
     return joined
 
 
+def check_group_sizes(rollouts: list[dict], n_samples: int, source: str) -> None:
+    """Every (round, prompt) group has exactly `n_samples` rollouts: a short group (a lost sample) would give
+    its members a baseline over fewer samples than the estimator assumes, silently."""
+    sizes: dict[tuple, int] = {}
+    for row in rollouts:
+        key = (row["round"], row["prompt_id"])
+        sizes[key] = sizes.get(key, 0) + 1
+    for (round_index, prompt_id), size in sizes.items():
+        if size != n_samples:
+            raise StageInputError(
+                f"{source}: prompt {prompt_id} (round {round_index}) has {size} rollouts, but generate.n_samples "
+                f"is {n_samples}: the table is incomplete or from another config"
+            )
+
+
 def build_batch(
     samples: list[dict], cfg: AdvantageConfig, max_new_tokens: int
 ) -> tuple[list[dict], dict[str, Any]]:
@@ -185,6 +200,7 @@ def build_batch(
 def run(ctx: StageContext) -> None:
     rollouts = ctx.read_input("rollouts").select([*ROLLOUT_KEY, "num_tokens", "truncated"]).to_pylist()
     scores = ctx.read_input("scores").select([*ROLLOUT_KEY, "reward"]).to_pylist()
+    check_group_sizes(rollouts, ctx.config.generate.n_samples, ctx.inputs["rollouts"].path)
     samples = join_scores(rollouts, scores, ctx.inputs["scores"].path)
     rows, metrics = build_batch(samples, ctx.config.advantage, ctx.config.generate.max_new_tokens)
     ctx.write_table("batch", pa.Table.from_pylist(rows), metrics)

@@ -32,11 +32,11 @@ from rich.console import Console
 from schemas.config import ConfigError, RunConfig, parse_config
 from schemas.contracts import ContractViolation, rejected_path, validate_table, validation_path
 from schemas.tables import TABLES, SchemaMismatch, conform
-from stages.registry import STAGES, MissingInput, Output, StageSpec, expected_key, input_manifests
+from stages.registry import STAGES, MissingInput, Output, StageSpec, expected_key, input_manifests, stage_state
 from storage.checkpoints import checkpoint_digest, fetch_checkpoint, publish_checkpoint
-from storage.fs import atomic_write_bytes, is_remote
-from storage.layout import BASE, RunLayout
-from storage.manifest import Manifest, config_hash, read_manifest, write_manifest
+from storage.fs import atomic_write_bytes, is_remote, temporary_prefix
+from storage.layout import BASE, InvalidRunId, RunLayout
+from storage.manifest import Manifest, config_hash, output_damage, read_manifest, write_manifest
 from storage.tables import TableVersionError, read_table, write_table
 
 console = Console(stderr=True)
@@ -74,6 +74,8 @@ class StageContext:
     started_monotonic: float = field(default_factory=time.monotonic)
     metrics: dict[str, Any] = field(default_factory=dict)
     written: list[tuple[Output, Manifest]] = field(default_factory=list)
+    scratch: list[Path] = field(default_factory=list)
+    claimed: bool = False
 
     @property
     def fs(self):  # noqa: ANN201 - fsspec has no precise type to name here
@@ -118,6 +120,16 @@ class StageContext:
                 return output
         raise KeyError(f"stage {self.spec.name} has no output {name}")
 
+    def claim_outputs(self) -> None:
+        """Remove the manifests of this stage's outputs, once, right before the first output is written.
+
+        Not earlier: a stage that stops on bad input (found while reading) must leave its previous outputs
+        valid. Not later: an output being rewritten must never be vouched for by its old manifest.
+        """
+        if not self.claimed:
+            invalidate_outputs(self)
+            self.claimed = True
+
     def _manifest(self, output: Output, **values: Any) -> Manifest:
         return Manifest(
             stage=self.spec.name,
@@ -141,6 +153,7 @@ class StageContext:
         path = output.path(self.layout)
         table = conform(table, spec, path)
         contract = validate_table(name, table, self.config)
+        self.claim_outputs()
         atomic_write_bytes(self.fs, validation_path(path), contract.to_json())
         if (html := contract.to_html()) is not None:
             atomic_write_bytes(self.fs, validation_path(path, "html"), html.encode())
@@ -163,6 +176,7 @@ class StageContext:
         output = self.output("checkpoint")
         destination = output.path(self.layout)
         digest, files, total = checkpoint_digest(local_dir)
+        self.claim_outputs()
         if not is_remote(self.layout.root) and Path(destination).resolve() != local_dir.resolve():
             # Local: move the finished directory into place in one rename (same file system: the stage
             # builds it under a temporary name beside the destination, see `scratch_checkpoint_dir`).
@@ -171,6 +185,8 @@ class StageContext:
             os.replace(local_dir, destination)
         elif is_remote(self.layout.root):
             publish_checkpoint(self.fs, local_dir, destination)
+            if local_dir in self.scratch:  # uploaded: the local copy was only a staging area
+                shutil.rmtree(local_dir, ignore_errors=True)
         manifest = self._manifest(
             output, path=destination, sha256=digest, bytes=total, files=files, metrics=dict(metrics or {})
         )
@@ -184,19 +200,55 @@ class StageContext:
         machine's disk, not under the storage root: consumers re-resolve it and compare content hashes.
         """
         output = self.output("checkpoint")
+        self.claim_outputs()
         manifest = self._manifest(output, path=path, sha256=sha256, bytes=total_bytes, metrics=metrics)
         self.written.append((output, manifest))
 
     def scratch_checkpoint_dir(self) -> Path:
-        """An empty local directory to build this stage's checkpoint in (beside its destination when local)."""
+        """An empty local directory to build this stage's checkpoint in (beside its destination when local).
+
+        Its name marks it as this output's temporary (`.<name>.tmp-*`), so the next attempt of the stage
+        removes it if this one dies before publishing (`remove_stale_temporaries`); a failure that Python
+        sees removes it on the way out (`run_stage`).
+        """
+        destination = self.output("checkpoint").path(self.layout)
         if is_remote(self.layout.root):
-            return Path(tempfile.mkdtemp(prefix="rlpipe-ckpt-", dir=local_cache_dir()))
-        parent = Path(self.output("checkpoint").path(self.layout)).parent
+            parent = local_cache_dir() / "scratch"
+        else:
+            parent = Path(destination).parent
         parent.mkdir(parents=True, exist_ok=True)
-        return Path(tempfile.mkdtemp(prefix=".tmp-", dir=parent))
+        directory = Path(tempfile.mkdtemp(prefix=temporary_prefix(destination), dir=parent))
+        self.scratch.append(directory)
+        return directory
 
     def seconds(self) -> float:
         return time.monotonic() - self.started_monotonic
+
+
+def remove_stale_temporaries(ctx: StageContext) -> list[str]:
+    """Delete what a killed earlier attempt of this stage left half-written: temporaries of its own outputs
+    (beside them, and the local staging area of remote checkpoints). Only the stage's lease holder calls
+    this, so no live writer owns them."""
+    removed = []
+    for output in ctx.spec.outputs(ctx.iteration):
+        destination = output.path(ctx.layout)
+        # `.<name>.tmp-*` (the output itself) and `.<name>.<suffix>.tmp-*` (its manifest, contract report).
+        name = temporary_prefix(destination).removesuffix(".tmp-")
+        places = [] if is_remote(ctx.layout.root) else [Path(destination).parent]
+        if output.kind == "checkpoint" and is_remote(ctx.layout.root):
+            places.append(local_cache_dir() / "scratch")
+        for place in places:
+            if not place.is_dir():
+                continue
+            for stale in place.glob(f"{name}.*"):
+                if ".tmp-" not in stale.name:
+                    continue
+                if stale.is_dir():
+                    shutil.rmtree(stale, ignore_errors=True)
+                else:
+                    stale.unlink(missing_ok=True)
+                removed.append(str(stale))
+    return removed
 
 
 def prepare_context(spec: StageSpec, layout: RunLayout, iteration: int) -> StageContext:
@@ -211,10 +263,15 @@ def prepare_context(spec: StageSpec, layout: RunLayout, iteration: int) -> Stage
     return StageContext(spec=spec, config=config, layout=layout, iteration=iteration, key=key, inputs=inputs)
 
 
-def invalidate_outputs(ctx: StageContext) -> None:
+def invalidate_outputs(ctx: StageContext, only_damaged: bool = False) -> None:
+    """Remove the manifests of the stage's outputs (with `only_damaged`: those whose output is missing or
+    changed size, which vouch for nothing already)."""
     for output in ctx.spec.outputs(ctx.iteration):
         path = output.manifest_path(ctx.layout)
-        if read_manifest(ctx.fs, path) is not None or ctx.fs.exists(path):
+        manifest = read_manifest(ctx.fs, path)
+        if only_damaged and (manifest is None or output_damage(ctx.fs, manifest) is None):
+            continue
+        if manifest is not None or ctx.fs.exists(path):
             ctx.fs.rm_file(path)
 
 
@@ -240,6 +297,10 @@ def parse_args(stage: str, argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--run", required=True, help="run id")
     parser.add_argument("--iter", type=int, default=BASE, help="iteration (ignored by run-level stages)")
     parser.add_argument("--root", default=os.environ.get("RLPIPE_ROOT"), help="storage root (or $RLPIPE_ROOT)")
+    parser.add_argument("--if-needed", action="store_true",
+                        help="do nothing when the outputs are valid (checked after the stage's lease is taken)")
+    parser.add_argument("--lock-wait", type=float, default=0.0, metavar="SECONDS",
+                        help="wait this long for the stage's lease when another process holds it (default: refuse)")
     return parser.parse_args(argv)
 
 
@@ -249,10 +310,16 @@ def run_stage(stage: str, layout: RunLayout, iteration: int, run: Callable[[Stag
     ctx = prepare_context(spec, layout, iteration)
     if "torch" in sys.modules:  # stage modules that compute import torch at the top
         sys.modules["torch"].set_num_threads(ctx.config.threads)
-    invalidate_outputs(ctx)
     label = stage if spec.run_level else f"{stage} iter={ctx.iteration}"
     console.print(f"[bold]▶ {label}[/] run={layout.run_id}")
-    run(ctx)
+    if removed := remove_stale_temporaries(ctx):
+        console.print(f"  removed {len(removed)} temporaries of an earlier attempt that did not finish")
+    invalidate_outputs(ctx, only_damaged=True)  # the others stay valid until the first write (claim_outputs)
+    try:
+        run(ctx)
+    finally:
+        for directory in ctx.scratch:  # published ones were moved or uploaded already
+            shutil.rmtree(directory, ignore_errors=True)
     manifests = finish(ctx)
     rows = ", ".join(f"{m.rows} rows" if m.rows is not None else f"{m.bytes / 1e6:.0f} MB" for m in manifests)
     console.print(f"[green]✓ {label}[/] {rows} in {ctx.seconds():.1f}s")
@@ -260,20 +327,56 @@ def run_stage(stage: str, layout: RunLayout, iteration: int, run: Callable[[Stag
 
 
 def main(stage: str, run: Callable[[StageContext], None], argv: list[str] | None = None) -> int:
+    """Run a stage as a process: under its lease, so that no two processes (a flow's child, a retry, a person
+    at a shell) ever run the same stage of the same iteration at once. The lease lives as long as this
+    process, so a stage whose driver was killed stays guarded until it ends.
+
+    Exit codes: 0 done (or already done with --if-needed), 1 failed, 2 bad input or config, 3 lease held.
+    """
+    from storage.lock import RunLocked, run_once, stage_lock
+
     args = parse_args(stage, argv)
     if not args.root:
         console.print("[red]no storage root: pass --root or set RLPIPE_ROOT[/]")
         return 2
     try:
         layout = RunLayout.create(args.root, args.run)
-        run_stage(stage, layout, args.iter, run)
-    except (ConfigError, StageInputError, MissingInput, SchemaMismatch, TableVersionError) as error:
+        iteration = BASE if STAGES[stage].run_level else args.iter
+
+        def is_done() -> bool:
+            layout.fs.invalidate_cache()  # another process may have just finished it
+            return args.if_needed and stage_state(
+                layout.fs, layout, read_run_config(layout), STAGES[stage], iteration
+            ).done
+
+        ran, _ = run_once(
+            lock=lambda: stage_lock(layout, stage, iteration, wait_s=args.lock_wait),
+            is_done=is_done,
+            work=lambda: run_stage(stage, layout, iteration, run),
+        )
+        if not ran:
+            console.print(f"· {stage if iteration == BASE else f'{stage} iter={iteration}'} is done already")
+    except (ConfigError, StageInputError, MissingInput, SchemaMismatch, TableVersionError, InvalidRunId) as error:
         console.print(f"[red]✗ {stage}: {error}[/]")
         return 2
     except ContractViolation as error:  # the stage's own output is wrong: not a bad-input exit
         console.print(f"[red]✗ {stage}: {error}[/]")
         return 1
+    except RunLocked as error:
+        console.print(f"[red]✗ {stage}: {error}[/]")
+        return 3
+    except OSError as error:
+        # Disk full, read-only or unwritable root, storage unreachable after retries: one line naming the
+        # path. Nothing is lost: outputs are written under temporary names and manifests come last.
+        console.print(f"[red]✗ {stage}: storage error: {describe_os_error(error)}[/]")
+        return 1
     return 0
+
+
+def describe_os_error(error: OSError) -> str:
+    """One line: what failed and where (`StorageWriteError` names its destination itself)."""
+    reason = error.strerror or str(error) or type(error).__name__
+    return f"{reason}: {error.filename}" if error.filename else reason
 
 
 def exit_with(stage: str, run: Callable[[StageContext], None]) -> None:

@@ -26,7 +26,7 @@ import fsspec
 
 from schemas.config import RunConfig
 from storage.layout import BASE, RunLayout, manifest_path_for
-from storage.manifest import Manifest, config_hash, output_intact, read_manifest, stage_key
+from storage.manifest import Manifest, config_hash, output_damage, output_intact, read_manifest, stage_key
 
 
 @dataclass(frozen=True)
@@ -141,10 +141,15 @@ def input_manifests(
     manifests: dict[str, Manifest] = {}
     for name, output in spec.inputs(iteration).items():
         manifest = read_manifest(fs, output.manifest_path(layout))
-        if manifest is None or not output_intact(fs, manifest):
+        if manifest is None:
             raise MissingInput(
                 f"stage {spec.name} (iteration {iteration}) needs {name} at {output.path(layout)}, "
                 "which has no valid manifest: run the upstream stage first"
+            )
+        if (damage := output_damage(fs, manifest)) is not None:
+            raise MissingInput(
+                f"stage {spec.name} (iteration {iteration}) needs {name} at {output.path(layout)}, which is "
+                f"damaged: {damage}; rerun stage {manifest.stage} to rebuild it"
             )
         manifests[name] = manifest
     return manifests

@@ -54,24 +54,41 @@ def join(*parts: str) -> str:
     return "/".join(part.strip("/") if i else part.rstrip("/") for i, part in enumerate(parts))
 
 
+def temporary_prefix(path: str) -> str:
+    """Name prefix of the temporaries written on the way to `path` (`.<name>.tmp-`): the next attempt of the
+    stage that owns `path` recognises what a killed attempt left behind by it."""
+    return f".{path.rstrip('/').rpartition('/')[2]}.tmp-"
+
+
 def _temporary_sibling(path: str) -> str:
-    directory, _, name = path.rpartition("/")
-    return f"{directory}/.{name}.tmp-{uuid.uuid4().hex[:12]}"
+    directory = path.rstrip("/").rpartition("/")[0]
+    return f"{directory}/{temporary_prefix(path)}{uuid.uuid4().hex[:12]}"
+
+
+class StorageWriteError(OSError):
+    """A write to the storage root failed (disk full, read-only, no permission); names the destination."""
+
+
+def _naming(path: str, error: OSError) -> StorageWriteError:
+    reason = error.strerror or str(error) or type(error).__name__
+    return StorageWriteError(error.errno, f"cannot write {path}: {reason}")
 
 
 def atomic_write_bytes(fs: fsspec.AbstractFileSystem, path: str, data: bytes) -> None:
     if isinstance(fs, LocalFileSystem):
-        fs.makedirs(path.rpartition("/")[0], exist_ok=True)
         temporary = _temporary_sibling(path)
         try:
+            fs.makedirs(path.rpartition("/")[0], exist_ok=True)
             with open(temporary, "wb") as handle:
                 handle.write(data)
                 handle.flush()
                 os.fsync(handle.fileno())
             os.replace(temporary, path)
-        except BaseException:
+        except BaseException as error:
             if os.path.exists(temporary):
                 os.remove(temporary)
+            if isinstance(error, OSError) and not isinstance(error, StorageWriteError):
+                raise _naming(path, error) from error
             raise
     else:
         fs.pipe_file(path, data)
@@ -80,14 +97,16 @@ def atomic_write_bytes(fs: fsspec.AbstractFileSystem, path: str, data: bytes) ->
 def atomic_put_file(fs: fsspec.AbstractFileSystem, local_path: str | Path, path: str) -> None:
     """Copy a local file to `path` on `fs` without ever exposing a partial file under `path`."""
     if isinstance(fs, LocalFileSystem):
-        fs.makedirs(path.rpartition("/")[0], exist_ok=True)
         temporary = _temporary_sibling(path)
         try:
+            fs.makedirs(path.rpartition("/")[0], exist_ok=True)
             fs.put_file(str(local_path), temporary)
             os.replace(temporary, path)
-        except BaseException:
+        except BaseException as error:
             if os.path.exists(temporary):
                 os.remove(temporary)
+            if isinstance(error, OSError) and not isinstance(error, StorageWriteError):
+                raise _naming(path, error) from error
             raise
     else:
         fs.put_file(str(local_path), path)

@@ -13,6 +13,7 @@ Every output's manifest sits beside it (`<file>.manifest.json`, or `manifest.jso
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 import fsspec
@@ -20,6 +21,21 @@ import fsspec
 from storage.fs import filesystem, join, normalize_root
 
 BASE = -1  # the "iteration" of the base model: its checkpoint and its evaluation
+# A run id is one path segment: `../x` or `a/b` would put a run outside `<root>/runs/`.
+RUN_ID_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+
+
+class InvalidRunId(ValueError):
+    pass
+
+
+def check_run_id(run_id: str) -> str:
+    if not RUN_ID_PATTERN.match(run_id):
+        raise InvalidRunId(
+            f"run_id {run_id!r} must be letters, digits, '.', '_' or '-' (no path separators), "
+            "at most 128 characters"
+        )
+    return run_id
 
 
 def iteration_name(iteration: int) -> str:
@@ -30,6 +46,9 @@ def iteration_name(iteration: int) -> str:
 class RunLayout:
     root: str
     run_id: str
+
+    def __post_init__(self) -> None:
+        check_run_id(self.run_id)
 
     @classmethod
     def create(cls, root: str, run_id: str) -> RunLayout:

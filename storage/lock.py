@@ -131,10 +131,15 @@ def _try_flock(path: str) -> tuple[Any, str | None]:
         holder = handle.read().strip() or "unknown"
         handle.close()
         return None, holder
-    handle.seek(0)
-    handle.truncate()
-    handle.write(json.dumps(_holder()))
-    handle.flush()
+    try:
+        handle.seek(0)
+        handle.truncate()
+        handle.write(json.dumps(_holder()))
+        handle.flush()
+    except OSError as error:
+        # The lock is held (flock needs no content); the holder's name is only for refusals. On a full disk
+        # the work that follows fails with a message naming what it could not write.
+        log.warning("lock %s is held but its holder could not be recorded: %s", path, error)
     return handle, None
 
 

@@ -118,17 +118,28 @@ def read_manifest(fs: fsspec.AbstractFileSystem, manifest_path: str) -> Manifest
         return None
 
 
+def output_damage(fs: fsspec.AbstractFileSystem, manifest: Manifest) -> str | None:
+    """What is wrong with the output a manifest describes (a missing file, a size that changed), or None.
+
+    A cheap check (sizes, not hashes): it runs for every input of every stage.
+    """
+    files = (
+        {f"{manifest.path}/{relative}": info["bytes"] for relative, info in manifest.files.items()}
+        if manifest.kind == "checkpoint"
+        else {manifest.path: manifest.bytes}
+    )
+    for path, size in files.items():
+        try:
+            actual = fs.size(path)
+        except FileNotFoundError:
+            return f"{path} is missing"
+        if actual != size:
+            return f"{path} has {actual} bytes, its manifest says {size}"
+    return None
+
+
 def output_intact(fs: fsspec.AbstractFileSystem, manifest: Manifest) -> bool:
-    """Cheap check that the output a manifest describes is still there with its recorded size."""
-    try:
-        if manifest.kind == "checkpoint":
-            for relative, info in manifest.files.items():
-                if fs.size(f"{manifest.path}/{relative}") != info["bytes"]:
-                    return False
-            return True
-        return fs.size(manifest.path) == manifest.bytes
-    except FileNotFoundError:
-        return False
+    return output_damage(fs, manifest) is None
 
 
 def sha256_file(fs: fsspec.AbstractFileSystem, path: str, chunk_bytes: int = 8 << 20) -> str:

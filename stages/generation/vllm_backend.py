@@ -25,7 +25,8 @@ What each setting is for:
   compile mode off (`configure_cpu_compile_cache`). `engine_start_seconds` (import + engine
   construction + warm-up) is reported apart from generation time.
 
-Determinism: on CPU the scheduler is synchronous, so the same request list on the same machine and
+Determinism: on CPU the engine core runs in the stage process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`) and
+the scheduler only sees what was enqueued before each `step()`, so the same request list on the same machine and
 config gives the same batches, hence the same tokens, also across engine restarts. A different request
 list (another chunking, other prompts alongside) can change batch shapes and with them bf16 rounding, so a
 sample may differ from the same seed in another list. On GPU we do not promise it (`deterministic`).
@@ -83,8 +84,12 @@ def configure_cpu_environment(kv_cache_gib: int, tensor_parallel_size: int) -> N
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", cpu_thread_binding())
     cache_root = COMPILE_CACHE.expanduser()
     cache_root.mkdir(parents=True, exist_ok=True)
-    # vLLM keeps its torch.compile artifacts (and points inductor's cache) under VLLM_CACHE_ROOT.
+    # vLLM keeps its torch.compile artifacts under VLLM_CACHE_ROOT; inductor's cache sits beside them. Both
+    # are set before vLLM (and with it torch._inductor) is imported: the engine core runs in this process.
     os.environ.setdefault("VLLM_CACHE_ROOT", str(cache_root))
+    inductor_cache = cache_root / "inductor"
+    inductor_cache.mkdir(parents=True, exist_ok=True)
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(inductor_cache))
     os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
     os.environ.setdefault("VLLM_DO_NOT_TRACK", "1")
 
@@ -100,9 +105,6 @@ def configure_cpu_compile_cache() -> None:
     start still took 695 s.
     """
     os.environ.setdefault("VLLM_USE_AOT_COMPILE", "0")
-    inductor_cache = COMPILE_CACHE.expanduser() / "inductor"
-    inductor_cache.mkdir(parents=True, exist_ok=True)
-    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(inductor_cache))
 
 
 def context_length(max_prompt_tokens: int, max_new_tokens: int) -> int:
@@ -201,6 +203,10 @@ class VLLMBackend:
         self.on_cpu = bool(current_platform.is_cpu())
         if self.on_cpu:
             configure_cpu_compile_cache()
+            # The engine core in this process: `step()` then schedules exactly the requests enqueued so far.
+            # With the core in its own process (vLLM's default) it starts stepping while we still enqueue,
+            # so batch shapes, and with them bf16 rounding and the sampled tokens, depend on timing.
+            os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         self.deterministic = self.on_cpu
         self.max_model_len = max_model_len
         self.window = window

@@ -57,3 +57,15 @@ def test_report_link_points_at_the_written_report(tmp_path: Path) -> None:
     if link is None:
         pytest.skip(f"the report builder cannot report an empty run: {why}")
     assert link.startswith("file://") and Path(link.removeprefix("file://")).exists()
+
+
+def test_the_row_limit_cuts_details_never_a_stage_status(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import flows.artifacts
+
+    config = load_config(None, ["run_id=r"])
+    layout = start_run(config, str(tmp_path))
+    many = [("train", f"m{i}", float(i)) for i in range(500)]
+    monkeypatch.setattr(flows.artifacts, "_table_summaries", lambda layout, iteration: many)
+    rows = iteration_metrics(layout, config, 0)
+    assert len(rows) == flows.artifacts.MAX_METRIC_ROWS
+    assert [row["stage"] for row in rows if row["metric"] == "status"] == list(ITERATION_STAGES)

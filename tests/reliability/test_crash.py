@@ -111,7 +111,7 @@ def test_sigkill_of_a_stage_process_at_random_points_then_resume(
         checkpoints = Path(layout.run_dir) / "checkpoints"
         process = h.fork_stage(layout, stage, work, tmp_path / "kill-scratch.log", **PAUSE)
         h.wait_for(lambda: process.poll() is not None
-                   or any(p.name.startswith(".tmp") and p not in old_temporaries for p in checkpoints.iterdir()),
+                   or any(".tmp-" in p.name and p not in old_temporaries for p in checkpoints.iterdir()),
                    120, poll_s=0.005, what="the scratch checkpoint")
         assert process.poll() is None, "the stage finished before its scratch checkpoint was seen"
         process.kill()
@@ -146,8 +146,10 @@ def flow_run(pristine_run: RunLayout, tmp_path_factory: pytest.TempPathFactory) 
 
 def delete_scores(layout: RunLayout) -> None:
     """Make score and advantage pending (a deleted output; score's config section is also an input of evaluate,
-    whose real work needs a model, so changing it is not an option here)."""
+    whose real work needs a model, so changing it is not an option here). Its manifest goes too: the drills
+    assert that every manifest vouches for its output at any kill point, including before score starts."""
     Path(layout.table_path("scores", 0)).unlink(missing_ok=True)
+    Path(layout.table_path("scores", 0) + ".manifest.json").unlink(missing_ok=True)
 
 
 @pytest.mark.parametrize("seed", [0, 1])

@@ -69,7 +69,9 @@ def test_disk_full_during_a_table_write(pristine_run: RunLayout, tmp_path: Path)
         assert failed.returncode != 0
         assert "No space left on device" in output, output[-2500:]
         after = h.snapshot(run_dir)
-        assert {k for k in before if after.get(k) != before[k]} == {"iter=0000/scores.parquet.manifest.json"}
+        # Score's own manifest may be gone (removed before its first write) or kept (the stage stopped before
+        # writing anything, e.g. when even its lease file could not be created); if kept it still vouches.
+        assert {k for k in before if after.get(k) != before[k]} <= {"iter=0000/scores.parquet.manifest.json"}
         assert set(after) <= set(before), f"new files on a full disk: {set(after) - set(before)}"
         assert after["iter=0000/scores.parquet"] == before["iter=0000/scores.parquet"]
         h.assert_manifests_vouch_for_their_outputs(layout.fs, h.manifests_of(layout).values())
@@ -246,10 +248,11 @@ def test_checkpoint_on_s3_leaves_no_local_copy_behind(moto: Moto, s3_run: RunLay
     layout = s3_run
     h.ensure_upstream_done(layout, "train")
     cache = Path(os.environ["RLPIPE_CACHE"])
-    before = set(cache.glob("rlpipe-ckpt-*"))
+    before = set(cache.rglob("*"))
     result = h.run(h.standin_command(layout, "train"), layout.root)
     assert result.returncode == 0, result.stderr[-2000:]
-    assert set(cache.glob("rlpipe-ckpt-*")) - before == set()
+    left = {p for p in set(cache.rglob("*")) - before if ".tmp-" in p.name}
+    assert left == set()
 
 
 def test_checkpoint_on_s3_from_a_fresh_worker(moto: Moto, s3_run: RunLayout, tmp_path: Path) -> None:
