@@ -12,7 +12,7 @@ PROGRAMS = 1000
 
 
 def test_sandbox_throughput_with_hanging_and_crashing_programs() -> None:
-    """Proves: scoring 1,000 programs of which 10% hang (block forever) and 10% crash (SIGSEGV), on 16 warm
+    """Proves: scoring 1,000 programs of which 10% hang (block forever) and 10% crash (SIGSEGV), on 32 warm
     workers with a 1 s budget, runs at >= 80% of the throughput of 1,000 all-good programs; every hang is
     judged `timeout`, every crash `error`, every good program `ok` (none misjudged under the load); and once
     the sandbox is closed no worker, fork server, job process or job cgroup of it is left.
@@ -22,7 +22,7 @@ def test_sandbox_throughput_with_hanging_and_crashing_programs() -> None:
     hang share, and so the ratio, does not depend on the count). With 4 workers (the default) or spinning
     hangs the ratio is far lower: see the benchmark's docstring and the report.
     """
-    result = subprocess.run([sys.executable, str(BENCHMARK), "--programs", str(PROGRAMS), "--workers", "16",
+    result = subprocess.run([sys.executable, str(BENCHMARK), "--programs", str(PROGRAMS), "--workers", "32",
                              "--timeout", "1", "--json"], capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(result.stdout.strip().splitlines()[-1])

@@ -107,3 +107,12 @@ def test_join_scores_errors():
     with pytest.raises(StageInputError, match="have no rollout"):
         join_scores([], [{**score, "reward": 1.0}])
     assert join_scores([rollout], [{**score, "reward": 1.0}])[0]["reward"] == 1.0
+
+
+def test_group_sizes_must_equal_n_samples_in_every_round():
+    from stages.advantage import check_group_sizes
+
+    full = [sample("a", i, 1.0) for i in range(4)] + [sample("a", i, 0.0, round_=1) for i in range(4)]
+    check_group_sizes(full, 4, "rollouts.parquet")
+    with pytest.raises(StageInputError, match=r"rollouts.parquet: prompt a \(round 1\) has 3 rollouts.*n_samples is 4"):
+        check_group_sizes(full[:-1], 4, "rollouts.parquet")

@@ -85,3 +85,37 @@ def test_stage_key_depends_on_stage_config_and_inputs() -> None:
     assert base != stage_key("score", {"score": {"timeout_s": 6}}, {"rollouts": "aa"})
     assert base != stage_key("score", {"score": {"timeout_s": 5}}, {"rollouts": "bb"})
     assert base != stage_key("train", {"score": {"timeout_s": 5}}, {"rollouts": "aa"})
+
+
+def test_output_damage_names_the_missing_file_or_the_size_change(tmp_path: Path) -> None:
+    from storage.manifest import output_damage
+
+    fs = filesystem(str(tmp_path))
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "ckpt" / "model.safetensors").write_bytes(b"12345")
+    (tmp_path / "ckpt" / "config.json").write_bytes(b"{}")
+    files = {"model.safetensors": {"bytes": 5, "sha256": "x"}, "config.json": {"bytes": 2, "sha256": "y"}}
+    checkpoint = Manifest(stage="train", key="k", kind="checkpoint", path=str(tmp_path / "ckpt"), sha256="s",
+                          bytes=7, files=files)
+    assert output_damage(fs, checkpoint) is None
+    (tmp_path / "ckpt" / "config.json").write_bytes(b"{ }")
+    assert output_damage(fs, checkpoint) == f"{tmp_path}/ckpt/config.json has 3 bytes, its manifest says 2"
+    (tmp_path / "ckpt" / "model.safetensors").unlink()
+    assert output_damage(fs, checkpoint) == f"{tmp_path}/ckpt/model.safetensors is missing"
+
+
+def test_a_failed_local_write_names_its_destination_and_leaves_nothing(tmp_path: Path) -> None:
+    from storage.fs import StorageWriteError
+
+    (tmp_path / "blocker").write_text("a file where a folder should be")
+    with pytest.raises(StorageWriteError, match=r"cannot write .*blocker/table.parquet"):
+        atomic_write_bytes(filesystem(str(tmp_path)), str(tmp_path / "blocker" / "table.parquet"), b"x")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["blocker"]
+
+
+@pytest.mark.parametrize("run_id", ["../outside", "a/b", "", ".hidden", "x" * 129])
+def test_run_layout_refuses_a_run_id_that_is_not_one_path_segment(run_id: str) -> None:
+    from storage.layout import InvalidRunId, RunLayout
+
+    with pytest.raises(InvalidRunId, match="run_id"):
+        RunLayout.create("/data", run_id)
