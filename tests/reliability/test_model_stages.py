@@ -1,7 +1,7 @@
 """Model-stage drills with the real model: SmolLM2-135M-Instruct, HF backend, 1 prompt x 2 samples, 16 tokens.
 
-generate and train run as real stage processes (forked; `python -m stages.<name>` for the last resume) and are
-SIGKILLed at random points (2 seeds each, uniform over a clean run's duration), then run again: the resumed
+generate and train run as real stage processes (`python -m stages.<name>`) and are SIGKILLed at random points
+(2 seeds each, uniform over a clean run's time in the harness), then run again: the resumed
 output must be the clean run's (same content hash: the HF backend on CPU with fixed seeds promises it, and its
 manifest says so), the checkpoint must load (weights, optimizer state, trainer state) and match its manifest
 file by file. Scoring uses a stand-in with fixed rewards (even samples right), so that the group has variance
@@ -56,8 +56,6 @@ def model_run(tmp_path_factory: pytest.TempPathFactory) -> RunLayout:
     run_stage("prompts", layout, BASE, prompts.run)
     run_stage("base_model", layout, BASE, base_model.run)
     h.ensure_upstream_done(layout, "generate")  # evaluate_base: a stand-in (the model's evaluation is not drilled)
-    import stages.generate  # noqa: F401 - imported here, so that forked stage processes start warm
-    import stages.train  # noqa: F401
 
     return layout
 
@@ -67,37 +65,43 @@ def done(layout: RunLayout, stage: str) -> bool:
     return stage_state(layout.fs, layout, read_run_config(layout), STAGES[stage], 0).done
 
 
-def kill_and_resume(layout: RunLayout, stage: str, tmp_path: Path) -> tuple[dict, list[str]]:
-    """A clean run, then SEEDS runs killed at random points, each followed by a run to completion; the last one
-    is `python -m stages.<stage>`, the others are forked from this process with the stage module imported
-    (helpers.fork_stage: torch, transformers and GX are imported once, not eight times). Returns the clean
-    run's manifests by output name, and what each kill found."""
-    import importlib
+def started_work(log: Path) -> bool:
+    """Whether the stage process has got past its imports into the harness (it prints `▶ <stage>`)."""
+    return log.exists() and "▶" in log.read_text(errors="replace")
 
-    work = importlib.import_module(f"stages.{stage}").run
+
+def kill_and_resume(layout: RunLayout, stage: str, tmp_path: Path) -> tuple[dict, list[str]]:
+    """A clean run, then SEEDS runs killed at random points, each followed by a run to completion. Every run is
+    a fresh `python -m stages.<stage>`: a child forked from this process (which has run torch's thread pool in
+    earlier tests) can deadlock in OpenMP. The kill point is uniform over the clean run's time in the harness
+    (after the imports, which are not worth killing at). Returns the clean run's manifests by output name,
+    and what each kill found."""
+    command = h.stage_command(layout, stage)
     outputs = {o.name: o for o in STAGES[stage].outputs(0)}
+    clean_log = tmp_path / f"{stage}-clean.log"
+    clean = h.spawn(command, layout.root, clean_log)
+    h.wait_for(lambda: started_work(clean_log) or clean.poll() is not None, 600, what=f"{stage} to start")
     started = time.monotonic()
-    clean = h.fork_stage(layout, stage, work, tmp_path / f"{stage}-clean.log")
-    assert clean.wait(900) == 0, clean.output()[-3000:]
+    assert h.finish(clean, 900) == 0, clean_log.read_text()[-3000:]
     clean_seconds = time.monotonic() - started
     reference = {name: read_manifest(layout.fs, o.manifest_path(layout)) for name, o in outputs.items()}
     found = []
     for seed in range(SEEDS):
         delay = random.Random(f"model:{stage}:{seed}").uniform(0.0, clean_seconds)
-        process = h.fork_stage(layout, stage, work, tmp_path / f"{stage}-{seed}.log")
+        log = tmp_path / f"{stage}-{seed}.log"
+        process = h.spawn(command, layout.root, log)
+        h.wait_for(lambda log=log, process=process: started_work(log) or process.poll() is not None, 600,
+                   what=f"{stage} to start")
         try:
             process.wait(delay)
+            h.finish(process)
             found.append(f"seed {seed}: finished before the kill at {delay:.1f}s")
         except subprocess.TimeoutExpired:
-            process.kill()
+            h.kill_group(process)
             found.append(f"seed {seed}: killed at {delay:.1f}s of {clean_seconds:.1f}s, done={done(layout, stage)}")
         h.assert_manifests_vouch_for_their_outputs(layout.fs, h.manifests_of(layout).values())
-        if seed < SEEDS - 1:
-            resumed = h.fork_stage(layout, stage, work, tmp_path / f"{stage}-{seed}-resume.log")
-            assert resumed.wait(900) == 0, f"{found[-1]}: {resumed.output()[-3000:]}"
-        else:
-            result = h.run(h.stage_command(layout, stage), layout.root, timeout=900)
-            assert result.returncode == 0, f"{found[-1]}: {result.stderr[-3000:]}"
+        result = h.run(command, layout.root, timeout=900)
+        assert result.returncode == 0, f"{found[-1]}: {result.stderr[-3000:]}"
         assert done(layout, stage)
         for name, manifest in reference.items():
             again = read_manifest(layout.fs, outputs[name].manifest_path(layout))
