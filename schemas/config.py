@@ -66,6 +66,10 @@ class GenerateConfig(Section):
     vllm_kv_cache_gib: int = Field(2, ge=1)
     vllm_tensor_parallel_size: int = Field(1, ge=1)
     vllm_data_parallel_size: int = Field(1, ge=1)
+    # After generating, the first `mismatch_samples` samples' logprobs are recomputed with the trainer's
+    # forward pass (Hugging Face, train.dtype) and |sampler - trainer| per token is recorded in the rollouts
+    # manifest (`logprob_mismatch`): the health figure importance-sampling correction relies on. 0: off.
+    mismatch_samples: int = Field(8, ge=0)
 
 
 class ScoreConfig(Section):

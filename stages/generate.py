@@ -8,18 +8,21 @@ rerun picks the same prompts and every prompt is seen once per epoch. Each sampl
 same machine with a deterministic backend reproduces the table byte for byte.
 
 The table is written once, at the end, atomically. Engine start time is recorded apart from generation
-time in the manifest.
+time in the manifest, and so is the sampler/trainer logprob mismatch on the first few samples
+(`logprob_mismatch`, see stages/generation/mismatch.py), measured after the engine is closed.
 """
 
 from __future__ import annotations
 
 import hashlib
+import time
+from pathlib import Path
 
 import pyarrow as pa
 
 from stages.common import StageContext, StageInputError, exit_with
 from stages.generation import make_backend
-from stages.generation.base import GenerationRequest, SamplingSpec, sample_seed
+from stages.generation.base import GenerationRequest, Sample, SamplingSpec, sample_seed
 from stages.models import load_tokenizer
 from stages.sampling import encode_prompts, generate_with_progress
 
@@ -74,6 +77,7 @@ def run(ctx: StageContext, round_idx: int = 0) -> None:
         result = generate_with_progress(backend, requests, sampling_spec(ctx), f"generate iter={ctx.iteration}")
     finally:
         backend.close()
+    mismatch = sampler_trainer_mismatch(ctx, model_dir, requests, result.samples)
 
     policy_version = ctx.inputs["policy"].sha256
     rows = []
@@ -96,7 +100,24 @@ def run(ctx: StageContext, round_idx: int = 0) -> None:
         "prompts": len(encoded.prompt_ids),
         "prompts_skipped_overlong": encoded.skipped,
         "prompts_truncated": encoded.truncated,
+        **({"logprob_mismatch": mismatch} if mismatch else {}),
     })
+
+
+def sampler_trainer_mismatch(
+    ctx: StageContext, model_dir: Path, requests: list[GenerationRequest], samples: list[Sample]
+) -> dict[str, float] | None:
+    """|sampler - trainer| logprob per token over the first `generate.mismatch_samples` samples, recomputed
+    after the engine is closed (so the two models are never in memory at once)."""
+    checked = min(ctx.config.generate.mismatch_samples, len(samples))
+    if checked == 0:
+        return None
+    from stages.generation.mismatch import logprob_mismatch
+
+    started = time.monotonic()
+    stats = logprob_mismatch(model_dir, requests[:checked], samples[:checked], sampling_spec(ctx),
+                             dtype=ctx.config.train.dtype)
+    return {**stats, "samples": checked, "seconds": round(time.monotonic() - started, 3)}
 
 
 if __name__ == "__main__":

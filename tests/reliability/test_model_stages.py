@@ -117,6 +117,12 @@ def test_generate_killed_at_random_points_resumes_to_the_same_table(model_run: R
     as its manifest declares), with one row per (prompt, sample)."""
     reference, found = kill_and_resume(model_run, "generate", tmp_path)
     assert reference["rollouts"].metrics["deterministic"] is True
+    # The sampler (HF, fp32) against the trainer's forward pass (HF, fp32) on the same tokens: only padding
+    # and batch shapes differ, so the recorded mismatch is rounding noise.
+    mismatch = reference["rollouts"].metrics["logprob_mismatch"]
+    assert mismatch["samples"] == 2 and mismatch["tokens"] + mismatch["outside_filter"] == sum(
+        r["num_tokens"] for r in h.table_rows(model_run, "rollouts"))
+    assert mismatch["max_abs"] < 1e-3, mismatch
     rows = h.table_rows(model_run, "rollouts")
     [prompt_id] = {r["prompt_id"] for r in rows}
     assert prompt_id in h.TRAIN_IDS and sorted(r["sample_idx"] for r in rows) == [0, 1], found
