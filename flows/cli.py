@@ -298,7 +298,7 @@ def main(argv: list[str] | None = None) -> int:
         console.print(f"[red]{error}[/]")
         return 2
     except OSError as error:  # an unwritable or full storage root: one line naming the path, no traceback
-        from stages.common import describe_os_error
+        from storage.fs import describe_os_error
 
         console.print(f"[red]storage error: {describe_os_error(error)}[/]")
         return 1

@@ -38,7 +38,7 @@ from flows.artifacts import publish_iteration_artifacts  # noqa: E402
 from flows.execute import StageFailed, StageOutcome, pending_stages, run_stage_process  # noqa: E402
 from schemas.config import ConfigError, RunConfig, load_config, parse_config  # noqa: E402
 from stages.common import read_run_config  # noqa: E402
-from stages.registry import ITERATION_STAGES, RUN_STAGES, STAGES, stage_state  # noqa: E402
+from stages.registry import ITERATION_STAGES, RUN_STAGES, STAGES, is_done_now  # noqa: E402
 from storage.fs import filesystem, is_remote  # noqa: E402
 from storage.layout import BASE, RunLayout, iteration_name  # noqa: E402
 from storage.lock import RunLocked, run_lock  # noqa: E402
@@ -72,13 +72,6 @@ def stage_deployment(stage: str) -> str:
     return f"{STAGE_FLOW}/{stage}"
 
 
-def _is_done(layout: RunLayout, config: RunConfig, stage: str, iteration: int) -> bool:
-    fs = layout.fs
-    # Outputs are written by other processes (other machines): never answer from a listing cached earlier.
-    fs.invalidate_cache()
-    return stage_state(fs, layout, config, STAGES[stage], iteration).done
-
-
 def _stage_iteration(stage: str, iteration: int) -> int:
     return BASE if STAGES[stage].run_level else iteration
 
@@ -93,7 +86,7 @@ def run_stage_here(root: str, run_id: str, stage: str, iteration: int) -> StageO
     layout = RunLayout.create(root, run_id)
     config = read_run_config(layout)
     iteration = _stage_iteration(stage, iteration)
-    if _is_done(layout, config, stage, iteration):
+    if is_done_now(layout, config, stage, iteration):
         return StageOutcome(stage, iteration, ran=False, seconds=0.0)
     seconds = run_stage_process(layout, config, stage, iteration, lock_wait_s=STAGE_LOCK_WAIT_S)
     return StageOutcome(stage, iteration, ran=True, seconds=seconds)
@@ -106,7 +99,7 @@ def dispatch_stage(root: str, run_id: str, stage: str, iteration: int) -> StageO
     layout = RunLayout.create(root, run_id)
     iteration = _stage_iteration(stage, iteration)
     # Checked here too (the stage flow checks again under its lease) to spare a worker round trip.
-    if _is_done(layout, read_run_config(layout), stage, iteration):
+    if is_done_now(layout, read_run_config(layout), stage, iteration):
         return StageOutcome(stage, iteration, ran=False, seconds=0.0)
     started = time.monotonic()
     parameters = {"root": layout.root, "run_id": run_id, "stage": stage, "iteration": iteration}

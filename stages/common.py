@@ -32,9 +32,9 @@ from rich.console import Console
 from schemas.config import ConfigError, RunConfig, parse_config
 from schemas.contracts import ContractViolation, rejected_path, validate_table, validation_path
 from schemas.tables import TABLES, SchemaMismatch, conform
-from stages.registry import STAGES, MissingInput, Output, StageSpec, expected_key, input_manifests, stage_state
+from stages.registry import STAGES, MissingInput, Output, StageSpec, expected_key, input_manifests, is_done_now
 from storage.checkpoints import checkpoint_digest, fetch_checkpoint, publish_checkpoint
-from storage.fs import atomic_write_bytes, is_remote, temporary_prefix
+from storage.fs import atomic_write_bytes, describe_os_error, is_remote, temporary_prefix
 from storage.layout import BASE, InvalidRunId, RunLayout
 from storage.manifest import Manifest, config_hash, output_damage, read_manifest, write_manifest
 from storage.tables import TableVersionError, read_table, write_table
@@ -343,15 +343,10 @@ def main(stage: str, run: Callable[[StageContext], None], argv: list[str] | None
         layout = RunLayout.create(args.root, args.run)
         iteration = BASE if STAGES[stage].run_level else args.iter
 
-        def is_done() -> bool:
-            layout.fs.invalidate_cache()  # another process may have just finished it
-            return args.if_needed and stage_state(
-                layout.fs, layout, read_run_config(layout), STAGES[stage], iteration
-            ).done
-
         ran, _ = run_once(
             lock=lambda: stage_lock(layout, stage, iteration, wait_s=args.lock_wait),
-            is_done=is_done,
+            # With --if-needed, asked again once the lease is ours: the holder we waited for may have done it.
+            is_done=lambda: args.if_needed and is_done_now(layout, read_run_config(layout), stage, iteration),
             work=lambda: run_stage(stage, layout, iteration, run),
         )
         if not ran:
@@ -371,12 +366,6 @@ def main(stage: str, run: Callable[[StageContext], None], argv: list[str] | None
         console.print(f"[red]✗ {stage}: storage error: {describe_os_error(error)}[/]")
         return 1
     return 0
-
-
-def describe_os_error(error: OSError) -> str:
-    """One line: what failed and where (`StorageWriteError` names its destination itself)."""
-    reason = error.strerror or str(error) or type(error).__name__
-    return f"{reason}: {error.filename}" if error.filename else reason
 
 
 def exit_with(stage: str, run: Callable[[StageContext], None]) -> None:

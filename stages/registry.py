@@ -190,3 +190,10 @@ def stage_state(
     if not all(output_intact(fs, m) for m in present):
         return StageState(False, "output changed", present)
     return StageState(True, "done", present)
+
+
+def is_done_now(layout: RunLayout, config: RunConfig, stage: str, iteration: int) -> bool:
+    """Whether `stage` is done, asked of the storage itself: its outputs are written by other processes (other
+    machines), so a listing cached earlier is never trusted."""
+    layout.fs.invalidate_cache()
+    return stage_state(layout.fs, layout, config, STAGES[stage], iteration).done

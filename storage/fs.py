@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import os
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from functools import lru_cache
 from pathlib import Path
 
@@ -69,27 +71,35 @@ class StorageWriteError(OSError):
     """A write to the storage root failed (disk full, read-only, no permission); names the destination."""
 
 
-def _naming(path: str, error: OSError) -> StorageWriteError:
+def describe_os_error(error: OSError) -> str:
+    """One line: what failed and where (`StorageWriteError` names its destination in its message)."""
     reason = error.strerror or str(error) or type(error).__name__
-    return StorageWriteError(error.errno, f"cannot write {path}: {reason}")
+    return f"{reason}: {error.filename}" if error.filename else reason
+
+
+@contextmanager
+def _local_temporary(fs: LocalFileSystem, path: str) -> Iterator[str]:
+    """A temporary name beside `path` to write to; moved onto `path` when the block succeeds, removed when it
+    fails. A failing write is raised as StorageWriteError naming `path` (an ENOSPC from `write` names nothing)."""
+    temporary = _temporary_sibling(path)
+    try:
+        fs.makedirs(path.rpartition("/")[0], exist_ok=True)
+        yield temporary
+        os.replace(temporary, path)
+    except BaseException as error:
+        if os.path.exists(temporary):
+            os.remove(temporary)
+        if isinstance(error, OSError) and not isinstance(error, StorageWriteError):
+            raise StorageWriteError(error.errno, f"cannot write {path}: {describe_os_error(error)}") from error
+        raise
 
 
 def atomic_write_bytes(fs: fsspec.AbstractFileSystem, path: str, data: bytes) -> None:
     if isinstance(fs, LocalFileSystem):
-        temporary = _temporary_sibling(path)
-        try:
-            fs.makedirs(path.rpartition("/")[0], exist_ok=True)
-            with open(temporary, "wb") as handle:
-                handle.write(data)
-                handle.flush()
-                os.fsync(handle.fileno())
-            os.replace(temporary, path)
-        except BaseException as error:
-            if os.path.exists(temporary):
-                os.remove(temporary)
-            if isinstance(error, OSError) and not isinstance(error, StorageWriteError):
-                raise _naming(path, error) from error
-            raise
+        with _local_temporary(fs, path) as temporary, open(temporary, "wb") as handle:
+            handle.write(data)
+            handle.flush()
+            os.fsync(handle.fileno())
     else:
         fs.pipe_file(path, data)
 
@@ -97,16 +107,7 @@ def atomic_write_bytes(fs: fsspec.AbstractFileSystem, path: str, data: bytes) ->
 def atomic_put_file(fs: fsspec.AbstractFileSystem, local_path: str | Path, path: str) -> None:
     """Copy a local file to `path` on `fs` without ever exposing a partial file under `path`."""
     if isinstance(fs, LocalFileSystem):
-        temporary = _temporary_sibling(path)
-        try:
-            fs.makedirs(path.rpartition("/")[0], exist_ok=True)
+        with _local_temporary(fs, path) as temporary:
             fs.put_file(str(local_path), temporary)
-            os.replace(temporary, path)
-        except BaseException as error:
-            if os.path.exists(temporary):
-                os.remove(temporary)
-            if isinstance(error, OSError) and not isinstance(error, StorageWriteError):
-                raise _naming(path, error) from error
-            raise
     else:
         fs.put_file(str(local_path), path)
