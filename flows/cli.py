@@ -132,7 +132,8 @@ def cmd_stage(args: argparse.Namespace) -> int:
     module = importlib.import_module(f"stages.{args.name}")
     from stages.common import main as stage_main
 
-    argv = ["--run", args.run, "--iter", str(args.iter)] + (["--root", args.root] if args.root else [])
+    argv = ["--run", args.run, "--iter", str(args.iter), "--round", str(args.round)]
+    argv += ["--root", args.root] if args.root else []
     return stage_main(args.name, module.run, argv)
 
 
@@ -247,6 +248,7 @@ def build_parser() -> argparse.ArgumentParser:
     stage.add_argument("name")
     stage.add_argument("--run", required=True)
     stage.add_argument("--iter", type=int, default=-1)
+    stage.add_argument("--round", type=int, default=0, help="generation round (generate, score; dynamic sampling)")
     common(stage)
     stage.set_defaults(func=cmd_stage)
 

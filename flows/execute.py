@@ -12,16 +12,19 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from schemas.config import RunConfig
 from stages.registry import ITERATION_STAGES, RUN_STAGES, STAGES, stage_state
-from storage.layout import BASE, RunLayout
+from storage.layout import BASE, RunLayout, manifest_path_for
+from storage.manifest import read_manifest
 
 
 class StageFailed(RuntimeError):
-    def __init__(self, stage: str, iteration: int, returncode: int) -> None:
+    def __init__(self, stage: str, iteration: int, returncode: int, round_idx: int = 0) -> None:
         where = stage if iteration == BASE else f"{stage} (iteration {iteration})"
+        where = f"{where[:-1]}, round {round_idx})" if round_idx else where
         why = {2: "bad input or config (see the message above)",
                3: "another process holds its lease (see the message above)"}.get(returncode, f"exit code {returncode}")
         super().__init__(f"stage {where} failed: {why}")
@@ -34,6 +37,7 @@ class StageOutcome:
     iteration: int
     ran: bool
     seconds: float
+    round_idx: int = 0
 
 
 def stage_environment(config: RunConfig) -> dict[str, str]:
@@ -45,23 +49,29 @@ def stage_environment(config: RunConfig) -> dict[str, str]:
     return env
 
 
-def stage_command(layout: RunLayout, stage: str, iteration: int, lock_wait_s: float | None = None) -> list[str]:
+def stage_command(
+    layout: RunLayout, stage: str, iteration: int, lock_wait_s: float | None = None, round_idx: int = 0
+) -> list[str]:
     """The stage's process. With `lock_wait_s` it waits that long for the stage's lease if another process
     holds it, and then does nothing if that process finished the stage (`--if-needed`)."""
     command = [sys.executable, "-m", f"stages.{stage}", "--root", layout.root, "--run", layout.run_id,
                "--iter", str(iteration)]
+    if round_idx:
+        command += ["--round", str(round_idx)]
     if lock_wait_s is not None:
         command += ["--if-needed", "--lock-wait", str(lock_wait_s)]
     return command
 
 
 def run_stage_process(
-    layout: RunLayout, config: RunConfig, stage: str, iteration: int, lock_wait_s: float | None = None
+    layout: RunLayout, config: RunConfig, stage: str, iteration: int, lock_wait_s: float | None = None,
+    round_idx: int = 0,
 ) -> float:
     started = time.monotonic()
-    completed = subprocess.run(stage_command(layout, stage, iteration, lock_wait_s), env=stage_environment(config))
+    command = stage_command(layout, stage, iteration, lock_wait_s, round_idx)
+    completed = subprocess.run(command, env=stage_environment(config))
     if completed.returncode != 0:
-        raise StageFailed(stage, iteration, completed.returncode)
+        raise StageFailed(stage, iteration, completed.returncode, round_idx)
     return time.monotonic() - started
 
 
@@ -74,3 +84,36 @@ def pending_stages(layout: RunLayout, config: RunConfig) -> list[tuple[str, int]
     plan += [(stage, k) for k in range(config.iterations) for stage in ITERATION_STAGES]
     fs = layout.fs
     return [(s, k) for s, k in plan if not stage_state(fs, layout, config, STAGES[s], k).done]
+
+
+def batch_groups_needed(layout: RunLayout, iteration: int) -> tuple[int, int]:
+    """(kept groups the batch of `iteration` still lacks, generation rounds it was built from), read fresh
+    from its manifest."""
+    layout.fs.invalidate_cache()
+    path = layout.table_path("batch", iteration)
+    manifest = read_manifest(layout.fs, manifest_path_for(path, "table"))
+    if manifest is None:
+        raise RuntimeError(f"{path} has no manifest after stage advantage ran")
+    return int(manifest.metrics.get("groups_needed", 0)), int(manifest.metrics.get("rounds", 1))
+
+
+def dynamic_sampling_rounds(
+    layout: RunLayout, config: RunConfig, iteration: int,
+    run: Callable[[str, int], StageOutcome], log: Callable[..., None],
+) -> list[StageOutcome]:
+    """DAPO dynamic sampling: while the batch holds fewer kept groups than advantage.target_groups, generate
+    and score one more round (its own tables, iter=k/round=RR/) and rebuild the batch over every round.
+
+    `run(stage, round)` runs one stage instance (a child process, or a flow run on a worker). The advantage
+    stage fails, naming the cap, when advantage.max_generation_rounds rounds are not enough, so the loop ends.
+    A resumed iteration picks up at the round after the last one its batch was built from.
+    """
+    outcomes: list[StageOutcome] = []
+    while True:
+        needed, rounds = batch_groups_needed(layout, iteration)
+        if needed == 0:
+            return outcomes
+        if rounds >= config.advantage.max_generation_rounds:  # the advantage stage refuses this; never loop
+            raise RuntimeError(f"batch of iteration {iteration} lacks {needed} groups after {rounds} rounds (the cap)")
+        log("iteration %d: the batch needs %d more kept groups: generation round %d", iteration, needed, rounds)
+        outcomes += [run("generate", rounds), run("score", rounds), run("advantage", 0)]

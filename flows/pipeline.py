@@ -35,12 +35,18 @@ from prefect.runtime import flow_run as current_flow_run  # noqa: E402
 from prefect.states import Completed, State  # noqa: E402
 
 from flows.artifacts import publish_iteration_artifacts  # noqa: E402
-from flows.execute import StageFailed, StageOutcome, pending_stages, run_stage_process  # noqa: E402
+from flows.execute import (  # noqa: E402
+    StageFailed,
+    StageOutcome,
+    dynamic_sampling_rounds,
+    pending_stages,
+    run_stage_process,
+)
 from schemas.config import ConfigError, RunConfig, load_config, parse_config  # noqa: E402
 from stages.common import read_run_config  # noqa: E402
 from stages.registry import ITERATION_STAGES, RUN_STAGES, STAGES, is_done_now  # noqa: E402
 from storage.fs import filesystem, is_remote  # noqa: E402
-from storage.layout import BASE, RunLayout, iteration_name  # noqa: E402
+from storage.layout import BASE, RunLayout, instance_name, iteration_name  # noqa: E402
 from storage.lock import RunLocked, run_lock  # noqa: E402
 
 DISPATCH_MODES = ("local", "deployments")
@@ -76,7 +82,7 @@ def _stage_iteration(stage: str, iteration: int) -> int:
     return BASE if STAGES[stage].run_level else iteration
 
 
-def run_stage_here(root: str, run_id: str, stage: str, iteration: int) -> StageOutcome:
+def run_stage_here(root: str, run_id: str, stage: str, iteration: int, round_idx: int = 0) -> StageOutcome:
     """Run a stage as a child process of this one unless its outputs are valid.
 
     The child takes the stage's lease itself (waiting for it if another trigger holds it, then skipping the
@@ -86,28 +92,30 @@ def run_stage_here(root: str, run_id: str, stage: str, iteration: int) -> StageO
     layout = RunLayout.create(root, run_id)
     config = read_run_config(layout)
     iteration = _stage_iteration(stage, iteration)
-    if is_done_now(layout, config, stage, iteration):
-        return StageOutcome(stage, iteration, ran=False, seconds=0.0)
-    seconds = run_stage_process(layout, config, stage, iteration, lock_wait_s=STAGE_LOCK_WAIT_S)
-    return StageOutcome(stage, iteration, ran=True, seconds=seconds)
+    if is_done_now(layout, config, stage, iteration, round_idx):
+        return StageOutcome(stage, iteration, ran=False, seconds=0.0, round_idx=round_idx)
+    seconds = run_stage_process(layout, config, stage, iteration, STAGE_LOCK_WAIT_S, round_idx)
+    return StageOutcome(stage, iteration, ran=True, seconds=seconds, round_idx=round_idx)
 
 
-def dispatch_stage(root: str, run_id: str, stage: str, iteration: int) -> StageOutcome:
+def dispatch_stage(root: str, run_id: str, stage: str, iteration: int, round_idx: int = 0) -> StageOutcome:
     """Run a stage as a flow run of its deployment (on a worker of its pool) and wait for it."""
     from prefect.deployments import run_deployment
 
     layout = RunLayout.create(root, run_id)
     iteration = _stage_iteration(stage, iteration)
     # Checked here too (the stage flow checks again under its lease) to spare a worker round trip.
-    if is_done_now(layout, read_run_config(layout), stage, iteration):
-        return StageOutcome(stage, iteration, ran=False, seconds=0.0)
+    if is_done_now(layout, read_run_config(layout), stage, iteration, round_idx):
+        return StageOutcome(stage, iteration, ran=False, seconds=0.0, round_idx=round_idx)
     started = time.monotonic()
     parameters = {"root": layout.root, "run_id": run_id, "stage": stage, "iteration": iteration}
+    if round_idx:
+        parameters["round_idx"] = round_idx
     flow_run = run_deployment(stage_deployment(stage), parameters=parameters, timeout=None,
                               poll_interval=DISPATCH_POLL_S)
     if flow_run.state is None or not flow_run.state.is_completed():
         raise DispatchedStageFailed(stage, iteration, flow_run.name, flow_run.state.name if flow_run.state else "?")
-    return StageOutcome(stage, iteration, ran=True, seconds=time.monotonic() - started)
+    return StageOutcome(stage, iteration, ran=True, seconds=time.monotonic() - started, round_idx=round_idx)
 
 
 def next_iteration(layout: RunLayout, config: RunConfig) -> int | None:
@@ -140,22 +148,25 @@ def _run_name(kind: str) -> str:
     if kind == "loop":
         return run_id
     if kind == "stage":
-        return f"{run_id}-{parameters.get('stage')}-{iteration_name(parameters.get('iteration', BASE))}"
+        where = instance_name(parameters.get("iteration", BASE), parameters.get("round_idx", 0)).replace("/", "-")
+        return f"{run_id}-{parameters.get('stage')}-{where}"
     iteration = parameters.get("iteration")
     return f"{run_id}-{'next' if iteration is None else iteration_name(iteration)}"
 
 
-@task(name="stage", cache_policy=NO_CACHE, task_run_name="{stage}[{iteration}]")
-def stage_task(root: str, run_id: str, stage: str, iteration: int, dispatch: str = "local") -> StageOutcome:
+@task(name="stage", cache_policy=NO_CACHE, task_run_name="{stage}[{iteration}.{round_idx}]")
+def stage_task(
+    root: str, run_id: str, stage: str, iteration: int, dispatch: str = "local", round_idx: int = 0
+) -> StageOutcome:
     if dispatch == "deployments":
-        return dispatch_stage(root, run_id, stage, iteration)
-    return run_stage_here(root, run_id, stage, iteration)
+        return dispatch_stage(root, run_id, stage, iteration, round_idx)
+    return run_stage_here(root, run_id, stage, iteration, round_idx)
 
 
 @flow(name=STAGE_FLOW, flow_run_name=lambda: _run_name("stage"))
-def stage_flow(root: str, run_id: str, stage: str, iteration: int = BASE) -> StageOutcome:
+def stage_flow(root: str, run_id: str, stage: str, iteration: int = BASE, round_idx: int = 0) -> StageOutcome:
     """One stage on this machine (a worker of the stage's pool), unless its outputs are valid already."""
-    return run_stage_here(root, run_id, stage, iteration)
+    return run_stage_here(root, run_id, stage, iteration, round_idx)
 
 
 def _run_iteration(layout: RunLayout, iteration: int | None, mode: str) -> list[StageOutcome]:
@@ -167,7 +178,14 @@ def _run_iteration(layout: RunLayout, iteration: int | None, mode: str) -> list[
         if iteration is None:
             get_run_logger().info("run %s: all %d iterations are done", layout.run_id, config.iterations)
             return outcomes
-    outcomes += [stage_task(layout.root, layout.run_id, stage, iteration, mode) for stage in ITERATION_STAGES]
+    for stage in ITERATION_STAGES:
+        outcomes.append(stage_task(layout.root, layout.run_id, stage, iteration, mode))
+        if stage == "advantage" and config.advantage.target_groups is not None:
+            outcomes += dynamic_sampling_rounds(
+                layout, config, iteration,
+                run=lambda name, r: stage_task(layout.root, layout.run_id, name, iteration, mode, r),
+                log=get_run_logger().info,
+            )
     publish_iteration_artifacts(layout, config, iteration)
     return outcomes
 

@@ -120,10 +120,12 @@ class AdvantageConfig(Section):
     overlong_penalty_factor: float = Field(1.0, ge=0)
     # Truncated responses (finish_reason "length") leave the loss but keep their place in the group baseline.
     mask_truncated: bool = False
-    # Dynamic sampling target: keep at most this many groups (None = all that pass the filters); the flow
-    # generates further rounds while fewer are kept, at most `max_generation_rounds` rounds in all.
+    # Dynamic sampling (DAPO): the batch holds `target_groups` kept groups (None = every group that passes
+    # the filters, and no extra rounds). While fewer are kept, the iteration flow generates and scores one
+    # more round of generate.prompts_per_iteration unused prompts (iter=k/round=RR/), at most
+    # `max_generation_rounds` rounds in all (round 0 included); past the cap the advantage stage fails.
     target_groups: int | None = Field(None, ge=1)
-    max_generation_rounds: int = Field(1, ge=1)
+    max_generation_rounds: int = Field(4, ge=1)
 
 
 class TrainConfig(Section):

@@ -198,10 +198,13 @@ def build_batch(
 
 
 def run(ctx: StageContext) -> None:
-    rollouts = ctx.read_input("rollouts").select([*ROLLOUT_KEY, "num_tokens", "truncated"]).to_pylist()
-    scores = ctx.read_input("scores").select([*ROLLOUT_KEY, "reward"]).to_pylist()
-    check_group_sizes(rollouts, ctx.config.generate.n_samples, ctx.inputs["rollouts"].path)
-    samples = join_scores(rollouts, scores, ctx.inputs["scores"].path)
+    # Every generation round of the iteration (round 0, plus the rounds dynamic sampling asked for).
+    rollouts = ctx.read_rounds("rollouts", [*ROLLOUT_KEY, "num_tokens", "truncated"]).to_pylist()
+    scores = ctx.read_rounds("scores", [*ROLLOUT_KEY, "reward"]).to_pylist()
+    rollouts_paths = ", ".join(ctx.inputs[name].path for name in ctx.round_input_names("rollouts"))
+    scores_paths = ", ".join(ctx.inputs[name].path for name in ctx.round_input_names("scores"))
+    check_group_sizes(rollouts, ctx.config.generate.n_samples, rollouts_paths)
+    samples = join_scores(rollouts, scores, scores_paths)
     rows, metrics = build_batch(samples, ctx.config.advantage, ctx.config.generate.max_new_tokens)
     ctx.write_table("batch", pa.Table.from_pylist(rows), metrics)
 

@@ -32,7 +32,16 @@ from rich.console import Console
 from schemas.config import ConfigError, RunConfig, parse_config
 from schemas.contracts import ContractViolation, rejected_path, validate_table, validation_path
 from schemas.tables import TABLES, SchemaMismatch, conform
-from stages.registry import STAGES, MissingInput, Output, StageSpec, expected_key, input_manifests, is_done_now
+from stages.registry import (
+    STAGES,
+    MissingInput,
+    Output,
+    StageSpec,
+    expected_key,
+    input_manifests,
+    is_done_now,
+    stage_inputs,
+)
 from storage.checkpoints import checkpoint_digest, fetch_checkpoint, publish_checkpoint
 from storage.fs import atomic_write_bytes, describe_os_error, is_remote, temporary_prefix
 from storage.layout import BASE, InvalidRunId, RunLayout
@@ -70,6 +79,8 @@ class StageContext:
     iteration: int
     key: str
     inputs: dict[str, Manifest]
+    sources: dict[str, Output]  # where each input lives (its table name, iteration and round)
+    round_idx: int = 0  # the generation round of a per-round stage (generate, score); 0 for the others
     started_at: str = field(default_factory=lambda: datetime.now(UTC).isoformat())
     started_monotonic: float = field(default_factory=time.monotonic)
     metrics: dict[str, Any] = field(default_factory=dict)
@@ -88,11 +99,20 @@ class StageContext:
     def read_input(self, name: str) -> pa.Table:
         """An input table by its input name ("prompts", "rollouts", ...), checked against its schema."""
         manifest = self.inputs[name]
-        spec = TABLES[self.spec.inputs(self.iteration)[name].name]
+        spec = TABLES[self.sources[name].name]
         try:
             return read_table(self.fs, manifest.path, spec)
         except (TableVersionError, SchemaMismatch) as error:
             raise StageInputError(str(error)) from None
+
+    def round_input_names(self, table: str) -> list[str]:
+        """The input names of `table` in every generation round this stage reads, round 0 first."""
+        return [name for name, source in self.sources.items() if source.name == table and name.startswith(table)]
+
+    def read_rounds(self, table: str, columns: list[str]) -> pa.Table:
+        """`table` (rollouts, scores) of every generation round this stage reads, concatenated in round order."""
+        parts = [self.read_input(name).select(columns) for name in self.round_input_names(table)]
+        return pa.concat_tables(parts)
 
     def policy_dir(self, name: str = "policy") -> Path:
         """A local directory holding the checkpoint input `name`, verified against its manifest."""
@@ -115,7 +135,7 @@ class StageContext:
         return Path(manifest.path)
 
     def output(self, name: str) -> Output:
-        for output in self.spec.outputs(self.iteration):
+        for output in self.spec.outputs(self.iteration, self.round_idx):
             if output.name == name:
                 return output
         raise KeyError(f"stage {self.spec.name} has no output {name}")
@@ -230,7 +250,7 @@ def remove_stale_temporaries(ctx: StageContext) -> list[str]:
     (beside them, and the local staging area of remote checkpoints). Only the stage's lease holder calls
     this, so no live writer owns them."""
     removed = []
-    for output in ctx.spec.outputs(ctx.iteration):
+    for output in ctx.spec.outputs(ctx.iteration, ctx.round_idx):
         destination = output.path(ctx.layout)
         # `.<name>.tmp-*` (the output itself) and `.<name>.<suffix>.tmp-*` (its manifest, contract report).
         name = temporary_prefix(destination).removesuffix(".tmp-")
@@ -251,22 +271,38 @@ def remove_stale_temporaries(ctx: StageContext) -> list[str]:
     return removed
 
 
-def prepare_context(spec: StageSpec, layout: RunLayout, iteration: int) -> StageContext:
+def prepare_context(spec: StageSpec, layout: RunLayout, iteration: int, round_idx: int = 0) -> StageContext:
     config = read_run_config(layout)
     if spec.run_level:
         iteration = BASE
     elif not 0 <= iteration < config.iterations:
         raise ConfigError(f"iteration {iteration} is outside 0..{config.iterations - 1} for run {layout.run_id}")
+    check_round(spec, config, round_idx)
     fs = layout.fs
-    key, _ = expected_key(fs, layout, config, spec, iteration)
-    inputs = input_manifests(fs, layout, spec, iteration)
-    return StageContext(spec=spec, config=config, layout=layout, iteration=iteration, key=key, inputs=inputs)
+    key, _ = expected_key(fs, layout, config, spec, iteration, round_idx)
+    inputs = input_manifests(fs, layout, config, spec, iteration, round_idx)
+    sources = stage_inputs(fs, layout, config, spec, iteration, round_idx)
+    return StageContext(spec=spec, config=config, layout=layout, iteration=iteration, key=key, inputs=inputs,
+                        sources={name: sources[name] for name in inputs}, round_idx=round_idx)
+
+
+def check_round(spec: StageSpec, config: RunConfig, round_idx: int) -> None:
+    if round_idx == 0:
+        return
+    if not spec.per_round:
+        raise ConfigError(f"stage {spec.name} has no generation rounds (only generate and score do)")
+    cap = config.advantage.max_generation_rounds
+    if config.advantage.target_groups is None or not 0 < round_idx < cap:
+        raise ConfigError(
+            f"round {round_idx} of stage {spec.name}: extra generation rounds exist only for dynamic sampling "
+            f"(advantage.target_groups set), numbered 1..{cap - 1} (advantage.max_generation_rounds={cap})"
+        )
 
 
 def invalidate_outputs(ctx: StageContext, only_damaged: bool = False) -> None:
     """Remove the manifests of the stage's outputs (with `only_damaged`: those whose output is missing or
     changed size, which vouch for nothing already)."""
-    for output in ctx.spec.outputs(ctx.iteration):
+    for output in ctx.spec.outputs(ctx.iteration, ctx.round_idx):
         path = output.manifest_path(ctx.layout)
         manifest = read_manifest(ctx.fs, path)
         if only_damaged and (manifest is None or output_damage(ctx.fs, manifest) is None):
@@ -276,8 +312,8 @@ def invalidate_outputs(ctx: StageContext, only_damaged: bool = False) -> None:
 
 
 def finish(ctx: StageContext) -> list[Manifest]:
-    expected = {(o.name, o.iteration) for o in ctx.spec.outputs(ctx.iteration)}
-    produced = {(o.name, o.iteration) for o, _ in ctx.written}
+    expected = set(ctx.spec.outputs(ctx.iteration, ctx.round_idx))
+    produced = {o for o, _ in ctx.written}
     if produced != expected:
         raise RuntimeError(f"stage {ctx.spec.name} wrote {sorted(produced)}, expected {sorted(expected)}")
     ended_at = datetime.now(UTC).isoformat()
@@ -292,10 +328,18 @@ def finish(ctx: StageContext) -> list[Manifest]:
     return manifests
 
 
+def stage_label(stage: str, iteration: int, round_idx: int = 0) -> str:
+    """How logs name a stage instance: `prompts`, `generate iter=3`, `generate iter=3 round=1`."""
+    if iteration == BASE:
+        return stage
+    return f"{stage} iter={iteration}" + (f" round={round_idx}" if round_idx else "")
+
+
 def parse_args(stage: str, argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog=f"python -m stages.{stage}", description=f"rlpipe stage {stage}")
     parser.add_argument("--run", required=True, help="run id")
     parser.add_argument("--iter", type=int, default=BASE, help="iteration (ignored by run-level stages)")
+    parser.add_argument("--round", type=int, default=0, help="generation round (generate and score, dynamic sampling)")
     parser.add_argument("--root", default=os.environ.get("RLPIPE_ROOT"), help="storage root (or $RLPIPE_ROOT)")
     parser.add_argument("--if-needed", action="store_true",
                         help="do nothing when the outputs are valid (checked after the stage's lease is taken)")
@@ -304,13 +348,15 @@ def parse_args(stage: str, argv: list[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def run_stage(stage: str, layout: RunLayout, iteration: int, run: Callable[[StageContext], None]) -> list[Manifest]:
+def run_stage(
+    stage: str, layout: RunLayout, iteration: int, run: Callable[[StageContext], None], round_idx: int = 0
+) -> list[Manifest]:
     """Run one stage in this process and return its manifests (used by `main` and by tests)."""
     spec = STAGES[stage]
-    ctx = prepare_context(spec, layout, iteration)
+    ctx = prepare_context(spec, layout, iteration, round_idx)
     if "torch" in sys.modules:  # stage modules that compute import torch at the top
         sys.modules["torch"].set_num_threads(ctx.config.threads)
-    label = stage if spec.run_level else f"{stage} iter={ctx.iteration}"
+    label = stage_label(stage, ctx.iteration, round_idx)
     console.print(f"[bold]▶ {label}[/] run={layout.run_id}")
     if removed := remove_stale_temporaries(ctx):
         console.print(f"  removed {len(removed)} temporaries of an earlier attempt that did not finish")
@@ -342,15 +388,17 @@ def main(stage: str, run: Callable[[StageContext], None], argv: list[str] | None
     try:
         layout = RunLayout.create(args.root, args.run)
         iteration = BASE if STAGES[stage].run_level else args.iter
+        round_idx = args.round
 
         ran, _ = run_once(
-            lock=lambda: stage_lock(layout, stage, iteration, wait_s=args.lock_wait),
+            lock=lambda: stage_lock(layout, stage, iteration, wait_s=args.lock_wait, round_idx=round_idx),
             # With --if-needed, asked again once the lease is ours: the holder we waited for may have done it.
-            is_done=lambda: args.if_needed and is_done_now(layout, read_run_config(layout), stage, iteration),
-            work=lambda: run_stage(stage, layout, iteration, run),
+            is_done=lambda: args.if_needed
+            and is_done_now(layout, read_run_config(layout), stage, iteration, round_idx),
+            work=lambda: run_stage(stage, layout, iteration, run, round_idx),
         )
         if not ran:
-            console.print(f"· {stage if iteration == BASE else f'{stage} iter={iteration}'} is done already")
+            console.print(f"· {stage_label(stage, iteration, round_idx)} is done already")
     except (ConfigError, StageInputError, MissingInput, SchemaMismatch, TableVersionError, InvalidRunId) as error:
         console.print(f"[red]✗ {stage}: {error}[/]")
         return 2

@@ -3,7 +3,10 @@
 Iteration k generates with checkpoint k-1 (iteration 0 with the base model) and stamps every row with that
 checkpoint's content hash (`policy_version`). Which prompts an iteration uses is a deterministic function of
 (run seed, iteration): the training set is shuffled once per epoch by a hash and walked in order, so a
-rerun picks the same prompts and every prompt is seen once per epoch. Each sample's seed is derived from
+rerun picks the same prompts and every prompt is seen once per epoch. An extra dynamic-sampling round r >= 1
+(advantage.target_groups) draws `prompts_per_iteration` more prompts that no earlier round of the iteration
+used, by a hash shuffle of (run seed, iteration, round), written to iter=k/round=RR/. Each sample's seed is
+derived from
 (run seed, iteration, round, prompt, sample index), never from batch position, so a rerun of the stage on the
 same machine with a deterministic backend reproduces the table byte for byte.
 
@@ -20,7 +23,7 @@ from pathlib import Path
 
 import pyarrow as pa
 
-from stages.common import StageContext, StageInputError, exit_with
+from stages.common import StageContext, StageInputError, exit_with, stage_label
 from stages.generation import make_backend
 from stages.generation.base import GenerationRequest, Sample, SamplingSpec, sample_seed
 from stages.models import load_tokenizer
@@ -43,6 +46,24 @@ def select_prompts(train_prompt_ids: list[str], run_seed: int, iteration: int, p
     return chosen
 
 
+def select_round_prompts(
+    train_prompt_ids: list[str], run_seed: int, iteration: int, per_iteration: int, round_idx: int
+) -> list[str]:
+    """The prompts of generation round `round_idx` of an iteration: round 0 is `select_prompts`; round r >= 1
+    takes `per_iteration` prompts unused by rounds 0..r-1, in a hash order of (run seed, iteration, round).
+    Fewer (or none) when the training set runs out."""
+    chosen = select_prompts(train_prompt_ids, run_seed, iteration, per_iteration)
+    used = set(chosen)
+    for extra_round in range(1, round_idx + 1):
+        unused = sorted(set(train_prompt_ids) - used)
+        order = sorted(
+            unused, key=lambda pid: hashlib.sha256(f"{run_seed}:{iteration}:{extra_round}:{pid}".encode()).hexdigest()
+        )
+        chosen = order[:per_iteration]
+        used.update(chosen)
+    return chosen
+
+
 def sampling_spec(ctx: StageContext) -> SamplingSpec:
     cfg = ctx.config.generate
     return SamplingSpec(
@@ -51,13 +72,20 @@ def sampling_spec(ctx: StageContext) -> SamplingSpec:
     )
 
 
-def run(ctx: StageContext, round_idx: int = 0) -> None:
+def run(ctx: StageContext) -> None:
     cfg = ctx.config.generate
+    round_idx = ctx.round_idx
     prompts = ctx.read_input("prompts").to_pylist()
     train = {row["prompt_id"]: row for row in prompts if row["split"] == "train"}
-    selected = select_prompts(list(train), ctx.config.seed, ctx.iteration, cfg.prompts_per_iteration)
+    selected = select_round_prompts(list(train), ctx.config.seed, ctx.iteration, cfg.prompts_per_iteration, round_idx)
     if not selected:
-        raise StageInputError(f"{ctx.inputs['prompts'].path}: no train prompts")
+        if round_idx == 0:
+            raise StageInputError(f"{ctx.inputs['prompts'].path}: no train prompts")
+        raise StageInputError(
+            f"{ctx.inputs['prompts'].path}: dynamic sampling round {round_idx} of iteration {ctx.iteration} found no "
+            f"train prompt left that earlier rounds did not use ({len(train)} in all): the batch cannot reach "
+            "advantage.target_groups; lower it or add training prompts"
+        )
 
     model_dir = ctx.policy_dir()
     tokenizer = load_tokenizer(model_dir)
@@ -74,7 +102,8 @@ def run(ctx: StageContext, round_idx: int = 0) -> None:
 
     backend = make_backend(cfg.backend, model_dir, cfg)
     try:
-        result = generate_with_progress(backend, requests, sampling_spec(ctx), f"generate iter={ctx.iteration}")
+        label = stage_label("generate", ctx.iteration, round_idx)
+        result = generate_with_progress(backend, requests, sampling_spec(ctx), label)
     finally:
         backend.close()
     mismatch = sampler_trainer_mismatch(ctx, model_dir, requests, result.samples)

@@ -14,6 +14,15 @@ Run-level stages run once per run; iteration stages run once per iteration k:
     train     k    batch k, rollouts k, policy k-1, base_model (KL reference)
                                          -> checkpoints/iter=k + iter=k/train_metrics.parquet
     evaluate  k    prompts, checkpoint k -> iter=k/eval.parquet
+
+Dynamic sampling (advantage.target_groups) can ask for more generation rounds of an iteration. `generate`
+and `score` are per-round stages: round r >= 1 is its own instance (own lease, own manifest) writing
+iter=k/round=RR/rollouts.parquet and scores.parquet, so nothing generated is lost and a crash redoes only
+the unfinished round. The stages that read every round (`advantage`: rollouts and scores, `train`:
+rollouts) take, besides round 0, each round r = 1, 2, ... for as long as `generate` round r is done for the
+current config and policy (`round_inputs`), as inputs named `rollouts@round=RR`. Their keys therefore
+change when a round is added, and a stale round (another policy) is never mixed in. Which rounds exist is
+decided by the flow (flows/pipeline.py): it adds a round while the batch manifest says `groups_needed`.
 """
 
 from __future__ import annotations
@@ -25,7 +34,7 @@ from typing import Any
 import fsspec
 
 from schemas.config import RunConfig
-from storage.layout import BASE, RunLayout, manifest_path_for
+from storage.layout import BASE, RunLayout, manifest_path_for, round_name
 from storage.manifest import Manifest, config_hash, output_damage, output_intact, read_manifest, stage_key
 
 
@@ -35,6 +44,7 @@ class Output:
 
     name: str  # table name, or "checkpoint"
     iteration: int  # where it lives (BASE for run-level)
+    round_idx: int = 0  # generation round (rollouts and scores of dynamic-sampling rounds r >= 1)
 
     @property
     def kind(self) -> str:
@@ -43,7 +53,7 @@ class Output:
     def path(self, layout: RunLayout) -> str:
         if self.kind == "checkpoint":
             return layout.checkpoint_dir(self.iteration)
-        return layout.table_path(self.name, self.iteration)
+        return layout.table_path(self.name, self.iteration, self.round_idx)
 
     def manifest_path(self, layout: RunLayout) -> str:
         return manifest_path_for(self.path(layout), self.kind)
@@ -59,8 +69,10 @@ class StageSpec:
     name: str
     run_level: bool
     config_payload: Callable[[RunConfig], dict[str, Any]]
-    inputs: Callable[[int], dict[str, Output]]
-    outputs: Callable[[int], list[Output]]
+    inputs: Callable[..., dict[str, Output]]  # (iteration, round=0) -> inputs of that instance
+    outputs: Callable[..., list[Output]]  # (iteration, round=0) -> outputs of that instance
+    per_round: bool = False  # one instance per generation round (generate, score)
+    reads_rounds: tuple[str, ...] = ()  # tables it also reads from every extra round (see round_inputs)
 
 
 def _sections(*names: str) -> Callable[[RunConfig], dict[str, Any]]:
@@ -82,47 +94,51 @@ STAGES: dict[str, StageSpec] = {
     for spec in [
         StageSpec(
             "prompts", True, _sections("data"),
-            inputs=lambda k: {},
-            outputs=lambda k: [PROMPTS],
+            inputs=lambda k, r=0: {},
+            outputs=lambda k, r=0: [PROMPTS],
         ),
         StageSpec(
             "base_model", True, _sections("model"),
-            inputs=lambda k: {},
-            outputs=lambda k: [Output("checkpoint", BASE)],
+            inputs=lambda k, r=0: {},
+            outputs=lambda k, r=0: [Output("checkpoint", BASE)],
         ),
         StageSpec(
             "evaluate_base", True, _sections("evaluate", "score", "generate.backend", "seed"),
-            inputs=lambda k: {"prompts": PROMPTS, "policy": Output("checkpoint", BASE)},
-            outputs=lambda k: [Output("eval", BASE)],
+            inputs=lambda k, r=0: {"prompts": PROMPTS, "policy": Output("checkpoint", BASE)},
+            outputs=lambda k, r=0: [Output("eval", BASE)],
         ),
         StageSpec(
             "generate", False, _sections("generate", "seed"),
-            inputs=lambda k: {"prompts": PROMPTS, "policy": policy_output(k)},
-            outputs=lambda k: [Output("rollouts", k)],
+            inputs=lambda k, r=0: {"prompts": PROMPTS, "policy": policy_output(k)},
+            outputs=lambda k, r=0: [Output("rollouts", k, r)],
+            per_round=True,
         ),
         StageSpec(
             "score", False, _sections("score"),
-            inputs=lambda k: {"prompts": PROMPTS, "rollouts": Output("rollouts", k)},
-            outputs=lambda k: [Output("scores", k)],
+            inputs=lambda k, r=0: {"prompts": PROMPTS, "rollouts": Output("rollouts", k, r)},
+            outputs=lambda k, r=0: [Output("scores", k, r)],
+            per_round=True,
         ),
         StageSpec(
             "advantage", False, _sections("advantage"),
-            inputs=lambda k: {"rollouts": Output("rollouts", k), "scores": Output("scores", k)},
-            outputs=lambda k: [Output("batch", k)],
+            inputs=lambda k, r=0: {"rollouts": Output("rollouts", k), "scores": Output("scores", k)},
+            outputs=lambda k, r=0: [Output("batch", k)],
+            reads_rounds=("rollouts", "scores"),
         ),
         StageSpec(
             # Train recomputes logprobs at the sampling temperature, and uses the base model as KL reference.
             "train", False, _sections("train", "threads", "generate.temperature"),
-            inputs=lambda k: {
+            inputs=lambda k, r=0: {
                 "batch": Output("batch", k), "rollouts": Output("rollouts", k), "policy": policy_output(k),
                 "reference": Output("checkpoint", BASE),
             },
-            outputs=lambda k: [Output("checkpoint", k), Output("train_metrics", k)],
+            outputs=lambda k, r=0: [Output("checkpoint", k), Output("train_metrics", k)],
+            reads_rounds=("rollouts",),
         ),
         StageSpec(
             "evaluate", False, _sections("evaluate", "score", "generate.backend", "seed"),
-            inputs=lambda k: {"prompts": PROMPTS, "policy": Output("checkpoint", k)},
-            outputs=lambda k: [Output("eval", k)],
+            inputs=lambda k, r=0: {"prompts": PROMPTS, "policy": Output("checkpoint", k)},
+            outputs=lambda k, r=0: [Output("eval", k)],
         ),
     ]
 }
@@ -135,20 +151,50 @@ class MissingInput(RuntimeError):
     pass
 
 
+def round_inputs(
+    fs: fsspec.AbstractFileSystem, layout: RunLayout, config: RunConfig, spec: StageSpec, iteration: int
+) -> dict[str, Output]:
+    """The extra-round inputs of a stage that reads every round: `<table>@round=RR` for r = 1, 2, ... while
+    `generate` round r is done for the current config and policy (a round made by another policy is stale
+    and ends the sequence, so it is never mixed in)."""
+    extra: dict[str, Output] = {}
+    if not spec.reads_rounds or config.advantage.target_groups is None:  # rounds are dynamic sampling's only
+        return extra
+    generate = STAGES["generate"]
+    round_idx = 1
+    while round_idx < config.advantage.max_generation_rounds and stage_state(
+        fs, layout, config, generate, iteration, round_idx
+    ).done:
+        for table in spec.reads_rounds:
+            extra[f"{table}@{round_name(round_idx)}"] = Output(table, iteration, round_idx)
+        round_idx += 1
+    return extra
+
+
+def stage_inputs(
+    fs: fsspec.AbstractFileSystem, layout: RunLayout, config: RunConfig, spec: StageSpec, iteration: int,
+    round_idx: int = 0,
+) -> dict[str, Output]:
+    """Every input of one stage instance: the fixed ones, then those of the extra generation rounds."""
+    return {**spec.inputs(iteration, round_idx), **round_inputs(fs, layout, config, spec, iteration)}
+
+
 def input_manifests(
-    fs: fsspec.AbstractFileSystem, layout: RunLayout, spec: StageSpec, iteration: int
+    fs: fsspec.AbstractFileSystem, layout: RunLayout, config: RunConfig, spec: StageSpec, iteration: int,
+    round_idx: int = 0,
 ) -> dict[str, Manifest]:
     manifests: dict[str, Manifest] = {}
-    for name, output in spec.inputs(iteration).items():
+    where = f"iteration {iteration}" + (f", round {round_idx}" if round_idx else "")
+    for name, output in stage_inputs(fs, layout, config, spec, iteration, round_idx).items():
         manifest = read_manifest(fs, output.manifest_path(layout))
         if manifest is None:
             raise MissingInput(
-                f"stage {spec.name} (iteration {iteration}) needs {name} at {output.path(layout)}, "
+                f"stage {spec.name} ({where}) needs {name} at {output.path(layout)}, "
                 "which has no valid manifest: run the upstream stage first"
             )
         if (damage := output_damage(fs, manifest)) is not None:
             raise MissingInput(
-                f"stage {spec.name} (iteration {iteration}) needs {name} at {output.path(layout)}, which is "
+                f"stage {spec.name} ({where}) needs {name} at {output.path(layout)}, which is "
                 f"damaged: {damage}; rerun stage {manifest.stage} to rebuild it"
             )
         manifests[name] = manifest
@@ -156,10 +202,12 @@ def input_manifests(
 
 
 def expected_key(
-    fs: fsspec.AbstractFileSystem, layout: RunLayout, config: RunConfig, spec: StageSpec, iteration: int
+    fs: fsspec.AbstractFileSystem, layout: RunLayout, config: RunConfig, spec: StageSpec, iteration: int,
+    round_idx: int = 0,
 ) -> tuple[str, dict[str, str]]:
     """The key the stage's outputs must carry, and its input hashes; raises MissingInput."""
-    input_hashes = {name: m.sha256 for name, m in input_manifests(fs, layout, spec, iteration).items()}
+    manifests = input_manifests(fs, layout, config, spec, iteration, round_idx)
+    input_hashes = {name: m.sha256 for name, m in manifests.items()}
     return stage_key(spec.name, spec.config_payload(config), input_hashes), input_hashes
 
 
@@ -175,14 +223,15 @@ class StageState:
 
 
 def stage_state(
-    fs: fsspec.AbstractFileSystem, layout: RunLayout, config: RunConfig, spec: StageSpec, iteration: int
+    fs: fsspec.AbstractFileSystem, layout: RunLayout, config: RunConfig, spec: StageSpec, iteration: int,
+    round_idx: int = 0,
 ) -> StageState:
-    manifests = [read_manifest(fs, output.manifest_path(layout)) for output in spec.outputs(iteration)]
+    manifests = [read_manifest(fs, output.manifest_path(layout)) for output in spec.outputs(iteration, round_idx)]
     present = [m for m in manifests if m is not None]
     if len(present) < len(manifests):
         return StageState(False, "missing", present)
     try:
-        key, _ = expected_key(fs, layout, config, spec, iteration)
+        key, _ = expected_key(fs, layout, config, spec, iteration, round_idx)
     except MissingInput:
         return StageState(False, "inputs missing", present)
     if any(m.key != key for m in present):
@@ -192,8 +241,8 @@ def stage_state(
     return StageState(True, "done", present)
 
 
-def is_done_now(layout: RunLayout, config: RunConfig, stage: str, iteration: int) -> bool:
+def is_done_now(layout: RunLayout, config: RunConfig, stage: str, iteration: int, round_idx: int = 0) -> bool:
     """Whether `stage` is done, asked of the storage itself: its outputs are written by other processes (other
     machines), so a listing cached earlier is never trusted."""
     layout.fs.invalidate_cache()
-    return stage_state(layout.fs, layout, config, STAGES[stage], iteration).done
+    return stage_state(layout.fs, layout, config, STAGES[stage], iteration, round_idx).done

@@ -108,12 +108,16 @@ def reference_dir(ctx: StageContext) -> Path | None:
 
 def run(ctx: StageContext) -> None:
     cfg = ctx.config.train
+    if needed := ctx.inputs["batch"].metrics.get("groups_needed", 0):
+        rounds = ctx.inputs["batch"].metrics.get("rounds", 1)
+        raise StageInputError(
+            f"{ctx.inputs['batch'].path}: dynamic sampling still needs {needed} kept groups (advantage.target_groups"
+            f"={ctx.config.advantage.target_groups}): run generate and score round {rounds}, then advantage, first "
+            "(the iteration flow does this)"
+        )
     batch = ctx.read_input("batch").to_pylist()
-    rollouts = (
-        ctx.read_input("rollouts")
-        .select([*ROLLOUT_KEY, "prompt_token_ids", "response_token_ids", "response_logprobs"])
-        .to_pylist()
-    )
+    columns = [*ROLLOUT_KEY, "prompt_token_ids", "response_token_ids", "response_logprobs"]
+    rollouts = ctx.read_rounds("rollouts", columns).to_pylist()  # every generation round the batch drew on
     samples, empty = training_samples(batch, rollouts, ctx.inputs["batch"].path)
     policy_dir = ctx.policy_dir()
     out_dir = ctx.scratch_checkpoint_dir()

@@ -44,13 +44,17 @@ TABLE_VIEWS = ("prompts", "rollouts", "scores", "batch", "train_metrics", "eval"
 ROLLOUT_KEY = ("run_id", "iteration", "round", "prompt_id", "sample_idx")
 
 # A manifest's location relative to `<root>/runs/` says what it describes. Table names are matched
-# generically (\w+), so a table added later gets a view without a change here.
+# generically (\w+), so a table added later gets a view without a change here. Dynamic-sampling rounds
+# (`iter=NNNN/round=RR/`) are rows of the same views (every row carries its `round`).
 _TABLE_MANIFEST = re.compile(
-    r"^(?P<run>[^/]+)/(?:(?P<dir>base|iter=(?P<iter>\d+))/)?(?P<table>\w+)\.parquet\.manifest\.json$"
+    r"^(?P<run>[^/]+)/(?:(?P<dir>base|iter=(?P<iter>\d+))/(?:round=(?P<round>\d+)/)?)?"
+    r"(?P<table>\w+)\.parquet\.manifest\.json$"
 )
 _CHECKPOINT_MANIFEST = re.compile(r"^(?P<run>[^/]+)/checkpoints/(?P<dir>base|iter=(?P<iter>\d+))/manifest\.json$")
-_TABLE_FILE = re.compile(r"^(?P<run>[^/]+)/(?:(?:base|iter=\d+)/)?\w+\.parquet$")
-_REJECTED_FILE = re.compile(r"^(?P<run>[^/]+)/(?:(?:base|iter=\d+)/)?(?P<table>\w+)\.rejected\.parquet$")
+_TABLE_FILE = re.compile(r"^(?P<run>[^/]+)/(?:(?:base|iter=\d+)/(?:round=\d+/)?)?\w+\.parquet$")
+_REJECTED_FILE = re.compile(
+    r"^(?P<run>[^/]+)/(?:(?:base|iter=\d+)/(?:round=\d+/)?)?(?P<table>\w+)\.rejected\.parquet$"
+)
 
 
 @dataclass(frozen=True)
@@ -63,6 +67,7 @@ class CatalogEntry:
     url: str  # where the file is now (DuckDB-readable: a local path or s3://...)
     manifest: Manifest
     problem: str | None = None  # set for a table whose file is lost or no longer the manifest's size
+    round_idx: int = 0  # generation round of a dynamic-sampling round's table (iter=NNNN/round=RR/)
 
     @property
     def label(self) -> str:
@@ -186,7 +191,8 @@ def list_outputs(root: str, run_ids: list[str] | None = None) -> Listing:
         data_rel = rel.removesuffix(".manifest.json")
         listed_with_manifest.add(data_rel)
         info = relative.get(data_rel)
-        entry = CatalogEntry(match.group("table"), run_id, iteration, _url(fs, f"{runs_dir}/{data_rel}"), manifest)
+        entry = CatalogEntry(match.group("table"), run_id, iteration, _url(fs, f"{runs_dir}/{data_rel}"), manifest,
+                             round_idx=int(match.group("round") or 0))
         # A table manifest must describe the file beside it: present, and with the recorded size. Anything
         # else is a lost file or one rewritten after its manifest: not read, and named by the lineage check.
         if info is None:
@@ -210,8 +216,13 @@ def list_outputs(root: str, run_ids: list[str] | None = None) -> Listing:
     return listing
 
 
+def _quote(text: str) -> str:
+    """`text` inside a single-quoted SQL string literal."""
+    return text.replace("'", "''")
+
+
 def _sql_list(urls: list[str]) -> str:
-    return "[" + ", ".join("'" + url.replace("'", "''") + "'" for url in urls) + "]"
+    return "[" + ", ".join(f"'{_quote(url)}'" for url in urls) + "]"
 
 
 def _union_by_name(entries: list[CatalogEntry]) -> str:
@@ -228,7 +239,8 @@ def _table_view_sql(name: str, entries: list[CatalogEntry], empty_relation: str 
             raise ValueError(f"no files and no schema for table {name}")
         extra = ", CAST(NULL AS VARCHAR) AS run_id" if name == "prompts" else ""
         return f"SELECT *{extra}, CAST(NULL AS INTEGER) AS iter FROM {empty_relation}"
-    partitioned = [e for e in entries if e.iteration is not None and e.iteration != BASE]
+    partitioned = [e for e in entries if e.iteration is not None and e.iteration != BASE and not e.round_idx]
+    rounds = [e for e in entries if e.round_idx]
     base = [e for e in entries if e.iteration == BASE]
     run_level = [e for e in entries if e.iteration is None]
     parts = []
@@ -239,6 +251,15 @@ def _table_view_sql(name: str, entries: list[CatalogEntry], empty_relation: str 
             f"SELECT * FROM read_parquet({_sql_list([e.url for e in partitioned])}, hive_partitioning = true, "
             f"hive_types = {{'iter': INTEGER}}{_union_by_name(partitioned)})"
         )
+    if rounds:
+        # Tables of dynamic-sampling rounds sit one directory deeper (iter=NNNN/round=RR/): Hive partitioning
+        # would reject the mix of depths, and `round` is a column of the rows already. `iter` per file.
+        cases = " ".join(f"WHEN '{_quote(e.url)}' THEN {e.iteration}" for e in rounds)
+        parts.append(
+            f"SELECT * EXCLUDE (filename), CAST(CASE filename {cases} END AS INTEGER) AS iter "
+            f"FROM read_parquet({_sql_list([e.url for e in rounds])}, filename = true, hive_partitioning = false"
+            f"{_union_by_name(rounds)})"
+        )
     if base:  # base/ has no key=value directory: Hive partitioning would reject the mix, so it is its own part
         parts.append(
             f"SELECT *, CAST({BASE} AS INTEGER) AS iter "
@@ -246,10 +267,7 @@ def _table_view_sql(name: str, entries: list[CatalogEntry], empty_relation: str 
         )
     if run_level:
         # A run-level table (prompts) carries no run_id: it comes from the run directory, per file.
-        cases = " ".join(
-            f"WHEN '{e.url.replace(chr(39), chr(39) * 2)}' THEN '{e.run_id.replace(chr(39), chr(39) * 2)}'"
-            for e in run_level
-        )
+        cases = " ".join(f"WHEN '{_quote(e.url)}' THEN '{_quote(e.run_id)}'" for e in run_level)
         urls = _sql_list([e.url for e in run_level])
         has_run_id = name in TABLES and "run_id" in TABLES[name].schema.names
         run_id = "" if has_run_id else f", CASE filename {cases} END AS run_id"

@@ -4,10 +4,13 @@
     <root>/runs/<run_id>/prompts.parquet                     (+ .manifest.json)
     <root>/runs/<run_id>/base/eval.parquet                   evaluation of the base model
     <root>/runs/<run_id>/iter=0003/<table>.parquet           rollouts, scores, batch, train_metrics, eval
+    <root>/runs/<run_id>/iter=0003/round=01/<table>.parquet  rollouts, scores of a dynamic-sampling round
     <root>/runs/<run_id>/checkpoints/base/manifest.json      points at the base model directory
     <root>/runs/<run_id>/checkpoints/iter=0003/              HF model dir + optimizer.pt + manifest.json
 
 `iter=NNNN` is Hive-style so DuckDB reads `runs/*/iter=*/rollouts.parquet` with the iteration as a column.
+Round 0 of an iteration (the only one unless dynamic sampling asks for more) lives directly in `iter=NNNN/`;
+extra generation rounds r >= 1 in `iter=NNNN/round=RR/` (every row also carries its `round`).
 Every output's manifest sits beside it (`<file>.manifest.json`, or `manifest.json` inside a checkpoint dir).
 """
 
@@ -40,6 +43,16 @@ def check_run_id(run_id: str) -> str:
 
 def iteration_name(iteration: int) -> str:
     return "base" if iteration == BASE else f"iter={iteration:04d}"
+
+
+def round_name(round_idx: int) -> str:
+    return f"round={round_idx:02d}"
+
+
+def instance_name(iteration: int, round_idx: int = 0) -> str:
+    """`base`, `iter=0003`, or `iter=0003/round=01`: where a stage instance writes, and how logs name it."""
+    name = iteration_name(iteration)
+    return f"{name}/{round_name(round_idx)}" if round_idx > 0 else name
 
 
 @dataclass(frozen=True)
@@ -77,9 +90,11 @@ class RunLayout:
     def iteration_dir(self, iteration: int) -> str:
         return join(self.run_dir, iteration_name(iteration))
 
-    def table_path(self, table: str, iteration: int) -> str:
+    def table_path(self, table: str, iteration: int, round_idx: int = 0) -> str:
         if table == "prompts":
             return self.prompts_path
+        if round_idx > 0:
+            return join(self.iteration_dir(iteration), round_name(round_idx), f"{table}.parquet")
         return join(self.iteration_dir(iteration), f"{table}.parquet")
 
     def checkpoint_dir(self, iteration: int) -> str:

@@ -47,7 +47,7 @@ from functools import lru_cache
 from typing import Any, TypeVar
 
 from storage.fs import is_remote, join
-from storage.layout import RunLayout, iteration_name
+from storage.layout import RunLayout, instance_name
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -67,8 +67,8 @@ class LeaseLost(RuntimeError):
     """Our S3 lease was taken over while we held it (we stopped renewing for longer than its ttl)."""
 
 
-def stage_lock_path(layout: RunLayout, stage: str, iteration: int) -> str:
-    return join(layout.run_dir, "locks", f"{stage}@{iteration_name(iteration)}.lock")
+def stage_lock_path(layout: RunLayout, stage: str, iteration: int, round_idx: int = 0) -> str:
+    return join(layout.run_dir, "locks", f"{stage}@{instance_name(iteration, round_idx).replace('/', '.')}.lock")
 
 
 def _holder(ttl_s: float | None = None) -> dict[str, Any]:
@@ -398,14 +398,17 @@ def run_lock(layout: RunLayout, ttl_s: float = DEFAULT_TTL_S, wait_s: float = 0.
 
 @contextmanager
 def stage_lock(
-    layout: RunLayout, stage: str, iteration: int, ttl_s: float = DEFAULT_TTL_S, wait_s: float = 0.0
+    layout: RunLayout, stage: str, iteration: int, ttl_s: float = DEFAULT_TTL_S, wait_s: float = 0.0,
+    round_idx: int = 0,
 ) -> Iterator[None]:
-    """One process per (stage, iteration) of a run; raises StageLocked naming the holder after `wait_s`."""
+    """One process per (stage, iteration, round) of a run; raises StageLocked naming the holder after `wait_s`."""
+    where = instance_name(iteration, round_idx)
 
     def refuse(holder: str) -> RunLocked:
-        return StageLocked(f"stage {stage} ({iteration_name(iteration)}) of run {layout.run_id} is run by {holder}")
+        return StageLocked(f"stage {stage} ({where}) of run {layout.run_id} is run by {holder}")
 
-    with lease(layout.root, stage_lock_path(layout, stage, iteration), ttl_s=ttl_s, wait_s=wait_s, refuse=refuse):
+    path = stage_lock_path(layout, stage, iteration, round_idx)
+    with lease(layout.root, path, ttl_s=ttl_s, wait_s=wait_s, refuse=refuse):
         yield
 
 
