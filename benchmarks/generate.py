@@ -109,7 +109,7 @@ def run_backend(name: str, label: str, model_dir: Path, prompts: list[list[int]]
 
     cfg = GenerateConfig(
         backend=name, max_new_tokens=args.max_new_tokens, max_prompt_tokens=args.max_prompt_tokens,
-        dtype=args.vllm_dtype if name == "vllm" else args.hf_dtype, vllm_kv_cache_gib=args.kv_cache_gib,
+        dtype=args.hf_dtype, vllm_dtype=args.vllm_dtype, vllm_kv_cache_gib=args.kv_cache_gib,
         batch_size=args.hf_batch_size,
     )
     spec = SamplingSpec(temperature=args.temperature, top_p=args.top_p, max_new_tokens=args.max_new_tokens)

@@ -62,14 +62,35 @@ class GenerateConfig(Section):
     # from the left so that the instruction at the end survives.
     overlong_prompt: Literal["skip", "truncate"] = "skip"
     batch_size: int = Field(16, ge=1)
+    # Precision of each backend's weights and activations, one field per backend: `dtype` is the HF
+    # backend's (fp32: its logprobs then equal the trainer's fp32 forward pass), `vllm_dtype` the vLLM
+    # engine's (bf16: the fast path on CPU and GPU, and what benchmarks/generate.py and ENVIRONMENT.md
+    # measured; "auto" takes vLLM's own choice for the checkpoint). A bf16 sampler is fine for RL: its
+    # logprobs are the behaviour policy, the trainer recomputes the old policy's in train.dtype, and the gap
+    # is recorded per run (`logprob_mismatch` in the rollouts manifest).
     dtype: Literal["float32", "bfloat16"] = "float32"
+    vllm_dtype: Literal["auto", "float32", "bfloat16"] = "bfloat16"
     vllm_kv_cache_gib: int = Field(2, ge=1)
     vllm_tensor_parallel_size: int = Field(1, ge=1)
+    # Only 1: vLLM's offline `LLM` (0.32) refuses data_parallel_size > 1 in one process (it needs one
+    # process per rank, started by vLLM's data-parallel launcher). Spread the engine over more devices with
+    # tensor parallelism instead. Rejected at config load, not minutes later at engine start.
     vllm_data_parallel_size: int = Field(1, ge=1)
     # After generating, the first `mismatch_samples` samples' logprobs are recomputed with the trainer's
     # forward pass (Hugging Face, train.dtype) and |sampler - trainer| per token is recorded in the rollouts
     # manifest (`logprob_mismatch`): the health figure importance-sampling correction relies on. 0: off.
     mismatch_samples: int = Field(8, ge=0)
+
+    @field_validator("vllm_data_parallel_size")
+    @classmethod
+    def _one_data_parallel_rank(cls, size: int) -> int:
+        if size != 1:
+            raise ValueError(
+                "must be 1: vLLM's offline LLM engine runs data parallelism only with one process per rank "
+                "(vLLM's multi-process launcher), which a generate stage does not start; "
+                "spread the engine over more devices with generate.vllm_tensor_parallel_size instead"
+            )
+        return size
 
 
 class ScoreConfig(Section):

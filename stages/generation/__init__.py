@@ -37,7 +37,8 @@ def make_backend(name: str, model_dir: Path, cfg: GenerateConfig) -> Backend:
     """Start the backend `name` on the model directory `model_dir`, configured by the generate section.
 
     The vLLM engine's context length fits `max_prompt_tokens + max_new_tokens` (see `context_length`): a
-    prompt the stage let through always fits with a full-length response.
+    prompt the stage let through always fits with a full-length response. The HF backend runs in
+    `cfg.dtype`, the vLLM engine in `cfg.vllm_dtype`.
     """
     resolved = resolve_backend_name(name)
     if resolved == "hf":
@@ -46,13 +47,12 @@ def make_backend(name: str, model_dir: Path, cfg: GenerateConfig) -> Backend:
         return HFBackend(Path(model_dir), dtype=cfg.dtype, batch_size=cfg.batch_size)
     from stages.generation.vllm_backend import VLLMBackend, context_length
 
-    # vLLM on CPU is fastest in bf16 while training wants fp32: a `vllm_dtype` field, where the config has
-    # one, sets the engine's precision apart from `dtype`.
+    # Each backend has its own precision field (schemas/config.py): vLLM runs in `vllm_dtype` (bf16 by
+    # default, its fast path), HF in `dtype`. Data parallelism is not passed: the config admits only 1.
     return VLLMBackend(
         Path(model_dir),
-        dtype=getattr(cfg, "vllm_dtype", None) or cfg.dtype,
+        dtype=cfg.vllm_dtype,
         max_model_len=context_length(cfg.max_prompt_tokens, cfg.max_new_tokens),
         kv_cache_gib=cfg.vllm_kv_cache_gib,
         tensor_parallel_size=cfg.vllm_tensor_parallel_size,
-        data_parallel_size=cfg.vllm_data_parallel_size,
     )

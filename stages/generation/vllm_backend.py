@@ -189,12 +189,10 @@ class VLLMBackend:
         max_model_len: int = MIN_CONTEXT_TOKENS,
         kv_cache_gib: int = 2,
         tensor_parallel_size: int = 1,
-        data_parallel_size: int = 1,
         window: int = DEFAULT_WINDOW,
     ) -> None:
-        if data_parallel_size != 1:
-            # vllm.LLM refuses data parallelism in one process; it needs vLLM's multi-process launcher.
-            raise ValueError("vllm_data_parallel_size > 1 is not supported by the offline backend; use 1")
+        # No data parallelism: vllm.LLM refuses it in one process (it needs vLLM's multi-process launcher),
+        # so the config admits only generate.vllm_data_parallel_size=1 (schemas/config.py).
         started = time.monotonic()
         configure_cpu_environment(kv_cache_gib, tensor_parallel_size)
         from vllm import LLM

@@ -43,8 +43,8 @@ def engine(model_dir: Path):  # noqa: ANN201 - a VLLMBackend
 
     if not vllm_available():
         pytest.skip("vllm does not import (see ENVIRONMENT.md: remove torchvision/torchaudio/torchcodec)")
-    # The generate stage's defaults except bf16 (the CPU's fast path), so the compile cache is shared.
-    backend = make_backend("vllm", model_dir, GenerateConfig(backend="vllm", dtype="bfloat16", vllm_kv_cache_gib=1))
+    # The generate stage's engine settings (bf16, the default vllm_dtype), so the compile cache is shared.
+    backend = make_backend("vllm", model_dir, GenerateConfig(backend="vllm", vllm_kv_cache_gib=1))
     yield backend
     backend.close()
 

@@ -1,0 +1,69 @@
+"""The generate section's backend settings reach the backend they belong to, without starting an engine.
+
+`dtype` is the HF backend's precision and `vllm_dtype` the vLLM engine's (bf16 by default, what was measured);
+`vllm_data_parallel_size` other than 1 is refused when the config loads, naming the field, because vLLM's
+offline engine cannot run it in one process and would otherwise fail minutes later, at engine start.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from schemas.config import ConfigError, GenerateConfig, load_config
+
+
+class RecordingBackend:
+    """Stands in for a backend class: records the arguments it was started with."""
+
+    started: list[dict[str, Any]] = []
+
+    def __init__(self, model_dir: Path, **kwargs: Any) -> None:
+        RecordingBackend.started.append({"model_dir": model_dir, **kwargs})
+
+
+@pytest.fixture
+def recorded(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, Any]]:
+    import stages.generation.hf_backend as hf_backend
+    import stages.generation.vllm_backend as vllm_backend
+
+    RecordingBackend.started = []
+    monkeypatch.setattr(vllm_backend, "VLLMBackend", RecordingBackend)
+    monkeypatch.setattr(hf_backend, "HFBackend", RecordingBackend)
+    return RecordingBackend.started
+
+
+def test_defaults_are_fp32_for_hf_and_bf16_for_vllm() -> None:
+    cfg = GenerateConfig()
+    assert (cfg.dtype, cfg.vllm_dtype, cfg.vllm_data_parallel_size) == ("float32", "bfloat16", 1)
+
+
+def test_each_backend_gets_its_own_dtype(recorded: list[dict[str, Any]]) -> None:
+    from stages.generation import make_backend
+
+    cfg = GenerateConfig(dtype="float32", vllm_dtype="bfloat16", max_prompt_tokens=3000, max_new_tokens=100,
+                         vllm_kv_cache_gib=3, vllm_tensor_parallel_size=2, batch_size=5)
+    make_backend("vllm", Path("/m"), cfg)
+    make_backend("hf", Path("/m"), cfg)
+    assert recorded == [
+        {"model_dir": Path("/m"), "dtype": "bfloat16", "max_model_len": 3100, "kv_cache_gib": 3,
+         "tensor_parallel_size": 2},
+        {"model_dir": Path("/m"), "dtype": "float32", "batch_size": 5},
+    ]
+    make_backend("vllm", Path("/m"), GenerateConfig(vllm_dtype="auto", dtype="bfloat16"))
+    assert recorded[-1]["dtype"] == "auto"  # vLLM's own choice; `dtype` does not leak into the engine
+
+
+def test_data_parallel_above_one_is_refused_at_load_naming_the_field() -> None:
+    with pytest.raises(ConfigError) as error:
+        load_config(None, ["generate.vllm_data_parallel_size=2"])
+    message = str(error.value)
+    assert "generate.vllm_data_parallel_size" in message
+    assert "must be 1" in message and "vllm_tensor_parallel_size" in message and "(got 2)" in message
+
+
+def test_unknown_vllm_dtype_names_the_field() -> None:
+    with pytest.raises(ConfigError, match=r"generate\.vllm_dtype"):
+        load_config(None, ["generate.vllm_dtype=float16"])
