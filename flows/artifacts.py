@@ -21,11 +21,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import pyarrow as pa
 import pyarrow.compute as pc
 
 from schemas.config import RunConfig
 from schemas.tables import TABLES
-from stages.registry import ITERATION_STAGES, STAGES, stage_state
+from stages.registry import ITERATION_STAGES, STAGES, round_inputs, stage_state
 from storage.fs import is_remote
 from storage.layout import RunLayout
 from storage.tables import read_table
@@ -56,8 +57,17 @@ def _flatten(prefix: str, value: Any, depth: int = 0) -> list[tuple[str, float]]
     return []
 
 
-def _table_summaries(layout: RunLayout, iteration: int) -> list[tuple[str, str, float]]:
-    """A few numbers read from the tables themselves: mean reward, kept rows, last loss."""
+def _table_paths(layout: RunLayout, config: RunConfig, table: str, iteration: int) -> list[str]:
+    """Where `table` of `iteration` lives: one file, or, for the per-round tables (rollouts, scores), round 0
+    and every complete dynamic-sampling round (the rounds the batch is built from)."""
+    extra = round_inputs(layout.fs, layout, config, STAGES["advantage"], iteration)
+    rounds = [output.round_idx for output in extra.values() if output.name == table]
+    return [layout.table_path(table, iteration, r) for r in [0, *rounds]]
+
+
+def _table_summaries(layout: RunLayout, config: RunConfig, iteration: int) -> list[tuple[str, str, float]]:
+    """A few numbers read from the tables themselves: mean reward (over every generation round), kept rows,
+    last loss."""
 
     def mean(column: str) -> Callable[[Any], float]:
         return lambda t: pc.mean(t[column]).as_py()
@@ -71,9 +81,9 @@ def _table_summaries(layout: RunLayout, iteration: int) -> list[tuple[str, str, 
     ]
     rows = []
     for stage, table, name, compute in wanted:
-        path = layout.table_path(table, iteration)
         try:
-            value = compute(read_table(layout.fs, path, TABLES[table]))
+            paths = _table_paths(layout, config, table, iteration)
+            value = compute(pa.concat_tables(read_table(layout.fs, path, TABLES[table]) for path in paths))
         except Exception as error:  # noqa: BLE001 - a summary that cannot be computed is left out, not fatal
             log.info("metric %s.%s left out: %s", stage, name, error)
             continue
@@ -97,7 +107,7 @@ def iteration_metrics(layout: RunLayout, config: RunConfig, iteration: int) -> l
                 rows.append({"stage": stage, "metric": f"{Path(manifest.path).name}.rows", "value": manifest.rows})
             for name, value in _flatten("", manifest.metrics):
                 rows.append({"stage": stage, "metric": name.lstrip("."), "value": round(value, 6)})
-    for stage, name, value in _table_summaries(layout, iteration):
+    for stage, name, value in _table_summaries(layout, config, iteration):
         rows.append({"stage": stage, "metric": name, "value": round(value, 6)})
     return status + rows[: MAX_METRIC_ROWS - len(status)]
 

@@ -133,7 +133,7 @@ def cmd_stage(args: argparse.Namespace) -> int:
     from stages.common import main as stage_main
 
     argv = ["--run", args.run, "--iter", str(args.iter), "--round", str(args.round)]
-    argv += ["--root", args.root] if args.root else []
+    argv += ["--root", _root(args)]  # the same default root as run, resume and status
     return stage_main(args.name, module.run, argv)
 
 

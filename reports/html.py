@@ -110,10 +110,13 @@ def collect(catalog: Catalog, run_id: str, config: RunConfig | None) -> ReportDa
         "SELECT iteration, status, count(*) AS n FROM scores WHERE run_id = $run GROUP BY ALL ORDER BY ALL", run
     ):
         data.statuses.setdefault(row["iteration"], {})[row["status"]] = row["n"]
-    # A stage's seconds are recorded in each of its outputs' manifests (train has two): one value per stage.
+    # A stage's seconds are recorded in each of its outputs' manifests (train has two): one value per stage
+    # instance, and the instances of one iteration (dynamic-sampling rounds of generate and score) add up.
     for row in catalog.rows(
-        """SELECT iter, stage, max(seconds) AS seconds FROM manifests
-           WHERE run_id = $run AND stage IS NOT NULL GROUP BY ALL ORDER BY ALL""", run
+        """SELECT iter, stage, sum(seconds) AS seconds FROM (
+               SELECT iter, round, stage, max(seconds) AS seconds FROM manifests
+               WHERE run_id = $run AND stage IS NOT NULL GROUP BY ALL)
+           GROUP BY ALL ORDER BY ALL""", run
     ):
         label = "run" if row["stage"] in RUN_STAGES or row["iter"] is None or row["iter"] < 0 else str(row["iter"])
         data.stage_seconds.setdefault(label, {})[row["stage"]] = row["seconds"]

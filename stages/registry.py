@@ -19,8 +19,8 @@ Dynamic sampling (advantage.target_groups) can ask for more generation rounds of
 and `score` are per-round stages: round r >= 1 is its own instance (own lease, own manifest) writing
 iter=k/round=RR/rollouts.parquet and scores.parquet, so nothing generated is lost and a crash redoes only
 the unfinished round. The stages that read every round (`advantage`: rollouts and scores, `train`:
-rollouts) take, besides round 0, each round r = 1, 2, ... for as long as `generate` round r is done for the
-current config and policy (`round_inputs`), as inputs named `rollouts@round=RR`. Their keys therefore
+rollouts) take, besides round 0, each round r = 1, 2, ... for as long as `generate` and `score` of round r
+are done for the current config and policy (`round_inputs`), as inputs named `rollouts@round=RR`. Their keys therefore
 change when a round is added, and a stale round (another policy) is never mixed in. Which rounds exist is
 decided by the flow (flows/pipeline.py): it adds a round while the batch manifest says `groups_needed`.
 """
@@ -155,16 +155,18 @@ def round_inputs(
     fs: fsspec.AbstractFileSystem, layout: RunLayout, config: RunConfig, spec: StageSpec, iteration: int
 ) -> dict[str, Output]:
     """The extra-round inputs of a stage that reads every round: `<table>@round=RR` for r = 1, 2, ... while
-    `generate` round r is done for the current config and policy (a round made by another policy is stale
-    and ends the sequence, so it is never mixed in)."""
+    round r is complete, i.e. both of its per-round stages (`generate` and `score`) are done for the current
+    config and policy. A round made by another policy is stale and ends the sequence, so it is never mixed
+    in; a round whose score did not finish (a crash between the two) is not an input yet, so the stages
+    downstream still run on the rounds before it and the flow's dynamic-sampling loop finishes that round."""
     extra: dict[str, Output] = {}
     if not spec.reads_rounds or config.advantage.target_groups is None:  # rounds are dynamic sampling's only
         return extra
-    generate = STAGES["generate"]
+    per_round = [s for s in STAGES.values() if s.per_round]
     round_idx = 1
-    while round_idx < config.advantage.max_generation_rounds and stage_state(
-        fs, layout, config, generate, iteration, round_idx
-    ).done:
+    while round_idx < config.advantage.max_generation_rounds and all(
+        stage_state(fs, layout, config, s, iteration, round_idx).done for s in per_round
+    ):
         for table in spec.reads_rounds:
             extra[f"{table}@{round_name(round_idx)}"] = Output(table, iteration, round_idx)
         round_idx += 1

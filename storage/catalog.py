@@ -37,7 +37,7 @@ from fsspec.implementations.local import LocalFileSystem
 
 from schemas.tables import TABLES
 from storage.fs import filesystem, is_remote, join, normalize_root
-from storage.layout import BASE
+from storage.layout import BASE, instance_name
 from storage.manifest import Manifest
 
 TABLE_VIEWS = ("prompts", "rollouts", "scores", "batch", "train_metrics", "eval")
@@ -75,10 +75,11 @@ class CatalogEntry:
 
     @property
     def where(self) -> str:
-        """The output's directory inside the run: "run" (run-level), "base" or "iter=NNNN"."""
+        """The output's directory inside the run: "run" (run-level), "base", "iter=NNNN" or
+        "iter=NNNN/round=RR" (an extra generation round)."""
         if self.iteration is None:
             return "run"
-        return "base" if self.iteration == BASE else f"iter={self.iteration:04d}"
+        return instance_name(self.iteration, self.round_idx)
 
 
 @dataclass(frozen=True)
@@ -285,6 +286,7 @@ def _manifest_rows(entries: list[CatalogEntry]) -> pa.Table:
         rows.append({
             "run_id": entry.run_id,
             "iter": entry.iteration,
+            "round": entry.round_idx,
             "name": entry.name,
             "checkpoint": entry.where if entry.name == "checkpoint" else None,
             "stage": m.stage,
@@ -310,7 +312,8 @@ def _manifest_rows(entries: list[CatalogEntry]) -> pa.Table:
             "metrics": json.dumps({k: v for k, v in m.metrics.items() if k != "files"}, sort_keys=True, default=str),
         })
     schema = pa.schema([
-        ("run_id", pa.string()), ("iter", pa.int32()), ("name", pa.string()), ("checkpoint", pa.string()),
+        ("run_id", pa.string()), ("iter", pa.int32()), ("round", pa.int32()), ("name", pa.string()),
+        ("checkpoint", pa.string()),
         ("stage", pa.string()), ("kind", pa.string()), ("url", pa.string()), ("recorded_path", pa.string()),
         ("sha256", pa.string()), ("bytes", pa.int64()), ("rows", pa.int64()), ("schema", pa.string()),
         ("key", pa.string()), ("inputs", pa.string()), ("input_batch", pa.string()), ("input_policy", pa.string()),

@@ -65,7 +65,7 @@ def test_the_row_limit_cuts_details_never_a_stage_status(tmp_path: Path, monkeyp
     config = load_config(None, ["run_id=r"])
     layout = start_run(config, str(tmp_path))
     many = [("train", f"m{i}", float(i)) for i in range(500)]
-    monkeypatch.setattr(flows.artifacts, "_table_summaries", lambda layout, iteration: many)
+    monkeypatch.setattr(flows.artifacts, "_table_summaries", lambda layout, config, iteration: many)
     rows = iteration_metrics(layout, config, 0)
     assert len(rows) == flows.artifacts.MAX_METRIC_ROWS
     assert [row["stage"] for row in rows if row["metric"] == "status"] == list(ITERATION_STAGES)

@@ -28,7 +28,7 @@ PROMPTS_PER_ITERATION, N_SAMPLES, ITERATIONS = 2, 4, 2
 
 
 def rlpipe(root: Path, *args: str, **kwargs) -> subprocess.CompletedProcess:  # noqa: ANN003
-    env = {**os.environ, "RLPIPE_ROOT": str(root)}
+    env = {**os.environ, "RLPIPE_ROOT": str(root), "COLUMNS": "200"}
     return subprocess.run(
         [sys.executable, "-m", "flows.cli", *args], env=env, capture_output=True, text=True, timeout=1500, **kwargs
     )
@@ -97,6 +97,11 @@ def test_run_finishes_and_is_traceable(finished_run: Path) -> None:
     last_eval = json.loads((run_dir / "iter=0001" / "eval.parquet.manifest.json").read_text())
     for manifest in (base_eval, last_eval):
         assert 0.0 <= manifest["metrics"]["humaneval"]["pass@1"] <= 1.0
+    # ... and `rlpipe status` shows them side by side.
+    held_out = status.stdout[status.stdout.index("held-out evaluation"):]
+    for label, manifest in (("base", base_eval), ("iter 1", last_eval)):
+        line = next(line for line in held_out.splitlines() if f" {label} " in line)
+        assert f"{manifest['metrics']['humaneval']['pass@1']:.3f}" in line, line
     # Sampler logprobs are real log-probabilities.
     assert all(lp <= 0.0 for r in rollouts_0 for lp in r["response_logprobs"])
     assert all(len(r["response_logprobs"]) == len(r["response_token_ids"]) == r["num_tokens"] for r in rollouts_0)

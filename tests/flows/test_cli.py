@@ -59,3 +59,17 @@ def test_existing_run_with_other_config_is_not_silently_changed(tmp_path: Path) 
     start_run(load_config(None, ["run_id=r"]), str(tmp_path))
     result = rlpipe(tmp_path, "run", "--run-id", "r", "--set", "train.lr=0.5")
     assert result.returncode == 2 and "rlpipe resume r --set" in result.stdout.replace("\n", " ")
+
+
+def test_stage_command_uses_the_default_root_like_run_and_status(tmp_path: Path) -> None:
+    """`rlpipe stage` with neither --root nor $RLPIPE_ROOT finds the run where `rlpipe run` put it
+    (./rlpipe-data), as the README's example does after `make run`."""
+    from flows.cli import DEFAULT_ROOT, start_run
+    from schemas.config import load_config
+
+    start_run(load_config(None, ["run_id=here"]), str(tmp_path / DEFAULT_ROOT))
+    env = {k: v for k, v in os.environ.items() if k != "RLPIPE_ROOT"}
+    result = subprocess.run([sys.executable, "-m", "flows.cli", "stage", "prompts", "--run", "here"], env=env,
+                            cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    assert (tmp_path / "rlpipe-data" / "runs" / "here" / "prompts.parquet.manifest.json").exists()

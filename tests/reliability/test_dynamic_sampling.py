@@ -14,8 +14,10 @@ from pathlib import Path
 import pyarrow as pa
 import pytest
 
+from flows.artifacts import iteration_metrics
 from flows.cli import start_run
 from flows.execute import StageOutcome, dynamic_sampling_rounds
+from flows.status import extra_rounds
 from schemas.config import load_config
 from stages.common import StageContext, StageInputError, read_run_config, run_stage
 from stages.data import code_messages, code_tests_spec, prompt_id_of
@@ -23,6 +25,7 @@ from stages.generate import select_round_prompts
 from stages.registry import STAGES, round_inputs, stage_state
 from storage.catalog import open_catalog
 from storage.layout import BASE, RunLayout
+from storage.lineage import trace
 from storage.manifest import read_manifest
 
 from . import helpers as h
@@ -117,6 +120,10 @@ def expected_rounds(layout: RunLayout) -> tuple[int, list[list[str]]]:
 
 
 def test_extra_rounds_fill_the_batch_and_nothing_is_lost(tmp_path: Path) -> None:
+    """Proves: while the batch lacks kept groups, each extra round generates unused prompts into its own
+    tables (round 0 untouched), the batch is rebuilt over every round until it holds exactly
+    `target_groups` kept groups, history sees every round, train reads them all, and a resumed loop
+    does nothing."""
     layout = start(tmp_path)
     n_rounds, round_prompts = expected_rounds(layout)
     assert n_rounds >= 2, "the seed must make round 0 fall short, or this test tests nothing"
@@ -157,6 +164,13 @@ def test_extra_rounds_fill_the_batch_and_nothing_is_lost(tmp_path: Path) -> None
         counts = dict(catalog.sql("select round, count(*) from rollouts group by round order by round").fetchall())
     assert counts == {r: PER_ROUND * N_SAMPLES for r in range(n_rounds)}
 
+    # Status has a row per extra round; the Prefect metrics' mean reward covers every round.
+    assert extra_rounds(layout, config, 0) == list(range(1, n_rounds))
+    rewards = [r["reward"] for k in range(n_rounds)
+               for r in pa.parquet.read_table(layout.table_path("scores", 0, k)).to_pylist()]
+    metrics = {(m["stage"], m["metric"]): m["value"] for m in iteration_metrics(layout, config, 0)}
+    assert metrics[("score", "reward.mean")] == pytest.approx(sum(rewards) / len(rewards), abs=1e-6)
+
     # Train reads every round's rollouts; a resumed loop has nothing to do.
     run_stage("train", layout, 0, WORK["train"])
     ran.clear()
@@ -165,8 +179,17 @@ def test_extra_rounds_fill_the_batch_and_nothing_is_lost(tmp_path: Path) -> None
     for stage in ("advantage", "train"):
         assert stage_state(layout.fs, layout, config, STAGES[stage], 0).done, stage
 
+    # Lineage names every round's tables apart, and the catalog's manifests carry their round.
+    labels = [node.label for node in trace(str(tmp_path / "root"), "ds", 0).nodes]
+    assert len(labels) == len(set(labels)) and "iter=0000/round=01/rollouts" in labels
+    with open_catalog(layout.root) as catalog:
+        per_round = catalog.sql("select count(*) from manifests where round > 0").fetchall()[0][0]
+    assert per_round == 2 * (n_rounds - 1)  # rollouts and scores of each extra round
+
 
 def test_the_round_cap_fails_naming_it_and_train_refuses_a_short_batch(tmp_path: Path) -> None:
+    """Proves: past `max_generation_rounds` the loop ends with an error naming the cap, the batch already
+    written stays valid, the extra round's tables are kept, and train refuses a batch that is still short."""
     layout = start(tmp_path, "advantage.max_generation_rounds=2", f"advantage.target_groups={N_PROBLEMS}")
     with pytest.raises(StageInputError, match=r"still needs \d+ kept groups"):
         run_stage("train", layout, 0, h.real_stage("train"))
@@ -183,6 +206,7 @@ def test_the_round_cap_fails_naming_it_and_train_refuses_a_short_batch(tmp_path:
 
 
 def test_a_round_outside_dynamic_sampling_is_refused(tmp_path: Path) -> None:
+    """Proves: a round number beyond the cap, or a round of a stage that has none, is a config error."""
     layout = start(tmp_path)
     with pytest.raises(Exception, match=r"numbered 1\.\.3"):
         run_stage("generate", layout, 0, standin_generate, round_idx=4)
@@ -191,6 +215,8 @@ def test_a_round_outside_dynamic_sampling_is_refused(tmp_path: Path) -> None:
 
 
 def test_a_round_from_another_config_is_never_mixed_in(tmp_path: Path) -> None:
+    """Proves: rounds made under another generate config are not inputs of the batch (so it reruns), and
+    without dynamic sampling no round is read at all."""
     layout = start(tmp_path)
     config = read_run_config(layout)
     dynamic_sampling_rounds(layout, config, 0, run=in_process(layout, []), log=lambda *a: None)
@@ -204,3 +230,32 @@ def test_a_round_from_another_config_is_never_mixed_in(tmp_path: Path) -> None:
     # Without dynamic sampling the rounds are not read at all.
     plain = config.model_copy(update={"advantage": config.advantage.model_copy(update={"target_groups": None})})
     assert round_inputs(layout.fs, layout, plain, advantage, 0) == {}
+
+
+def test_a_round_whose_score_did_not_finish_is_finished_on_resume(tmp_path: Path) -> None:
+    """Proves: a crash between an extra round's generate and its score (no scores manifest) leaves no stage
+    asking for the missing table: advantage reruns on the complete rounds, the loop scores the unfinished
+    round (its rollouts are not generated again), and the batch comes out as it was before the crash."""
+    layout = start(tmp_path)
+    config = read_run_config(layout)
+    dynamic_sampling_rounds(layout, config, 0, run=in_process(layout, []), log=lambda *a: None)
+    complete = batch_manifest(layout)
+    n_rounds = complete.metrics["rounds"]
+    rollouts_r1 = read_manifest(layout.fs, layout.table_path("rollouts", 0, 1) + ".manifest.json")
+    # The crash: round 1's score output never got its manifest (the table itself may or may not be there).
+    layout.fs.rm(layout.table_path("scores", 0, 1) + ".manifest.json")
+
+    advantage = STAGES["advantage"]
+    assert "scores@round=01" not in round_inputs(layout.fs, layout, config, advantage, 0)
+    state = stage_state(layout.fs, layout, config, advantage, 0)
+    assert not state.done and state.reason != "inputs missing"
+
+    ran: list[tuple[str, int]] = []
+    run = in_process(layout, ran)
+    run("advantage", 0)  # what the iteration flow runs first
+    dynamic_sampling_rounds(layout, config, 0, run=run, log=lambda *a: None)
+    assert ran == [("advantage", 0), ("score", 1), ("advantage", 0)]
+    after = batch_manifest(layout)
+    assert after.metrics["rounds"] == n_rounds and after.metrics["groups_needed"] == 0
+    assert after.sha256 == complete.sha256  # (its key differs: the rescored table has other sandbox timings)
+    assert read_manifest(layout.fs, layout.table_path("rollouts", 0, 1) + ".manifest.json").sha256 == rollouts_r1.sha256
