@@ -2,11 +2,14 @@
 
 With the same batch, the data-parallel ZeRO update must produce the same loss and (to float rounding) the
 same weights as one plain torch process: each rank holds part of the minibatch's loss sum. Through the
-train stage, a second iteration resumes DeepSpeed's optimizer state from the first one's checkpoint.
+train stage, a second iteration resumes DeepSpeed's optimizer state from the first one's checkpoint, and
+two processes write the torch backend's checkpoint format with the torch backend's losses.
 """
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -18,6 +21,7 @@ from safetensors.torch import load_file
 from schemas.config import TrainConfig
 from stages.rl.deepspeed_backend import launch
 from stages.rl.session import TrainJob, run_job
+from storage.layout import RunLayout
 
 from .pipeline_helpers import run_iteration, save_tiny_model
 
@@ -85,3 +89,77 @@ def test_train_stage_with_deepspeed_backend_resumes(run_layout):
     assert manifest_1.metrics["optimizer_resumed"] is True
     rows = pq.read_table(Path(layout.table_path("train_metrics", 1))).to_pylist()
     assert rows[0]["step"] == 1 and rows[0]["grad_norm"] > 0
+
+
+def _checkpoint_files(directory: Path) -> set[str]:
+    """Every file of a checkpoint directory as a relative path, without the hash cache (hidden files)."""
+    return {
+        p.relative_to(directory).as_posix()
+        for p in directory.rglob("*")
+        if p.is_file() and not any(part.startswith(".") for part in p.relative_to(directory).parts)
+    }
+
+
+@pytest.mark.timeout(900)
+def test_train_stage_with_two_deepspeed_processes_matches_the_torch_backend(
+    run_layout: tuple[Callable[..., RunLayout], Path],
+):
+    """Proves: the train stage with `train.backend=deepspeed`, `train.processes=2`, ZeRO-2 (the launcher, two
+    gloo ranks) publishes a checkpoint in the torch backend's format (same files, except that the optimizer
+    state is DeepSpeed's per-rank checkpoint in `deepspeed/` instead of `optimizer.pt`), listed file by file
+    in its manifest, which transformers loads; its weights moved away from the base model, and its
+    train_metrics rows (one per step, finite) match the torch backend's on the same batch to float rounding
+    (the tolerances of test_two_processes_match_plain_torch: each rank holds part of the loss sum).
+    """
+    make, model_dir = run_layout
+    # Two off-policy minibatches, packed into several micro-batches so that both ranks have real work.
+    common = ("train.minibatches=2", "train.micro_batch_tokens=32")
+    torch_layout = make("run_id=torch", *common)
+    ds_layout = make("run_id=ds", "train.backend=deepspeed", "train.processes=2", "train.zero_stage=2", *common)
+    # fake_generate draws from the iteration's seed: both runs train on the same samples and advantages
+    _, torch_checkpoint, torch_manifest = run_iteration(torch_layout, 0)
+    _, checkpoint, manifest = run_iteration(ds_layout, 0)
+    assert torch_manifest.metrics["backend"] == "torch"
+    assert manifest.metrics["backend"] == "deepspeed"
+    assert (manifest.metrics["processes"], manifest.metrics["zero_stage"], manifest.metrics["steps"]) == (2, 2, 2)
+    assert manifest.metrics["optimizer_resumed"] is False and manifest.metrics["skipped"] is False
+
+    # The same checkpoint format: only the optimizer state is the backend's own.
+    torch_dir, ds_dir = Path(torch_checkpoint.path), Path(checkpoint.path)
+    torch_files, ds_files = _checkpoint_files(torch_dir), _checkpoint_files(ds_dir)
+    optimizer_files = {f for f in ds_files if f.startswith("deepspeed/")}
+    assert {"model.safetensors", "config.json", "tokenizer_config.json", "trainer_state.json", "manifest.json"} <= (
+        ds_files
+    )
+    assert torch_files - {"optimizer.pt"} == ds_files - optimizer_files
+    assert "deepspeed/deepspeed_meta.json" in optimizer_files
+    # ZeRO-2 partitions the optimizer state: one shard per rank
+    assert len([f for f in optimizer_files if f.endswith("optim_states.pt")]) == 2
+    assert set(checkpoint.files) == ds_files - {"manifest.json"}  # every file is hashed in the manifest
+    state = (ds_dir / "trainer_state.json").read_text()
+    assert state == (torch_dir / "trainer_state.json").read_text()
+
+    from transformers import AutoModelForCausalLM
+
+    loaded = AutoModelForCausalLM.from_pretrained(ds_dir).state_dict()
+    weights = load_file(ds_dir / "model.safetensors")
+    for key, value in weights.items():
+        torch.testing.assert_close(loaded[key], value, rtol=0, atol=0)
+    before = load_file(model_dir / "model.safetensors")
+    assert before.keys() == weights.keys()
+    assert any(not torch.equal(before[k], weights[k]) for k in before)
+    expected = load_file(torch_dir / "model.safetensors")
+    for key in expected:
+        torch.testing.assert_close(weights[key], expected[key], rtol=1e-4, atol=1e-5)
+
+    torch_rows = pq.read_table(Path(torch_layout.table_path("train_metrics", 0))).to_pylist()
+    rows = pq.read_table(Path(ds_layout.table_path("train_metrics", 0))).to_pylist()
+    assert [r["step"] for r in rows] == [0, 1] and not any(r["skipped"] for r in rows)
+    for row in rows:
+        numbers = {k: v for k, v in row.items() if isinstance(v, float)}
+        assert all(math.isfinite(v) for v in numbers.values()), numbers
+        assert row["grad_norm"] > 0 and row["loss_tokens"] > 0
+    for a, b in zip(torch_rows, rows, strict=True):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-4, abs=1e-6)
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-3)
+        assert (b["tokens"], b["loss_tokens"], b["sequences"]) == (a["tokens"], a["loss_tokens"], a["sequences"])
