@@ -20,7 +20,8 @@ import shutil
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -96,12 +97,25 @@ class StageContext:
     def run_id(self) -> str:
         return self.layout.run_id
 
+    @contextmanager
+    def harness_time(self, what: str) -> Iterator[None]:
+        """Add the block's wall time to `metrics["harness"]["<what>_seconds"]` (every output's manifest gets
+        it): the harness's own work (reading and writing tables and checkpoints, contract validation), which
+        benchmarks/overhead.py separates from the model and sandbox work of the stage."""
+        started = time.monotonic()
+        try:
+            yield
+        finally:
+            harness = self.metrics.setdefault("harness", {})
+            harness[f"{what}_seconds"] = round(harness.get(f"{what}_seconds", 0.0) + time.monotonic() - started, 4)
+
     def read_input(self, name: str) -> pa.Table:
         """An input table by its input name ("prompts", "rollouts", ...), checked against its schema."""
         manifest = self.inputs[name]
         spec = TABLES[self.sources[name].name]
         try:
-            return read_table(self.fs, manifest.path, spec)
+            with self.harness_time("read"):
+                return read_table(self.fs, manifest.path, spec)
         except (TableVersionError, SchemaMismatch) as error:
             raise StageInputError(str(error)) from None
 
@@ -119,6 +133,10 @@ class StageContext:
         manifest = self.inputs[name]
         if manifest.kind != "checkpoint":
             raise TypeError(f"input {name} is a {manifest.kind}, not a checkpoint")
+        with self.harness_time("read"):
+            return self._policy_dir(manifest)
+
+    def _policy_dir(self, manifest: Manifest) -> Path:
         if manifest.metrics.get("local_path"):  # the base model: resolved on this machine, then verified
             from stages.models import resolve_model
 
@@ -171,18 +189,20 @@ class StageContext:
         output = self.output(name)
         spec = TABLES[name]
         path = output.path(self.layout)
-        table = conform(table, spec, path)
-        contract = validate_table(name, table, self.config)
-        self.claim_outputs()
-        atomic_write_bytes(self.fs, validation_path(path), contract.to_json())
-        if (html := contract.to_html()) is not None:
-            atomic_write_bytes(self.fs, validation_path(path, "html"), html.encode())
+        with self.harness_time("validate"):
+            table = conform(table, spec, path)
+            contract = validate_table(name, table, self.config)
+            self.claim_outputs()
+            atomic_write_bytes(self.fs, validation_path(path), contract.to_json())
+            if (html := contract.to_html()) is not None:
+                atomic_write_bytes(self.fs, validation_path(path, "html"), html.encode())
         if not contract.success:
             write_table(self.fs, rejected_path(path), table, spec)
             raise ContractViolation(path, contract, kept_at=rejected_path(path))
         if self.fs.exists(rejected_path(path)):
             self.fs.rm_file(rejected_path(path))
-        written = write_table(self.fs, path, table, spec)
+        with self.harness_time("write"):
+            written = write_table(self.fs, path, table, spec)
         contract_metrics = {"contract": {"expectations": contract.evaluated, "seconds": round(contract.seconds, 3)}}
         manifest = self._manifest(
             output, path=written.path, sha256=written.sha256, bytes=written.bytes, rows=written.rows,
@@ -195,6 +215,15 @@ class StageContext:
         """Publish a finished local checkpoint directory as this stage's checkpoint output."""
         output = self.output("checkpoint")
         destination = output.path(self.layout)
+        with self.harness_time("write"):
+            digest, files, total = self._publish_checkpoint(local_dir, destination)
+        manifest = self._manifest(
+            output, path=destination, sha256=digest, bytes=total, files=files, metrics=dict(metrics or {})
+        )
+        self.written.append((output, manifest))
+        return manifest
+
+    def _publish_checkpoint(self, local_dir: Path, destination: str) -> tuple[str, dict[str, Any], int]:
         digest, files, total = checkpoint_digest(local_dir)
         self.claim_outputs()
         if not is_remote(self.layout.root) and Path(destination).resolve() != local_dir.resolve():
@@ -207,11 +236,7 @@ class StageContext:
             publish_checkpoint(self.fs, local_dir, destination)
             if local_dir in self.scratch:  # uploaded: the local copy was only a staging area
                 shutil.rmtree(local_dir, ignore_errors=True)
-        manifest = self._manifest(
-            output, path=destination, sha256=digest, bytes=total, files=files, metrics=dict(metrics or {})
-        )
-        self.written.append((output, manifest))
-        return manifest
+        return digest, files, total
 
     def record_external_checkpoint(self, path: str, sha256: str, total_bytes: int, metrics: dict[str, Any]) -> None:
         """Record a checkpoint that lives outside the run (the base model) without copying it.

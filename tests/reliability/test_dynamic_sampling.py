@@ -140,6 +140,7 @@ def test_extra_rounds_fill_the_batch_and_nothing_is_lost(tmp_path: Path) -> None
     batch = batch_manifest(layout)
     assert batch.metrics["groups_needed"] == 0 and batch.metrics["rounds"] == n_rounds
     assert batch.metrics["groups_kept"] == TARGET
+    assert {"read_seconds", "validate_seconds", "write_seconds"} <= set(batch.metrics["harness"])
     # Each extra round is its own table beside round 0, which is untouched; the batch names them all.
     for r in range(1, n_rounds):
         path = layout.table_path("rollouts", 0, r)

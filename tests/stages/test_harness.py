@@ -1,6 +1,7 @@
 """The stage harness and the done-check: what makes resume correct, tested without a model."""
 
 import json
+import time
 from pathlib import Path
 
 import pyarrow as pa
@@ -79,3 +80,15 @@ def test_stage_that_forgets_an_output_fails(layout: RunLayout) -> None:
 def test_downstream_needs_upstream(layout: RunLayout) -> None:
     config = load_config(None, ["run_id=t"])
     assert stage_state(layout.fs, layout, config, STAGES["score"], 0).reason == "missing"
+
+
+def test_manifest_times_the_harness_apart_from_the_stage_work(layout: RunLayout) -> None:
+    """The harness's own work (reading inputs, validating and writing outputs) is timed into every output's
+    manifest, so benchmarks/overhead.py can tell it from model and sandbox work; a sleep in the stage body
+    counts toward the stage's seconds and not toward the harness. (Reading is timed too: a stage with
+    inputs, tests/reliability/test_dynamic_sampling.py.)"""
+    [manifest] = run_stage("prompts", layout, BASE, lambda ctx: (time.sleep(0.3), write_prompts(ctx)))
+    harness = manifest.metrics["harness"]
+    assert set(harness) == {"validate_seconds", "write_seconds"}
+    assert all(seconds > 0 for seconds in harness.values())
+    assert manifest.seconds >= 0.3 + sum(harness.values()) - 1e-3
