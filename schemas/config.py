@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from storage.layout import check_run_id
 
@@ -199,6 +199,8 @@ class TrainConfig(Section):
     rejection_ratio_low: float = Field(0.5, gt=0)
     rejection_ratio_high: float = Field(2.0, gt=0)
     rejection_divergence_max: float = Field(2.0, gt=0)
+    # Bypass takes the sampler's logprobs as pi_old, so pi_old / pi_sampler = 1 and there is nothing for
+    # importance weights or rejection to correct: combining them is refused at config load.
     bypass_old_logprobs: bool = False
     max_grad_norm: float = Field(1.0, gt=0)
     # float32, or bfloat16 autocast (weights and optimizer state stay float32).
@@ -218,6 +220,16 @@ class TrainConfig(Section):
     zero_stage: int = Field(1, ge=0, le=3)
     save_optimizer: bool = True
     seed: int = 0
+
+    @model_validator(mode="after")
+    def _bypass_has_no_correction(self) -> TrainConfig:
+        if self.bypass_old_logprobs and (self.rejection or self.is_level != "none"):
+            raise ValueError(
+                "train.bypass_old_logprobs with train.rejection / train.is_level: under bypass the sampler's "
+                "logprobs are the old policy, so pi_old / pi_sampler = 1 and rollout correction has nothing "
+                "to correct; set train.rejection=[] and train.is_level=none, or turn bypass off"
+            )
+        return self
 
 
 class EvaluateConfig(Section):

@@ -14,6 +14,7 @@ correction reweights or rejects by pi_old / pi_b; in bypass mode pi_old := pi_b.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Literal
 
@@ -281,3 +282,74 @@ def weight_stats(weights_BT: torch.Tensor, mask_BT: torch.Tensor) -> WeightStats
             return WeightStats(1.0, 1.0, 1.0, 1.0)
         ess = float(w_N.sum() ** 2 / (w_N.numel() * (w_N**2).sum()).clamp(min=1e-300))
         return WeightStats(float(w_N.mean()), float(w_N.min()), float(w_N.max()), ess)
+
+
+# --------------------------------------------------------------------------------------------------------
+# Per-step statistics (the train_metrics columns that describe clipping and rollout correction)
+
+# Sums over one micro-batch that add across micro-batches and ranks; w_min / w_max reduce by min / max.
+STEP_SUM_FIELDS = (
+    "clip_low", "clip_high", "clip_dual", "loss_tokens", "response_tokens", "rejected",
+    "w_sum", "w_sq_sum", "w_count",
+)  # fmt: skip
+
+
+def step_stat_sums(
+    policy_out: PolicyLossOutput,
+    keep_BT: torch.Tensor,
+    mask_BT: torch.Tensor,
+    ratio_logp_BT: torch.Tensor,
+    behaviour_logp_BT: torch.Tensor,
+) -> dict[str, float]:
+    """Additive statistics of one micro-batch, for `step_stat_metrics` (all detached floats).
+
+    With m the response mask, k the loss mask after rejection (k <= m), and
+    rho_t = exp(l_t), l_t = log(pi_ratio(t) / pi_b(t)) clamped like `log_ratio`, where pi_ratio is pi_old
+    (pi_theta in bypass mode, where pi_old := pi_b and the mismatch shows in the PPO ratio itself):
+      clip_low / clip_high / clip_dual = sum_t k_t * clipped_*_t      (the masks of PolicyLossOutput)
+      loss_tokens = sum_t k_t;  response_tokens = sum_t m_t;  rejected = sum_t (m_t - k_t)
+      w_sum = sum_t m_t rho_t;  w_sq_sum = sum_t m_t rho_t^2;  w_count = sum_t m_t
+      w_min / w_max = min / max of rho_t over m_t = 1 (+inf / -inf when there is none)
+    The ratio statistics are over every response token, rejected ones included, and are the raw ratios,
+    not the truncated weights `truncated_is_weights` applies: they describe the mismatch, not the correction.
+    """
+    with torch.no_grad():
+        keep_BT = keep_BT.to(policy_out.loss_BT.dtype)
+        mask_BT = mask_BT.to(keep_BT.dtype)
+        rho_N = torch.exp(log_ratio(ratio_logp_BT.detach(), behaviour_logp_BT))[mask_BT > 0].double()
+        return {
+            "clip_low": float((policy_out.clipped_low_BT * keep_BT).sum()),
+            "clip_high": float((policy_out.clipped_high_BT * keep_BT).sum()),
+            "clip_dual": float((policy_out.clipped_dual_BT * keep_BT).sum()),
+            "loss_tokens": float(keep_BT.sum()),
+            "response_tokens": float(mask_BT.sum()),
+            "rejected": float((mask_BT - keep_BT).sum()),
+            "w_sum": float(rho_N.sum()),
+            "w_sq_sum": float((rho_N**2).sum()),
+            "w_count": float(rho_N.numel()),
+            "w_min": float(rho_N.min()) if rho_N.numel() else math.inf,
+            "w_max": float(rho_N.max()) if rho_N.numel() else -math.inf,
+        }
+
+
+def step_stat_metrics(sums: dict[str, float]) -> dict[str, float]:
+    """The metrics row's clip, rejection and importance-ratio columns from `step_stat_sums` totals.
+
+      clip_frac_{low,high,dual} = clip_{low,high,dual} / max(loss_tokens, 1)     (fractions of loss tokens)
+      rejected_frac = rejected / max(response_tokens, 1)
+      is_ratio_mean = w_sum / w_count;  is_ratio_min = w_min;  is_ratio_max = w_max
+      is_ess = w_sum^2 / (w_count * w_sq_sum)   (Kong 1992, normalised: 1 when every ratio is equal)
+    With no ratio (w_count = 0) the ratio columns are 1, the value of a sampler that agrees exactly.
+    """
+    loss_tokens = max(sums["loss_tokens"], 1.0)
+    count = sums["w_count"]
+    return {
+        "clip_frac_low": sums["clip_low"] / loss_tokens,
+        "clip_frac_high": sums["clip_high"] / loss_tokens,
+        "clip_frac_dual": sums["clip_dual"] / loss_tokens,
+        "is_ratio_mean": sums["w_sum"] / count if count else 1.0,
+        "is_ratio_min": sums["w_min"] if count else 1.0,
+        "is_ratio_max": sums["w_max"] if count else 1.0,
+        "is_ess": sums["w_sum"] ** 2 / (count * sums["w_sq_sum"]) if count else 1.0,
+        "rejected_frac": sums["rejected"] / max(sums["response_tokens"], 1.0),
+    }

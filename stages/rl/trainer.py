@@ -36,10 +36,11 @@ from stages.rl.logprobs import MicroBatch, ResponseLogprobs, build_micro_batch, 
 from stages.rl.losses import (
     aggregate,
     kl_estimate,
-    log_ratio,
     ppo_clip_loss,
     reinforce_is_loss,
     rejection_mask,
+    step_stat_metrics,
+    step_stat_sums,
     truncated_is_weights,
 )
 
@@ -269,7 +270,10 @@ class PolicyTrainer:
     def _masks(
         self, old_BT: torch.Tensor, behaviour_BT: torch.Tensor, mask_BT: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(loss mask after rejection, truncated IS weights or None) from pi_old / pi_b."""
+        """(loss mask after rejection, truncated IS weights or None) from pi_old / pi_b.
+
+        Under bypass pi_old = pi_b, so there is nothing to correct; TrainConfig refuses bypass together with
+        rejection or is_level, so this early return drops no configured correction."""
         cfg = self.cfg
         if cfg.bypass_old_logprobs:
             return mask_BT, None
@@ -348,20 +352,15 @@ class PolicyTrainer:
                 sums["approx_kl_sum"] += weight * float(
                     (kl_estimate(old_BT, logp_BT.detach(), "k3") * keep_BT).sum()
                 )
-                sums["clip_low"] += weight * float((out.clipped_low_BT * keep_BT).sum())
-                sums["clip_high"] += weight * float((out.clipped_high_BT * keep_BT).sum())
-                sums["clip_dual"] += weight * float((out.clipped_dual_BT * keep_BT).sum())
-                sums["loss_tokens"] += weight * float(keep_BT.sum())
-                sums["response_tokens"] += weight * float(mask_BT.sum())
-                sums["rejected"] += weight * float((mask_BT - keep_BT).sum())
                 # sampler/trainer mismatch: pi_old / pi_b (pi_theta / pi_b in bypass mode, the PPO ratio)
                 base_BT = logp_BT.detach() if cfg.bypass_old_logprobs else old_BT
-                rho_N = torch.exp(log_ratio(base_BT, behaviour_BT))[mask_BT > 0].double()
-                if weight > 0 and rho_N.numel():
-                    sums["w_sum"] += float(rho_N.sum())
-                    sums["w_sq_sum"] += float((rho_N**2).sum())
-                    sums["w_count"] += float(rho_N.numel())
-                    w_min, w_max = min(w_min, float(rho_N.min())), max(w_max, float(rho_N.max()))
+                stats = step_stat_sums(out, keep_BT, mask_BT, base_BT, behaviour_BT)
+                for name in ("clip_low", "clip_high", "clip_dual", "loss_tokens", "response_tokens", "rejected"):
+                    sums[name] += weight * stats[name]
+                if weight > 0 and stats["w_count"]:
+                    for name in ("w_sum", "w_sq_sum", "w_count"):
+                        sums[name] += stats[name]
+                    w_min, w_max = min(w_min, stats["w_min"]), max(w_max, stats["w_max"])
                 sums["tokens"] += weight * micro.tokens
                 sums["padded_tokens"] += weight * micro.padded_tokens
 
@@ -373,24 +372,16 @@ class PolicyTrainer:
         w_min = float(self.stepper.all_reduce(torch.tensor([w_min], dtype=torch.float64), "min")[0])
         w_max = float(self.stepper.all_reduce(torch.tensor([w_max], dtype=torch.float64), "max")[0])
         loss_tokens = max(sums["loss_tokens"], 1.0)
-        count = sums["w_count"]
         return {
             "step": self.global_step - 1,
             "epoch": epoch,
             "skipped": False,
             "loss": sums["loss"],
             "policy_loss": sums["policy_loss"],
-            "clip_frac_low": sums["clip_low"] / loss_tokens,
-            "clip_frac_high": sums["clip_high"] / loss_tokens,
-            "clip_frac_dual": sums["clip_dual"] / loss_tokens,
             "approx_kl": sums["approx_kl_sum"] / loss_tokens,
             "kl_ref": sums["kl_ref_sum"] / loss_tokens if ref is not None else 0.0,
             "entropy": sums["entropy_sum"] / loss_tokens,
-            "is_ratio_mean": sums["w_sum"] / count if count else 1.0,
-            "is_ratio_min": w_min if count else 1.0,
-            "is_ratio_max": w_max if count else 1.0,
-            "is_ess": sums["w_sum"] ** 2 / (count * sums["w_sq_sum"]) if count else 1.0,
-            "rejected_frac": sums["rejected"] / max(sums["response_tokens"], 1.0),
+            **step_stat_metrics({**sums, "w_min": w_min, "w_max": w_max}),
             "grad_norm": grad_norm,
             "lr": lr,
             "tokens": int(sums["tokens"]),

@@ -16,6 +16,8 @@ from stages.rl.losses import (
     ppo_clip_loss,
     reinforce_is_loss,
     rejection_mask,
+    step_stat_metrics,
+    step_stat_sums,
     truncated_is_weights,
     weight_stats,
 )
@@ -169,6 +171,186 @@ def test_rejection_modes():
     keep = rejection_mask(old, behaviour, mask, ["token_k1", "seq_max_k2"], 0.6, 1.6, divergence_max=0.1)
     assert keep.tolist() == [[0.0, 0.0, 0.0], [1.0, 1.0, 0.0]]
 
+
+def test_kl_k3_clamps_at_10():
+    # k3 = exp(-d) - 1 + d, clamped to <= 10 (verl's low_var_kl bound), on both sides of d = 0:
+    # d = -2.6: e^2.6 - 3.6 = 13.463738 - 3.6 = 9.863738 (below the bound, unchanged)
+    # d = -2.7: e^2.7 - 3.7 = 14.879732 - 3.7 = 11.179732 -> 10
+    # d = 10.5: e^-10.5 + 9.5 = 9.500028 (unchanged);  d = 11.5: e^-11.5 + 10.5 = 10.500010 -> 10
+    logp = t([[-2.6, -2.7, 10.5, 11.5]]).requires_grad_(True)
+    k3 = kl_k3(logp, torch.zeros_like(logp))
+    torch.testing.assert_close(k3, t([[9.863738, 10.0, 9.500028, 10.0]]), atol=1e-6, rtol=0)
+    # d k3 / d d = 1 - exp(-d) below the bound: 1 - e^2.6 = -12.463738, 1 - e^-10.5 = 0.999972;
+    # a clamped token gives no gradient
+    k3.sum().backward()
+    torch.testing.assert_close(logp.grad, t([[-12.463738, 0.0, 0.999972, 0.0]]), atol=1e-6, rtol=0)
+    # the estimator reached through kl_estimate is the clamped one
+    assert kl_estimate(t([[-3.0]]), t([[0.0]]), "k3").item() == 10.0  # unclamped: e^3 - 4 = 16.085537
+
+
+# The example of test_rejection_modes: l = log rho, row 0 rho = [2, 0.5, 1], row 1 rho = [1.2, 1.2, pad]
+#   k2 = l^2 / 2:       row 0 [0.240227, 0.240227, 0],  row 1 [0.016621, 0.016621]
+#   k3 = rho - 1 - l:   row 0 [2 - 1 - ln 2 = 0.306853, 0.5 - 1 + ln 2 = 0.193147, 0],
+#                       row 1 [0.2 - ln 1.2 = 0.017678, 0.017678]
+# The padding token holds a wild log-ratio (5) that must play no part.
+REJ_OLD = t([[LN(2.0), LN(0.5), 0.0], [LN(1.2), LN(1.2), 5.0]])
+REJ_BEHAVIOUR = torch.zeros_like(REJ_OLD)
+REJ_MASK = t([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
+
+
+@pytest.mark.parametrize(
+    ("mode", "divergence_max", "expected"),
+    [
+        # token_k2: 0.240227 > 0.2 rejects both ln 2 tokens; 0 and 0.016621 kept
+        ("token_k2", 0.2, [[0.0, 0.0, 1.0], [1.0, 1.0, 0.0]]),
+        # at 0.01 the 0.016621 tokens of row 1 go too
+        ("token_k2", 0.01, [[0.0, 0.0, 1.0], [0.0, 0.0, 0.0]]),
+        # seq_mean_k2: row 0 (0.240227 * 2 + 0) / 3 = 0.160151 > 0.1 -> rejected; row 1 0.016621 kept
+        ("seq_mean_k2", 0.1, [[0.0, 0.0, 0.0], [1.0, 1.0, 0.0]]),
+        # at 0.2 row 0's mean 0.160151 is kept (seq_max_k2 would reject it: max 0.240227)
+        ("seq_mean_k2", 0.2, [[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]]),
+        # the mean is over response tokens only: row 1 = 2 * 0.016621 / 2 = 0.016621 > 0.016 -> rejected
+        # (dividing by the padded width 3 would give 0.011080 and keep it)
+        ("seq_mean_k2", 0.016, [[0.0, 0.0, 0.0], [0.0, 0.0, 0.0]]),
+        # seq_mean_k3: row 0 (0.306853 + 0.193147 + 0) / 3 = 0.5 / 3 = 0.166667: kept at 0.17, not at 0.16
+        ("seq_mean_k3", 0.17, [[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]]),
+        ("seq_mean_k3", 0.16, [[0.0, 0.0, 0.0], [1.0, 1.0, 0.0]]),
+        # seq_max_k3: row 0 max 0.306853: kept at 0.31, rejected at 0.3 (where seq_mean_k3 keeps it)
+        ("seq_max_k3", 0.31, [[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]]),
+        ("seq_max_k3", 0.3, [[0.0, 0.0, 0.0], [1.0, 1.0, 0.0]]),
+        # row 1 max 0.017678 > 0.017 -> rejected as well
+        ("seq_max_k3", 0.017, [[0.0, 0.0, 0.0], [0.0, 0.0, 0.0]]),
+    ],
+)
+def test_rejection_divergence_modes(mode, divergence_max, expected):
+    keep = rejection_mask(REJ_OLD, REJ_BEHAVIOUR, REJ_MASK, [mode], divergence_max=divergence_max)
+    assert keep.tolist() == expected
+
+
+def test_rejection_k3_is_not_clamped_and_unknown_mode_fails():
+    # rejection's k3 has no clamp at 10 (that bound belongs to the KL penalty): rho = e^3 gives
+    # k3 = e^3 - 1 - 3 = 16.085537, rejected at 12 (a clamp at 10 would keep it)
+    keep = rejection_mask(t([[3.0]]), t([[0.0]]), t([[1.0]]), ["token_k3"], divergence_max=12.0)
+    assert keep.tolist() == [[0.0]]
+    keep = rejection_mask(t([[3.0]]), t([[0.0]]), t([[1.0]]), ["token_k3"], divergence_max=16.1)
+    assert keep.tolist() == [[1.0]]
+    with pytest.raises(ValueError, match="unknown rejection mode"):
+        rejection_mask(REJ_OLD, REJ_BEHAVIOUR, REJ_MASK, ["seq_max_k1"])  # type: ignore[list-item]
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Step statistics (the train_metrics columns clip_frac_*, rejected_frac, is_ratio_*, is_ess)
+#
+# pi_old logp 0 everywhere. r = pi_theta / pi_old: row 0 [1.5, 1.0, 1.4], row 1 [0.5, 1.3, pad];
+# A = +1 on row 0, -1 on row 1; eps_low = eps_high = 0.2.
+#   clipped_high: A > 0 and r > 1.2 -> row 0 tokens 0 and 2;  clipped_low: A < 0 and r < 0.8 -> row 1 token 0
+#   (row 1 token 1: A < 0, r = 1.3 takes the unclipped branch, max(1.3, 1.2): not a clip)
+# rho = pi_old / pi_b: row 0 [1, 1, 4], row 1 [0.5, 1, pad] (the sampler's pad holds a wild value, 9)
+# token_k1 rejection in [0.4, 3]: rejects row 0 token 2 (rho 4) -> keep [[1, 1, 0], [1, 1, 0]]
+STAT_LOGP = t([[LN(1.5), 0.0, LN(1.4)], [LN(0.5), LN(1.3), 0.0]])
+STAT_OLD = torch.zeros_like(STAT_LOGP)
+STAT_SAMPLER = t([[0.0, 0.0, -LN(4.0)], [LN(2.0), 0.0, 9.0]])
+STAT_ADV = t([[1.0, 1.0, 1.0], [-1.0, -1.0, -1.0]])
+STAT_MASK = t([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
+
+
+def test_step_stats_by_hand():
+    out = ppo_clip_loss(STAT_LOGP, STAT_OLD, STAT_ADV, clip_low=0.2, clip_high=0.2)
+    keep = rejection_mask(STAT_OLD, STAT_SAMPLER, STAT_MASK, ["token_k1"], ratio_low=0.4, ratio_high=3.0)
+    assert keep.tolist() == [[1.0, 1.0, 0.0], [1.0, 1.0, 0.0]]
+    sums = step_stat_sums(out, keep, STAT_MASK, STAT_OLD, STAT_SAMPLER)
+    # clip_high counts kept tokens only: row 0 token 0 (token 2 is clipped but rejected) -> 1
+    # loss_tokens 4, response_tokens 5, rejected 5 - 4 = 1
+    # ratios over all 5 response tokens (the rejected one too): [1, 1, 4, 0.5, 1]
+    #   w_sum = 7.5, w_sq_sum = 1 + 1 + 16 + 0.25 + 1 = 19.25, w_count = 5, min 0.5, max 4
+    assert sums == pytest.approx(
+        {
+            "clip_low": 1.0,
+            "clip_high": 1.0,
+            "clip_dual": 0.0,
+            "loss_tokens": 4.0,
+            "response_tokens": 5.0,
+            "rejected": 1.0,
+            "w_sum": 7.5,
+            "w_sq_sum": 19.25,
+            "w_count": 5.0,
+            "w_min": 0.5,
+            "w_max": 4.0,
+        }
+    )
+    # clip_frac_* = 1 / 4 = 0.25 of the loss tokens; rejected_frac = 1 / 5 = 0.2;
+    # is_ratio_mean = 7.5 / 5 = 1.5; is_ess = 7.5^2 / (5 * 19.25) = 56.25 / 96.25 = 45 / 77 = 0.584416
+    assert step_stat_metrics(sums) == pytest.approx(
+        {
+            "clip_frac_low": 0.25,
+            "clip_frac_high": 0.25,
+            "clip_frac_dual": 0.0,
+            "is_ratio_mean": 1.5,
+            "is_ratio_min": 0.5,
+            "is_ratio_max": 4.0,
+            "is_ess": 45 / 77,
+            "rejected_frac": 0.2,
+        }
+    )
+
+
+def test_step_stats_add_up_over_micro_batches_and_dual_clip():
+    # the two rows as two micro-batches: sums add, min/max combine -> the same metrics as the whole batch
+    out = ppo_clip_loss(STAT_LOGP, STAT_OLD, STAT_ADV, clip_low=0.2, clip_high=0.2, dual_clip=1.2)
+    keep = rejection_mask(STAT_OLD, STAT_SAMPLER, STAT_MASK, ["token_k1"], ratio_low=0.4, ratio_high=3.0)
+    whole = step_stat_sums(out, keep, STAT_MASK, STAT_OLD, STAT_SAMPLER)
+    # dual clip c = 1.2 for A < 0: row 1 token 1 has r = 1.3 > 1.2 -> 1 dual-clipped kept token; 1 / 4
+    assert whole["clip_dual"] == 1.0 and step_stat_metrics(whole)["clip_frac_dual"] == 0.25
+    rows = []
+    for i in range(2):
+        row_out = ppo_clip_loss(
+            STAT_LOGP[i : i + 1], STAT_OLD[i : i + 1], STAT_ADV[i : i + 1], 0.2, 0.2, dual_clip=1.2
+        )
+        rows.append(
+            step_stat_sums(row_out, keep[i : i + 1], STAT_MASK[i : i + 1], STAT_OLD[i : i + 1], STAT_SAMPLER[i : i + 1])
+        )
+    combined = {k: rows[0][k] + rows[1][k] for k in rows[0]}
+    combined["w_min"] = min(r["w_min"] for r in rows)
+    combined["w_max"] = max(r["w_max"] for r in rows)
+    assert step_stat_metrics(combined) == pytest.approx(step_stat_metrics(whole))
+
+
+def test_step_stats_with_nothing_to_count():
+    # no response token: ratios default to 1 (a sampler in exact agreement), fractions to 0
+    out = ppo_clip_loss(t([[0.0]]), t([[0.0]]), t([[1.0]]))
+    sums = step_stat_sums(out, t([[0.0]]), t([[0.0]]), t([[0.0]]), t([[0.0]]))
+    assert sums["w_count"] == 0 and sums["w_min"] == math.inf and sums["w_max"] == -math.inf
+    metrics = step_stat_metrics(sums)
+    assert metrics["is_ratio_min"] == metrics["is_ratio_max"] == metrics["is_ess"] == 1.0
+    assert metrics["clip_frac_low"] == metrics["rejected_frac"] == 0.0
+
+
+def test_bypass_takes_the_sampler_logprobs_as_old_policy():
+    # Bypass (train.bypass_old_logprobs): old_logp := the sampler's, so the PPO ratio is pi_theta / pi_b.
+    # Same example: pi_theta / pi_b = exp(STAT_LOGP - STAT_SAMPLER) = row 0 [1.5, 1, 1.4 * 4 = 5.6],
+    # row 1 [0.5 / 2 = 0.25, 1.3, pad]. With A = +1 / -1, eps 0.2:
+    #   row 0: max(-1.5, -1.2) = -1.2 (high clip), -1.0, max(-5.6, -1.2) = -1.2 (high clip)
+    #   row 1: max(0.25, 0.8) = 0.8 (low clip), max(1.3, 1.2) = 1.3
+    #   token-mean over the 5 response tokens: (-1.2 - 1 - 1.2 + 0.8 + 1.3) / 5 = -1.3 / 5 = -0.26
+    # Recomputing pi_old instead gives the ratios exp(STAT_LOGP - 0) (token 2: 1.4, not 5.6). With A = -1
+    # on row 0 that reaches the loss: bypass max(5.6, 1.2) = 5.6, recompute max(1.4, 1.2) = 1.4.
+    bypass = ppo_clip_loss(STAT_LOGP, STAT_SAMPLER, STAT_ADV)
+    torch.testing.assert_close(bypass.ratio_BT * STAT_MASK, t([[1.5, 1.0, 5.6], [0.25, 1.3, 0.0]]))
+    torch.testing.assert_close(
+        aggregate(bypass.loss_BT, STAT_MASK, "token-mean"), torch.tensor(-0.26, dtype=torch.float64)
+    )
+    flipped = -STAT_ADV
+    assert ppo_clip_loss(STAT_LOGP, STAT_SAMPLER, flipped).loss_BT[0, 2].item() == pytest.approx(5.6)
+    assert ppo_clip_loss(STAT_LOGP, STAT_OLD, flipped).loss_BT[0, 2].item() == pytest.approx(1.4)
+    # and the step's is_ratio columns then describe that same ratio (ratio_logp = pi_theta's logp):
+    # [1.5, 1, 5.6, 0.25, 1.3] -> mean 9.65 / 5 = 1.93, min 0.25, max 5.6
+    sums = step_stat_sums(bypass, STAT_MASK, STAT_MASK, STAT_LOGP, STAT_SAMPLER)
+    metrics = step_stat_metrics(sums)
+    assert (metrics["is_ratio_mean"], metrics["is_ratio_min"], metrics["is_ratio_max"]) == pytest.approx(
+        (1.93, 0.25, 5.6)
+    )
+    # clip counts: high at row 0 tokens 0 and 2 (2 of 5), low at row 1 token 0 (1 of 5)
+    assert (metrics["clip_frac_high"], metrics["clip_frac_low"]) == pytest.approx((0.4, 0.2))
 
 def test_weight_stats():
     # w = [1, 3] on the unmasked tokens: mean 2, min 1, max 3, ESS = (1+3)^2 / (2 * (1+9)) = 0.8

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pyarrow.parquet as pq
@@ -76,3 +77,29 @@ def test_kl_lora_and_off_policy_options(run_layout):
     # LoRA is merged: the checkpoint is a plain model that loads without peft
     weights = load_file(Path(checkpoint.path) / "model.safetensors")
     assert not any("lora" in k for k in weights)
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
+def test_non_finite_advantage_names_the_row(bad):
+    from stages.common import StageInputError
+    from stages.train import training_samples
+
+    def row(sample_idx: int, advantage: float) -> dict:
+        return {"run_id": "t", "iteration": 0, "round": 0, "prompt_id": "p7", "sample_idx": sample_idx,
+                "kept": True, "advantage": advantage}  # fmt: skip
+
+    rollout = {"prompt_token_ids": [1, 5], "response_token_ids": [3], "response_logprobs": [-1.0]}
+    rollouts = [{**row(i, 0.0), **rollout} for i in range(2)]
+    # the finite row alone is fine
+    samples, empty = training_samples([row(0, 0.5)], rollouts, "iter=0/batch")
+    assert empty == 0 and samples[0]["advantage"] == 0.5
+    with pytest.raises(StageInputError) as error:
+        training_samples([row(0, 0.5), row(1, bad)], rollouts, "iter=0/batch")
+    message = str(error.value)
+    # the source table, the field, the value, and the rollout key (run_id, iteration, round, prompt_id,
+    # sample_idx) of the offending row
+    assert message.startswith("iter=0/batch: advantage") and f"advantage {bad} " in message
+    assert "('t', 0, 0, 'p7', 1)" in message
+    # a dropped row (kept False) is not read, whatever its advantage
+    samples, _ = training_samples([row(0, 0.5), {**row(1, bad), "kept": False}], rollouts)
+    assert len(samples) == 1

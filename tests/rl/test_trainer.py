@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import math
 
 import numpy as np
 import pytest
@@ -109,6 +110,63 @@ def test_metrics_row_and_multi_step():
         assert 0 < row["is_ess"] <= 1 and row["is_ratio_min"] <= row["is_ratio_mean"] <= row["is_ratio_max"]
         assert row["grad_norm"] > 0 and row["entropy"] > 0 and row["tokens"] > row["loss_tokens"] > 0
 
+
+# Two samples of 2 response tokens; the sampler's logprobs are set to the model's own minus ln r, so the
+# mismatch pi_trainer / pi_sampler is exactly r = [1.5, 0.9] on sample 0 and [0.5, 1.1] on sample 1.
+# Advantages +2 and -3; clip 0.2 / 0.2; token-mean; one step (the metrics are those of the forward pass
+# before the update). In every mode the is_ratio columns are r (pi_old / pi_b, or pi_theta / pi_b under
+# bypass, and pi_theta = pi_old before the first update): mean (1.5 + 0.9 + 0.5 + 1.1) / 4 = 1, min 0.5,
+# max 1.5, ESS = 4^2 / (4 * (2.25 + 0.81 + 0.25 + 1.21)) = 16 / 18.08 = 0.884956.
+MISMATCH_R = [[1.5, 0.9], [0.5, 1.1]]
+
+
+@pytest.mark.parametrize(
+    ("overrides", "expected"),
+    [
+        # recomputed pi_old (fast path): PPO ratio 1, loss -A: (-2 - 2 + 3 + 3) / 4 = 0.5; nothing clipped
+        ({}, {"policy_loss": 0.5, "clip_frac_low": 0.0, "clip_frac_high": 0.0, "approx_kl": 0.0}),
+        # bypass: old := sampler, PPO ratio = r.
+        #   (0,0) A=2, r=1.5: max(-3, -2.4) = -2.4 (high clip)  (0,1) r=0.9: max(-1.8, -1.8) = -1.8
+        #   (1,0) A=-3, r=0.5: max(1.5, 2.4) = 2.4 (low clip)   (1,1) r=1.1: max(3.3, 3.3) = 3.3
+        #   policy_loss (-2.4 - 1.8 + 2.4 + 3.3) / 4 = 0.375; clip fractions 1/4 each;
+        #   approx_kl = mean k3(pi_b || pi_theta) = mean(r - 1 - ln r)
+        #     = (0.094535 + 0.005361 + 0.193147 + 0.004690) / 4 = 0.074433
+        (
+            {"bypass_old_logprobs": True},
+            {"policy_loss": 0.375, "clip_frac_low": 0.25, "clip_frac_high": 0.25, "approx_kl": 0.074433},
+        ),
+        # token_k1 rejection in [0.8, 1.6]: rejects (1,0) (r = 0.5): rejected_frac 1/4; ratio 1 on the kept:
+        #   (-2 - 2 + 3) / 3 = -1/3
+        (
+            {"rejection": ["token_k1"], "rejection_ratio_low": 0.8, "rejection_ratio_high": 1.6},
+            {"policy_loss": -1 / 3, "rejected_frac": 0.25, "loss_tokens": 3},
+        ),
+        # token TIS, C = 1.2: loss -A min(r, 1.2): -2 * 1.2, -2 * 0.9, 3 * 0.5, 3 * 1.1 -> 0.6 / 4 = 0.15
+        ({"is_level": "token", "is_threshold": 1.2}, {"policy_loss": 0.15, "rejected_frac": 0.0}),
+    ],
+)
+def test_metrics_by_hand_with_a_known_mismatch(overrides, expected):
+    model = make_tiny_model()
+    cfg = TrainConfig(lr=1e-9, clip_low=0.2, clip_high=0.2, **overrides)
+    trainer = PolicyTrainer(model, cfg, TorchStepper(model, make_adamw(model, cfg), 1.0))
+    samples = [TrainSample([1, 5, 6], [3, 4], [0.0, 0.0], 2.0), TrainSample([1, 7], [8, 9], [0.0, 0.0], -3.0)]
+    for sample, logp, r in zip(samples, trainer.sequence_logprobs(trainer.policy, samples), MISMATCH_R, strict=True):
+        sample.behaviour_logprobs = (logp.double() - torch.tensor(r, dtype=torch.float64).log()).tolist()
+    [row] = trainer.train(samples)
+    expected = {
+        "is_ratio_mean": 1.0, "is_ratio_min": 0.5, "is_ratio_max": 1.5, "is_ess": 16 / 18.08,
+        "clip_frac_dual": 0.0, **expected,
+    }  # fmt: skip
+    assert {k: row[k] for k in expected} == pytest.approx(expected, abs=1e-5)
+    assert row["loss"] == pytest.approx(row["policy_loss"])  # no KL, no entropy term
+
+
+def test_train_sample_refuses_a_non_finite_advantage():
+    for bad in (math.nan, math.inf, -math.inf):
+        with pytest.raises(ValueError, match=rf"advantage {bad} is not finite"):
+            TrainSample([1], [3], [-1.0], bad)
+    with pytest.raises(ValueError, match="2 response tokens but 1 sampler logprobs"):
+        TrainSample([1], [3, 4], [-1.0], 0.0)
 
 def test_kl_penalty_pulls_toward_reference():
     # zero advantages, kl_coef 1: the only force is the KL term, so KL to the reference must fall

@@ -46,3 +46,29 @@ def test_section_digest_changes_only_with_its_section() -> None:
     a, b = RunConfig(), load_config(None, ["train.lr=0.5"])
     assert a.train.digest() != b.train.digest()
     assert a.generate.digest() == b.generate.digest()
+
+
+@pytest.mark.parametrize(
+    "correction",
+    [
+        ["train.rejection=[token_k1]"],
+        ["train.is_level=sequence"],
+        ["train.rejection=[seq_max_k2]", "train.is_level=token"],
+    ],
+)
+def test_bypass_with_rollout_correction_is_refused(correction: list[str]) -> None:
+    # under bypass pi_old is the sampler, so pi_old / pi_sampler = 1: IS weights and rejection would be ignored
+    with pytest.raises(ConfigError) as error:
+        load_config(None, ["train.bypass_old_logprobs=true", *correction])
+    message = str(error.value)
+    assert "  train: " in message  # the section the error belongs to, then the fields it names
+    assert "train.bypass_old_logprobs with train.rejection / train.is_level" in message
+    # each alone is fine
+    assert load_config(None, ["train.bypass_old_logprobs=true"]).train.bypass_old_logprobs
+    assert load_config(None, correction).train.bypass_old_logprobs is False
+
+
+def test_bypass_with_correction_is_refused_on_assignment_too() -> None:
+    config = load_config(None, ["train.bypass_old_logprobs=true"])
+    with pytest.raises(ValueError, match=r"train\.bypass_old_logprobs with train\.rejection"):
+        config.train.is_level = "token"
