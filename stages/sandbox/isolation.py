@@ -3,12 +3,17 @@
 A worker runs one job at a time; each job's processes start from the worker's fork server (zygote.py)
 or, under bubblewrap, by fork+exec. Layers, from the always-available ones up:
 
-- `rlimits`: address space, CPU seconds, file size, open files, no core dumps, and (for a non-root uid)
-  a process count. `clean_env`: the child gets a fixed environment, never the parent's. `output_cap` and
+- `rlimits`: address space, CPU seconds, file size, open files, no core dumps, and RLIMIT_NPROC. The
+  kernel counts RLIMIT_NPROC per real uid over the whole machine, threads and zombies included, and
+  ignores it for root. As root each job has a uid of its own, so NPROC counts only that job's tasks. As
+  a non-root user the job runs as the sandbox's own uid, so NPROC counts every task that uid runs (the
+  trainer's threads, the workers, other jobs): the limit is set at each job's start to the tasks the uid
+  already runs plus `max_processes` (see `nproc_limit`), which bounds a fork bomb without starving the
+  job. `clean_env`: the child gets a fixed environment, never the parent's. `output_cap` and
   `wall_timeout` are enforced by the worker that reads the child's pipes (process.py).
 - `uid`: the job runs as a uid of its own (one per worker slot, unused by anything else), so it cannot
   signal or ptrace the worker, read root's files, and `kill(-1)` as that uid reaches every process the
-  job left behind, whatever session or process group it moved to.
+  job left behind, whatever session or process group it moved to. Only as root.
 - `netns`: the worker enters an empty network namespace once at start; its children inherit it, so a
   job has no interface but a loopback that is down, and creating the namespace costs nothing per job.
 - `mountns`: the worker's private mount namespace where every mount is read-only, /tmp is a fresh
@@ -20,9 +25,13 @@ or, under bubblewrap, by fork+exec. Layers, from the always-available ones up:
   sandbox's own group): a process limit that a fork bomb cannot outrun (RLIMIT_NPROC does nothing for
   root and counts zombies), a memory limit covering the job's tmpfs too, and a freezer so that the
   end-of-job kill sees a process tree that can no longer fork.
-- `bwrap`: when the worker is not root, each job runs under bubblewrap (user, pid, net, ipc, uts and
-  mount namespaces, read-only root, its own /proc and /dev), which Debian's bubblewrap can do
-  unprivileged; its pid namespace ends every process of the job with the job's main process.
+- bubblewrap ("bwrap" mode): each job runs under bubblewrap, which Debian's bubblewrap can do
+  unprivileged, with namespaces of its own per job: `netns` (empty network namespace), `mountns` (/
+  bound read-only, the job directory bound writable as /tmp, its own /proc and read-only /dev),
+  `pidns` (when the job's main process or the worker ends, bubblewrap's init dies and the kernel kills
+  every process in the namespace), `ipc_uts_ns`, and `userns` (no capabilities). There are no cgroups unprivileged:
+  what bounds a fork bomb is RLIMIT_NPROC (above); the pid namespace only guarantees that nothing of
+  the job outlives it, and the worker checks that with a /proc scan (`kill_descendants`).
 
 `choose_isolation` takes the strongest mode the machine gives ("native" as root, else "bwrap", else
 "minimal") and the sandbox logs the active layers at start, with a warning naming the missing ones. A
@@ -150,6 +159,113 @@ def kill_uid(uid: int, rounds: int = 100) -> bool:
     return not uid_processes(uid)
 
 
+def _process_table() -> dict[int, tuple[int, int, str]]:
+    """pid -> (parent pid, session id, state letter) of every process, from /proc/PID/stat (pids of
+    processes in nested pid namespaces as this process's /proc sees them)."""
+    table = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as handle:
+                data = handle.read()
+            fields = data[data.rindex(b")") + 2 :].split()
+            table[int(entry)] = (int(fields[1]), int(fields[3]), fields[0].decode())
+        except (OSError, ValueError, IndexError):
+            continue
+    return table
+
+
+def job_descendants(worker_pid: int) -> list[int]:
+    """Live (not zombie) processes below `worker_pid` outside its session: what its jobs left running.
+
+    The non-root counterpart of `uid_processes`, where jobs share the worker's uid. It finds every
+    process of a job because none can leave the worker's subtree: every job process starts in a session
+    of its own (setsid before any candidate code), an orphan is reparented to the worker (a subreaper)
+    or, under bubblewrap, to the job's pid-namespace init, itself below the worker. What stays in the
+    worker's session (the fork server) is the worker's own."""
+    table = _process_table()
+    if worker_pid not in table:
+        return []
+    session = table[worker_pid][1]
+    children: dict[int, list[int]] = {}
+    for pid, (ppid, _, _) in table.items():
+        children.setdefault(ppid, []).append(pid)
+    found, seen = [], {worker_pid}
+    stack = list(children.get(worker_pid, ()))
+    while stack:
+        pid = stack.pop()
+        if pid in seen:
+            continue
+        seen.add(pid)
+        _, sid, state = table[pid]
+        stack.extend(children.get(pid, ()))
+        if sid != session and state not in ("Z", "X"):
+            found.append(pid)
+    return found
+
+
+def kill_descendants(timeout_s: float = 10.0) -> bool:
+    """SIGKILL what this worker's jobs left running (`job_descendants` of this process) and reap what
+    became ours; True when none is left. Under bubblewrap the job's pid namespace dies with its init,
+    but asynchronously (the init gets its SIGKILL from --die-with-parent, and a namespace's teardown
+    takes a while on a loaded machine), so this waits for it, up to `timeout_s`."""
+    me = os.getpid()
+    deadline = time.monotonic() + timeout_s
+    pause = 0.0005
+    while True:
+        reap_children()
+        left = job_descendants(me)
+        if not left:
+            return True
+        if time.monotonic() > deadline:
+            return False
+        for pid in left:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+        time.sleep(pause)
+        pause = min(pause * 2, 0.01)
+
+
+def uid_tasks(uid: int) -> int:
+    """Tasks (threads included) whose real uid is `uid`: what RLIMIT_NPROC counts against the limit."""
+    total = 0
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/status", "rb") as status:
+                owner = threads = None
+                for line in status:
+                    if line.startswith(b"Uid:"):
+                        owner = int(line.split()[1])
+                    elif line.startswith(b"Threads:"):
+                        threads = int(line.split()[1])
+                        break
+            if owner == uid and threads:
+                total += threads
+        except (OSError, ValueError):
+            continue
+    return total
+
+
+def nproc_limit(processes: int, is_root: bool) -> int:
+    """RLIMIT_NPROC for a job. As root the job gets a uid of its own, so the limit is `processes`. As a
+    non-root user the job shares the sandbox's uid, whose other tasks count too (a trainer's threads
+    alone can exceed `processes`, and bubblewrap could not even start): the limit is what the uid runs
+    now plus `processes`, never above the hard limit this process already has. "Now" is where
+    setup_params runs: each job's start under fork+exec (bwrap), the fork server's start otherwise."""
+    if is_root:
+        return processes
+    import resource
+
+    limit = uid_tasks(os.getuid()) + processes
+    _, hard = resource.getrlimit(resource.RLIMIT_NPROC)
+    return limit if hard == resource.RLIM_INFINITY else min(limit, hard)
+
+
 class Isolation:
     """The minimal mode: rlimits, a session of its own, clean environment, a temporary directory, and,
     when the worker is root, a uid of its own. Subclasses add namespaces, cgroups or bubblewrap.
@@ -171,8 +287,17 @@ class Isolation:
 
     # -- what the sandbox reports at start -------------------------------------------------------
     def layers(self) -> dict[str, str]:
+        """What each active layer gives, by name; FULL_LAYERS (sandbox.py) names those a full setup has."""
+        if self.is_root:
+            nproc = f"NPROC={self.limits.processes} (the job's own uid: counts only its tasks)"
+        else:
+            when = "worker start" if self.use_zygote else "job start"
+            nproc = (
+                f"NPROC=tasks of uid {self.uid} at {when} + {self.limits.processes} (shared with "
+                "everything else this uid runs; the only process-count limit without root)"
+            )
         layers = {
-            "rlimits": "AS, CPU, FSIZE, NOFILE, CORE=0" + (", NPROC" if self.is_root else ""),
+            "rlimits": f"AS, CPU, FSIZE, NOFILE, CORE=0, {nproc}",
             "clean_env": "fixed environment",
             "output_cap": f"{self.limits.output_bytes} bytes",
             "wall_timeout": f"{self.limits.timeout_s} s, every process of the job killed",
@@ -180,6 +305,8 @@ class Isolation:
         }
         if self.is_root:
             layers["uid"] = f"unprivileged uid {self.uid}"
+        else:
+            layers["user"] = f"the sandbox's own non-root uid {self.uid} (no uid of its own per job)"
         return layers
 
     def setup_params(self) -> dict:
@@ -189,8 +316,9 @@ class Isolation:
             "RLIMIT_FSIZE": self.limits.file_bytes,
             "RLIMIT_NOFILE": self.limits.open_files,
             "RLIMIT_CORE": 0,
-            # Per uid and counting zombies, so only a backstop; it does nothing for root.
-            "RLIMIT_NPROC": self.limits.processes,
+            # Per real uid, machine-wide, threads and zombies counted (see nproc_limit); always set,
+            # the only process-count limit where there is no pids cgroup.
+            "RLIMIT_NPROC": nproc_limit(self.limits.processes, self.is_root),
         }
         return {
             "limits": limits,
@@ -282,6 +410,8 @@ class Isolation:
         self._kill_main(pid)
         if self.is_root:
             kill_uid(self.uid)
+        else:
+            kill_descendants()
         reap_children()
         self.discard_job()
 
@@ -296,8 +426,9 @@ class Isolation:
         _runner.isolate(self.setup_params(), cpu_budget_s)
 
     def survivors(self) -> int:
-        """How many processes of this worker's jobs are alive (0 after end_job); for tests."""
-        return len(uid_processes(self.uid)) if self.is_root else 0
+        """How many processes of this worker's jobs are alive (0 after end_job); for tests. Called in
+        the worker: by the job uid as root, else by the worker's process subtree."""
+        return len(uid_processes(self.uid)) if self.is_root else len(job_descendants(os.getpid()))
 
 
 class SpawnError(RuntimeError):
@@ -494,11 +625,13 @@ def remove_cgroups(dirs: dict[str, str]) -> None:
             pass
 
 
-def slot_processes(owner_pid: int, slot: int) -> int:
+def slot_processes(owner_pid: int, slot: int, worker_pid: int | None = None) -> int:
     """Live processes (zombies awaiting their reaper excluded) of a worker slot's jobs, seen from the
-    sandbox's own process: by the slot's uid and in the slot's cgroups. 0 between jobs."""
+    sandbox's own process: as root by the slot's uid and in the slot's cgroups; as a non-root user
+    (jobs share our uid) by the worker's process subtree outside its session (`job_descendants`),
+    which needs `worker_pid`. 0 between jobs."""
     if os.geteuid() != 0:
-        return 0
+        return len(job_descendants(worker_pid)) if worker_pid is not None else 0
     pids = set(uid_processes(job_uid(owner_pid, slot), include_zombies=False))
     for directory in cgroup_dirs(owner_pid, slot).values():
         pids.update(_read_pids(directory))
@@ -643,8 +776,8 @@ class NativeIsolation(Isolation):
 
 class BwrapIsolation(Isolation):
     """Each job under bubblewrap: user, pid, network, IPC, UTS and cgroup namespaces, the root file
-    system read-only, a fresh tmpfs /tmp, its own /proc and /dev. Works without root. When the job's
-    main process ends, bubblewrap's pid namespace takes every other process of the job with it."""
+    system read-only, the job directory as /tmp, its own /proc and read-only /dev. Works without root. When the
+    job's main process ends, bubblewrap's pid namespace takes every other process of the job with it."""
 
     name = "bwrap"
     use_zygote = False  # a new bubblewrap per job is the point; there is nothing warm to fork
@@ -656,9 +789,19 @@ class BwrapIsolation(Isolation):
             raise OSError("bubblewrap (bwrap) is not installed")
 
     def layers(self) -> dict[str, str]:
+        """The namespaces bubblewrap gives each job, under the names native mode uses for the same
+        protection. No cgroups: the process count is bounded by RLIMIT_NPROC alone (see `rlimits`),
+        memory by RLIMIT_AS alone; the pid namespace bounds the job's lifetime, not its size."""
         layers = super().layers()
         layers["workdir"] = "fresh temporary directory per job, seen as /tmp"
-        layers["bwrap"] = "user, pid, net, ipc, uts, cgroup namespaces; read-only /; own /proc, /dev"
+        layers["netns"] = "empty network namespace per job (bubblewrap)"
+        layers["mountns"] = "/ bound read-only, job directory bound writable as /tmp, own /proc, own read-only /dev"
+        layers["pidns"] = (
+            "pid namespace per job: every process of the job dies with its main process or the worker "
+            "(bubblewrap --die-with-parent), checked by a /proc scan after each job; not a count limit"
+        )
+        layers["ipc_uts_ns"] = "SysV IPC namespace and hostname per job (bubblewrap)"
+        layers["userns"] = "user namespace without capabilities (bubblewrap --cap-drop ALL)"
         return layers
 
     # begin_job/discard_job are the base class's: a host temporary directory, which bubblewrap binds
@@ -682,6 +825,9 @@ class BwrapIsolation(Isolation):
             "--proc",
             "/proc",
             "--dev",
+            "/dev",
+            # bubblewrap's own /dev is a writable tmpfs (its /dev/shm too); nothing outside /tmp may be.
+            "--remount-ro",
             "/dev",
             "--chdir",
             "/tmp",

@@ -15,6 +15,7 @@ import logging
 import os
 import queue
 import select
+import signal
 import subprocess
 import sys
 import threading
@@ -28,7 +29,7 @@ from typing import TypeVar
 from schemas.config import ScoreConfig
 
 from ._runner import HEADER
-from .isolation import CLEAN_ENV, release_slot, slot_processes
+from .isolation import CLEAN_ENV, job_descendants, release_slot, slot_processes
 from .jobs import ScoreJob, ScoreResult
 from .scoring import MAX_RUN_TIMEOUT_S
 
@@ -41,7 +42,9 @@ PROJECT_ROOT = str(Path(__file__).resolve().parents[2])
 GRACE_S = 20.0
 
 
-# What the native mode gives as root with cgroup v1; anything less is logged as a warning at start.
+# What the native mode gives as root with cgroup v1; anything less is logged as a warning at start. The
+# bwrap mode gives netns and mountns per job (and a pid namespace), but as a non-root user no uid of
+# its own and no cgroups: its warning names uid, cgroup_pids and cgroup_memory.
 FULL_LAYERS = (
     "uid",
     "rlimits",
@@ -52,6 +55,11 @@ FULL_LAYERS = (
     "clean_env",
     "wall_timeout",
 )
+
+
+def missing_layers(layers: dict[str, str]) -> list[str]:
+    """The layers of a full setup (FULL_LAYERS) that `layers` lacks, in that order: the start warning."""
+    return [layer for layer in FULL_LAYERS if layer not in layers]
 
 
 class SandboxError(RuntimeError):
@@ -191,9 +199,17 @@ class _Worker:
                 process.wait(timeout=5)
             except (OSError, subprocess.TimeoutExpired):
                 pass
+        # As a non-root user the job processes share our uid, so release_slot cannot find them by uid
+        # once their worker is gone (they are reparented away from it): note them while it lives.
+        orphans = job_descendants(process.pid) if os.geteuid() != 0 and process.poll() is None else []
         if process.poll() is None:
             process.kill()
             process.wait()
+        for pid in orphans:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
         for stream in (process.stdin, process.stdout):
             if stream is not None:
                 stream.close()
@@ -249,7 +265,7 @@ class Sandbox:
             self.close()
             raise
         self._executor = ThreadPoolExecutor(len(self.workers), thread_name_prefix="sandbox-feed")
-        missing = [layer for layer in FULL_LAYERS if layer not in self.layers]
+        missing = missing_layers(self.layers)
         log.log(
             logging.WARNING if missing else logging.INFO,
             "sandbox: %d workers, isolation %r, active layers: %s%s",
@@ -306,9 +322,13 @@ class Sandbox:
         return [future.result() for future in futures]
 
     def leftover_processes(self) -> int:
-        """Processes of any job still alive (by the workers' job uids and cgroups); 0 between jobs.
-        Tests assert on it after every attack."""
-        return sum(slot_processes(os.getpid(), worker.slot) for worker in self.workers)
+        """Processes of any job still alive (as root by the workers' job uids and cgroups, else by a
+        /proc scan of each worker's process subtree); 0 between jobs. Tests assert on it after every
+        attack."""
+        return sum(
+            slot_processes(os.getpid(), worker.slot, worker.process.pid if worker.process else None)
+            for worker in self.workers
+        )
 
     def run_code(self, request: dict) -> dict:
         """SandboxFusion's /run_code for Python, on this sandbox's workers (see server.py)."""
