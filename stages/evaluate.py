@@ -4,6 +4,10 @@ Evaluates checkpoint k on the test split with the same generation backend and sa
 one greedy sample per prompt (greedy accuracy) and n sampled ones (pass@k by the unbiased estimator of
 Chen et al. 2021). `evaluate_base` is the same stage on the base model, run once per run, stored as
 iteration -1 in `base/eval.parquet`. A sample is correct when every test passed (status "ok").
+
+The manifest's metrics hold one summary per dataset (keyed by dataset name) beside the engine figures the
+generate stage also records: backend, `deterministic`, `engine_start_seconds` apart from
+`generation_seconds`, tokens/s, and the overlong-prompt counts.
 """
 
 from __future__ import annotations
@@ -70,6 +74,7 @@ def run(ctx: StageContext) -> None:
     backend = make_backend(gen.backend, model_dir, gen)
     plan: list[tuple[str, str, int]] = []  # (prompt_id, mode, sample_idx) per generated sample
     samples = []
+    generation_seconds, generated_tokens = 0.0, 0
     try:
         for mode, n, spec in [
             ("greedy", 1 if ev.greedy else 0, SamplingSpec(temperature=0.0, max_new_tokens=ev.max_new_tokens)),
@@ -86,7 +91,10 @@ def run(ctx: StageContext) -> None:
                     plan.append((prompt_id, mode, sample_idx))
             if requests:
                 label = f"{ctx.spec.name} {mode}"
-                samples += generate_with_progress(backend, requests, spec, label).samples
+                result = generate_with_progress(backend, requests, spec, label)
+                samples += result.samples
+                generation_seconds += result.seconds
+                generated_tokens += result.tokens
     finally:
         backend.close()
 
@@ -104,7 +112,18 @@ def run(ctx: StageContext) -> None:
         }
         for (pid, mode, sample_idx), sample, result in zip(plan, samples, results, strict=True)
     ]
-    metrics: dict[str, object] = {"prompts_skipped_overlong": encoded.skipped}
+    # The same engine figures as the generate stage's manifest: start apart from generation (greedy and
+    # sampled together), and whether a rerun on this machine reproduces the samples.
+    metrics: dict[str, object] = {
+        "backend": backend.name,
+        "deterministic": backend.deterministic,
+        "engine_start_seconds": round(backend.engine_start_seconds, 3),
+        "generation_seconds": round(generation_seconds, 3),
+        "generated_tokens": generated_tokens,
+        "tokens_per_second": round(generated_tokens / generation_seconds, 2) if generation_seconds > 0 else 0.0,
+        "prompts_skipped_overlong": encoded.skipped,
+        "prompts_truncated": encoded.truncated,
+    }
     for dataset in sorted({row["dataset"] for row in rows}):
         metrics[dataset] = aggregate([row for row in rows if row["dataset"] == dataset], ev.k)
     ctx.write_table("eval", pa.Table.from_pylist(rows), metrics)
