@@ -87,6 +87,11 @@ def _sections(*names: str) -> Callable[[RunConfig], dict[str, Any]]:
     return payload
 
 
+# The generate settings the evaluate stages also use (engine, precision, prompt length rule): changing one
+# reruns evaluation. Sampling settings are not among them: evaluation has its own (the evaluate section).
+EVALUATE_GENERATE_FIELDS = ("generate.backend", "generate.dtype", "generate.vllm_dtype", "generate.max_prompt_tokens",
+                            "generate.overlong_prompt")
+
 PROMPTS = Output("prompts", BASE)
 
 STAGES: dict[str, StageSpec] = {
@@ -103,7 +108,7 @@ STAGES: dict[str, StageSpec] = {
             outputs=lambda k, r=0: [Output("checkpoint", BASE)],
         ),
         StageSpec(
-            "evaluate_base", True, _sections("evaluate", "score", "generate.backend", "seed"),
+            "evaluate_base", True, _sections("evaluate", "score", *EVALUATE_GENERATE_FIELDS, "seed"),
             inputs=lambda k, r=0: {"prompts": PROMPTS, "policy": Output("checkpoint", BASE)},
             outputs=lambda k, r=0: [Output("eval", BASE)],
         ),
@@ -136,7 +141,7 @@ STAGES: dict[str, StageSpec] = {
             reads_rounds=("rollouts",),
         ),
         StageSpec(
-            "evaluate", False, _sections("evaluate", "score", "generate.backend", "seed"),
+            "evaluate", False, _sections("evaluate", "score", *EVALUATE_GENERATE_FIELDS, "seed"),
             inputs=lambda k, r=0: {"prompts": PROMPTS, "policy": Output("checkpoint", k)},
             outputs=lambda k, r=0: [Output("eval", k)],
         ),

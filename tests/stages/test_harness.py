@@ -92,3 +92,16 @@ def test_manifest_times_the_harness_apart_from_the_stage_work(layout: RunLayout)
     assert set(harness) == {"validate_seconds", "write_seconds"}
     assert all(seconds > 0 for seconds in harness.values())
     assert manifest.seconds >= 0.3 + sum(harness.values()) - 1e-3
+
+
+@pytest.mark.parametrize("stage", ["evaluate", "evaluate_base"])
+def test_evaluation_keys_follow_the_generate_settings_evaluation_uses(stage: str) -> None:
+    """Evaluation generates with generate's engine, precision and prompt-length rule, so a change of one of
+    them reruns it; generate's sampling settings are not evaluation's (it has its own), so they do not."""
+    payload = STAGES[stage].config_payload
+    base = payload(load_config(None, []))
+    for change in ("generate.vllm_dtype=float32", "generate.dtype=bfloat16", "generate.max_prompt_tokens=64",
+                   "generate.overlong_prompt=truncate", "generate.backend=hf"):
+        assert payload(load_config(None, [change])) != base, change
+    for change in ("generate.temperature=0.5", "generate.n_samples=2", "train.lr=0.5"):
+        assert payload(load_config(None, [change])) == base, change
