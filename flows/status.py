@@ -6,12 +6,16 @@ own under it, `k.r`, for every round that left any output, finished or not.
 
 from __future__ import annotations
 
+import numpy as np
 from rich.console import Group
 from rich.table import Table
 
 from schemas.config import RunConfig
+from schemas.tables import TABLES
+from stages.eval_metrics import bootstrap_pass_at_k_gain, sampled_counts
 from stages.registry import ITERATION_STAGES, RUN_STAGES, STAGES, stage_state
 from storage.layout import BASE, RunLayout
+from storage.tables import read_table
 
 
 def _cell(layout: RunLayout, config: RunConfig, stage: str, iteration: int, round_idx: int = 0) -> str:
@@ -41,22 +45,51 @@ def status_table(layout: RunLayout, config: RunConfig) -> Group:
 
 
 def held_out_table(layout: RunLayout, config: RunConfig) -> Table:
-    """Held-out results of the base model and of each evaluated checkpoint (from the eval manifests): greedy
-    accuracy and pass@k per dataset, so base and trained stand side by side."""
-    metric_names = ["greedy_accuracy", *[f"pass@{k}" for k in config.evaluate.k], "mean_num_tokens"]
-    table = Table(title="held-out evaluation")
-    for column in ["checkpoint", "dataset", "prompts", *metric_names]:
+    """Held-out results of the base model and of each evaluated checkpoint, side by side: greedy accuracy,
+    pass@k with its bootstrap 95% interval (from the eval manifests), and pass@1's gain over the base model
+    with a paired bootstrap interval over the same problems (from the eval tables)."""
+    ks = config.evaluate.k
+    table = Table(title="held-out evaluation (95% bootstrap intervals over problems and samples)")
+    for column in ["checkpoint", "dataset", "prompts", "greedy", *[f"pass@{k}" for k in ks], "pass@1 gain vs base"]:
         table.add_column(column)
+    base_counts: dict[str, dict[str, tuple[int, int]]] = {}
     checkpoints = [("base", "evaluate_base", BASE)] + [(f"iter {k}", "evaluate", k) for k in range(config.iterations)]
     for label, stage, iteration in checkpoints:
         state = stage_state(layout.fs, layout, config, STAGES[stage], iteration)
         if not state.done:
             continue
+        rows = read_table(layout.fs, layout.table_path("eval", iteration), TABLES["eval"]).to_pylist()
         for dataset, summary in sorted(state.manifests[-1].metrics.items()):
-            if isinstance(summary, dict) and "prompts" in summary:
-                values = [f"{summary[name]:.3f}" if name in summary else "" for name in metric_names]
-                table.add_row(label, dataset, f"{summary['prompts']:.0f}", *values)
+            if not (isinstance(summary, dict) and "prompts" in summary):
+                continue
+            counts = sampled_counts([row for row in rows if row["dataset"] == dataset])
+            if iteration == BASE:
+                base_counts[dataset] = counts
+            table.add_row(label, dataset, f"{summary['prompts']:.0f}", _number(summary.get("greedy_accuracy")),
+                          *[_with_interval(summary, f"pass@{k}") for k in ks],
+                          _gain(base_counts.get(dataset), counts) if iteration != BASE else "")
     return table
+
+
+def _number(value: float | None) -> str:
+    return "" if value is None else f"{value:.3f}"
+
+
+def _with_interval(summary: dict, metric: str) -> str:
+    if metric not in summary:
+        return ""
+    interval = f" [{summary[metric + '_ci_low']:.3f}, {summary[metric + '_ci_high']:.3f}]" if (
+        metric + "_ci_low" in summary) else ""
+    return f"{summary[metric]:.3f}{interval}"
+
+
+def _gain(base: dict[str, tuple[int, int]] | None, counts: dict[str, tuple[int, int]]) -> str:
+    shared = sorted(set(base or {}) & set(counts))
+    if not shared:
+        return ""
+    before, after = (np.array([source[p] for p in shared]) for source in (base, counts))
+    gain, low, high = bootstrap_pass_at_k_gain(before[:, 0], before[:, 1], after[:, 0], after[:, 1], 1)
+    return f"{gain:+.3f} [{low:+.3f}, {high:+.3f}]"
 
 
 def extra_rounds(layout: RunLayout, config: RunConfig, iteration: int) -> list[int]:

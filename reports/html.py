@@ -35,7 +35,7 @@ SAMPLE_COLUMNS = ("prompt_id", "sample_idx", "round", "reward", "passed", "total
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
-    """Unbiased pass@k (Chen et al. 2021): 1 - C(n-c, k) / C(n, k); the same estimator as stages/evaluate.py,
+    """Unbiased pass@k (Chen et al. 2021): 1 - C(n-c, k) / C(n, k); the same estimator as stages/eval_metrics.py,
     repeated here because reports may import storage only (not the stage code and its model stack)."""
     if n - c < k:
         return 1.0

@@ -13,49 +13,17 @@ generate stage also records: backend, `deterministic`, `engine_start_seconds` ap
 from __future__ import annotations
 
 import json
-from collections import defaultdict
-from math import comb
 
-import numpy as np
 import pyarrow as pa
 
 from stages.common import StageContext, StageInputError, exit_with
+from stages.eval_metrics import aggregate
 from stages.generation import make_backend
 from stages.generation.base import GenerationRequest, SamplingSpec, sample_seed
 from stages.models import load_tokenizer
 from stages.sampling import encode_prompts, generate_with_progress
 from stages.sandbox import ScoreJob
 from stages.score import score_with_progress
-
-
-def pass_at_k(n: int, c: int, k: int) -> float:
-    """Unbiased pass@k from n samples of which c are correct: 1 - C(n-c, k) / C(n, k) (Chen et al. 2021).
-
-    Requires k <= n. With n - c < k every size-k subset holds a correct sample, so the value is 1.
-    """
-    if not 0 <= c <= n or not 1 <= k <= n:
-        raise ValueError(f"pass@k needs 0 <= c <= n and 1 <= k <= n, got n={n}, c={c}, k={k}")
-    if n - c < k:
-        return 1.0
-    return 1.0 - comb(n - c, k) / comb(n, k)
-
-
-def aggregate(rows: list[dict], ks: list[int]) -> dict[str, float]:
-    """Per-dataset summary: greedy accuracy, mean pass@k over prompts, mean response length."""
-    sampled: dict[str, list[bool]] = defaultdict(list)
-    greedy = [row["correct"] for row in rows if row["mode"] == "greedy"]
-    for row in rows:
-        if row["mode"] == "sampled":
-            sampled[row["prompt_id"]].append(row["correct"])
-    summary: dict[str, float] = {"prompts": float(len({row["prompt_id"] for row in rows}))}
-    if greedy:
-        summary["greedy_accuracy"] = float(np.mean(greedy))
-    for k in ks:
-        values = [pass_at_k(len(c), sum(c), k) for c in sampled.values() if len(c) >= k]
-        if values:
-            summary[f"pass@{k}"] = float(np.mean(values))
-    summary["mean_num_tokens"] = float(np.mean([row["num_tokens"] for row in rows])) if rows else 0.0
-    return summary
 
 
 def run(ctx: StageContext) -> None:

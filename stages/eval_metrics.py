@@ -1,0 +1,122 @@
+"""Held-out evaluation statistics: unbiased pass@k, its bootstrap interval, and the paired gain of a checkpoint
+over another on the same problems.
+
+Pure numpy, no model stack, so the evaluate stage, `rlpipe status` and benchmarks/peer_trl.py share one copy.
+(reports/html.py keeps its own pass@k: reports may import storage only.)
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from math import comb
+
+import numpy as np
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k from n samples of which c are correct: 1 - C(n-c, k) / C(n, k) (Chen et al. 2021).
+
+    Requires k <= n. With n - c < k every size-k subset holds a correct sample, so the value is 1.
+    """
+    if not 0 <= c <= n or not 1 <= k <= n:
+        raise ValueError(f"pass@k needs 0 <= c <= n and 1 <= k <= n, got n={n}, c={c}, k={k}")
+    if n - c < k:
+        return 1.0
+    return 1.0 - comb(n - c, k) / comb(n, k)
+
+
+def _pass_at_k_by_correct(n: int, k: int) -> np.ndarray:
+    """pass@k for c = 0..n correct of n samples, indexed by c: the lookup the bootstrap resamples through."""
+    return np.array([pass_at_k(n, c, k) for c in range(n + 1)])
+
+
+def _resampled_pass_at_k(
+    n_P: np.ndarray, c_P: np.ndarray, k: int, problems_RP: np.ndarray, rng: np.random.Generator
+) -> np.ndarray:
+    """Mean pass@k of each resample R (rows of `problems_RP`, problem indices drawn with replacement), each
+    drawn problem's n samples drawn again with replacement: its count correct c* ~ Binomial(n, c / n)."""
+    n_RP = n_P[problems_RP]
+    correct_RP = rng.binomial(n_RP, c_P[problems_RP] / n_RP)
+    values_RP = np.empty(correct_RP.shape)
+    for n in np.unique(n_P):  # one lookup per sample count (there is usually one)
+        where = n_RP == n
+        values_RP[where] = _pass_at_k_by_correct(int(n), k)[correct_RP[where]]
+    return values_RP.mean(axis=1)
+
+
+def bootstrap_pass_at_k(
+    n_P: np.ndarray, c_P: np.ndarray, k: int, resamples: int = 2000, seed: int = 0
+) -> tuple[float, float]:
+    """95% percentile interval of mean pass@k over P problems, by a two-level bootstrap.
+
+    Each resample draws P problems with replacement, then each drawn problem's n samples with replacement
+    (c* ~ Binomial(n, c/n)), and takes mean_p pass@k(n_p, c*_p, k); the interval is the 2.5th and 97.5th
+    percentiles of `resamples` such means. Both levels matter: a held-out set has tens of problems and a
+    handful of samples each, and both add variance. Problems with fewer than k samples are left out, as in
+    `aggregate`. Seeded, so the interval of one evaluation table is reproducible.
+    """
+    usable = n_P >= k
+    n_P, c_P = n_P[usable], c_P[usable]
+    if len(n_P) == 0:
+        raise ValueError(f"no problem has at least k={k} samples")
+    rng = np.random.default_rng(seed)
+    problems_RP = rng.integers(0, len(n_P), size=(resamples, len(n_P)))
+    means_R = _resampled_pass_at_k(n_P, c_P, k, problems_RP, rng)
+    low, high = np.percentile(means_R, [2.5, 97.5])
+    return float(low), float(high)
+
+
+def bootstrap_pass_at_k_gain(
+    n_before_P: np.ndarray, c_before_P: np.ndarray, n_after_P: np.ndarray, c_after_P: np.ndarray, k: int,
+    resamples: int = 2000, seed: int = 0,
+) -> tuple[float, float, float]:
+    """(gain, 95% interval low, high) of mean pass@k after minus before, on the same P problems (paired).
+
+    gain = mean_p pass@k(after_p) - mean_p pass@k(before_p). The interval resamples the problems once per
+    resample for both sides (the pairing: a problem that is easy stays easy), and each side's samples within
+    a problem independently, as `bootstrap_pass_at_k` does. An interval above 0 is an improvement that the
+    problem and sample noise of this evaluation does not explain.
+    """
+    if not (len(n_before_P) == len(c_before_P) == len(n_after_P) == len(c_after_P)):
+        raise ValueError("before and after must hold the same problems, in the same order")
+    usable = (n_before_P >= k) & (n_after_P >= k)
+    if not usable.any():
+        raise ValueError(f"no problem has at least k={k} samples on both sides")
+    before = n_before_P[usable], c_before_P[usable]
+    after = n_after_P[usable], c_after_P[usable]
+    gain = float(np.mean([pass_at_k(int(n), int(c), k) for n, c in zip(*after, strict=True)])
+                 - np.mean([pass_at_k(int(n), int(c), k) for n, c in zip(*before, strict=True)]))
+    rng = np.random.default_rng(seed)
+    problems_RP = rng.integers(0, int(usable.sum()), size=(resamples, int(usable.sum())))
+    gains_R = _resampled_pass_at_k(*after, k, problems_RP, rng) - _resampled_pass_at_k(*before, k, problems_RP, rng)
+    low, high = np.percentile(gains_R, [2.5, 97.5])
+    return gain, float(low), float(high)
+
+
+def sampled_counts(rows: list[dict]) -> dict[str, tuple[int, int]]:
+    """prompt_id -> (n sampled answers, c correct) of an evaluation table's sampled rows."""
+    counts: dict[str, list[int]] = defaultdict(lambda: [0, 0])
+    for row in rows:
+        if row["mode"] == "sampled":
+            counts[row["prompt_id"]][0] += 1
+            counts[row["prompt_id"]][1] += int(row["correct"])
+    return {prompt_id: (n, c) for prompt_id, (n, c) in counts.items()}
+
+
+def aggregate(rows: list[dict], ks: list[int]) -> dict[str, float]:
+    """Per-dataset summary: greedy accuracy, mean pass@k over prompts with its bootstrap 95% interval
+    (`pass@k_ci_low`, `pass@k_ci_high`), mean response length."""
+    greedy = [row["correct"] for row in rows if row["mode"] == "greedy"]
+    counts = sampled_counts(rows)
+    n_P = np.array([n for n, _ in counts.values()], dtype=np.int64)
+    c_P = np.array([c for _, c in counts.values()], dtype=np.int64)
+    summary: dict[str, float] = {"prompts": float(len({row["prompt_id"] for row in rows}))}
+    if greedy:
+        summary["greedy_accuracy"] = float(np.mean(greedy))
+    for k in ks:
+        values = [pass_at_k(int(n), int(c), k) for n, c in zip(n_P, c_P, strict=True) if n >= k]
+        if values:
+            summary[f"pass@{k}"] = float(np.mean(values))
+            summary[f"pass@{k}_ci_low"], summary[f"pass@{k}_ci_high"] = bootstrap_pass_at_k(n_P, c_P, k)
+    summary["mean_num_tokens"] = float(np.mean([row["num_tokens"] for row in rows])) if rows else 0.0
+    return summary

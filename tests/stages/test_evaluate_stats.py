@@ -1,0 +1,80 @@
+"""The evaluation statistics: unbiased pass@k, its two-level bootstrap interval, and the paired gain."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from stages.eval_metrics import aggregate, bootstrap_pass_at_k, bootstrap_pass_at_k_gain, pass_at_k, sampled_counts
+
+
+def test_pass_at_k_by_hand() -> None:
+    assert pass_at_k(4, 1, 1) == pytest.approx(0.25)  # c / n
+    assert pass_at_k(5, 2, 2) == pytest.approx(1 - 3 / 10)  # 1 - C(3,2)/C(5,2)
+    assert pass_at_k(4, 3, 2) == 1.0  # n - c = 1 < k: every pair holds a correct one
+    assert pass_at_k(4, 0, 4) == 0.0
+    with pytest.raises(ValueError, match="k <= n"):
+        pass_at_k(2, 1, 3)
+
+
+def rows(correct_by_prompt: dict[str, list[bool]], greedy: dict[str, bool]) -> list[dict]:
+    table = [{"prompt_id": p, "mode": "sampled", "correct": c, "num_tokens": 10}
+             for p, cs in correct_by_prompt.items() for c in cs]
+    return table + [{"prompt_id": p, "mode": "greedy", "correct": c, "num_tokens": 20} for p, c in greedy.items()]
+
+
+def test_aggregate_numbers_and_interval() -> None:
+    table = rows({"a": [True, False, False, False], "b": [True, True, False, False]}, {"a": True, "b": False})
+    assert sampled_counts(table) == {"a": (4, 1), "b": (4, 2)}
+    summary = aggregate(table, [1, 2])
+    assert summary["prompts"] == 2 and summary["greedy_accuracy"] == 0.5
+    assert summary["pass@1"] == pytest.approx((1 / 4 + 2 / 4) / 2)
+    # pass@2: a = 1 - C(3,2)/C(4,2) = 1/2, b = 1 - C(2,2)/C(4,2) = 5/6
+    assert summary["pass@2"] == pytest.approx((1 / 2 + 5 / 6) / 2)
+    assert summary["mean_num_tokens"] == pytest.approx((8 * 10 + 2 * 20) / 10)
+    for k in (1, 2):
+        assert summary[f"pass@{k}_ci_low"] <= summary[f"pass@{k}"] <= summary[f"pass@{k}_ci_high"]
+    assert aggregate(table, [1]) == aggregate(table, [1])  # the interval is seeded: one table, one interval
+
+
+def test_bootstrap_degenerate_cases() -> None:
+    n_P = np.array([4, 4, 4])
+    assert bootstrap_pass_at_k(n_P, np.array([4, 4, 4]), 1) == (1.0, 1.0)
+    assert bootstrap_pass_at_k(n_P, np.array([0, 0, 0]), 2) == (0.0, 0.0)
+    with pytest.raises(ValueError, match="k=5"):
+        bootstrap_pass_at_k(n_P, np.array([1, 1, 1]), 5)
+
+
+def test_bootstrap_sample_level_by_hand() -> None:
+    """One problem, 4 samples, 2 correct: only the sample level varies. c* ~ Binomial(4, 1/2), and
+    P(c* = 0) = P(c* = 4) = 1/16 = 6.25% > 2.5%, so the interval of pass@1 = c*/4 is the full [0, 1]."""
+    assert bootstrap_pass_at_k(np.array([4]), np.array([2]), 1) == (0.0, 1.0)
+    # 8 samples, 4 correct: P(c* <= 1) = 9/256 = 3.5% > 2.5% >= P(c* = 0) = 0.4%, so the 2.5th percentile is
+    # c* = 1, pass@1 = 1/8; by symmetry the 97.5th is 7/8.
+    assert bootstrap_pass_at_k(np.array([8]), np.array([4]), 1, resamples=20000) == (0.125, 0.875)
+
+
+def test_bootstrap_problem_level_matches_the_binomial_interval() -> None:
+    """40 problems solved always or never (half each): only the problem level varies, the resampled mean
+    is Binomial(40, 1/2) / 40, whose 95% range is about 0.5 +- 1.96 * sqrt(0.25 / 40) = 0.5 +- 0.155."""
+    n_P = np.full(40, 4)
+    c_P = np.array([4, 0] * 20)
+    low, high = bootstrap_pass_at_k(n_P, c_P, 1, resamples=20000)
+    assert low == pytest.approx(0.5 - 0.155, abs=0.03) and high == pytest.approx(0.5 + 0.155, abs=0.03)
+
+
+def test_paired_gain() -> None:
+    n_P = np.full(20, 4)
+    none = np.zeros(20, dtype=int)
+    # The same results before and after: no gain, and an interval that straddles it.
+    same = np.array([1, 3] * 10)
+    gain, low, high = bootstrap_pass_at_k_gain(n_P, same, n_P, same, 1)
+    assert gain == 0.0 and low < 0 < high
+    # Everything solved after, nothing before: gain 1, no doubt about it.
+    assert bootstrap_pass_at_k_gain(n_P, none, n_P, np.full(20, 4), 1) == (1.0, 1.0, 1.0)
+    # Half the problems go from never to always solved: gain 0.5, problem-level spread only,
+    # Binomial(20, 1/2) / 20: 0.5 +- 1.96 * sqrt(0.25 / 20) = 0.5 +- 0.22.
+    gain, low, high = bootstrap_pass_at_k_gain(n_P, none, n_P, np.array([4, 0] * 10), 1, resamples=20000)
+    assert gain == 0.5 and low == pytest.approx(0.28, abs=0.05) and high == pytest.approx(0.72, abs=0.05)
+    with pytest.raises(ValueError, match="same problems"):
+        bootstrap_pass_at_k_gain(n_P, none, n_P[:3], none[:3], 1)
