@@ -105,3 +105,18 @@ def test_evaluation_keys_follow_the_generate_settings_evaluation_uses(stage: str
         assert payload(load_config(None, [change])) != base, change
     for change in ("generate.temperature=0.5", "generate.n_samples=2", "train.lr=0.5"):
         assert payload(load_config(None, [change])) == base, change
+
+
+def test_stage_processes_never_import_prefect() -> None:
+    """Prefect with no server starts a temporary one per process (~15 s): only the flow process may import it.
+    Every stage module (and the storage and schema code they use) imports without pulling Prefect in."""
+    import subprocess
+    import sys
+
+    modules = [f"stages.{path.stem}" for path in sorted((Path(__file__).parents[2] / "stages").glob("*.py"))
+               if path.stem != "__init__"]
+    code = (f"import sys\nfor m in {modules!r}: __import__(m)\n"
+            "print(sorted(m for m in sys.modules if m.startswith('prefect')))")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip() == "[]", result.stdout
