@@ -80,6 +80,7 @@ def _evaluation(catalog: Catalog, run_id: str, ks: list[int]) -> list[dict[str, 
     by_iteration: dict[int, list[dict[str, Any]]] = {}
     for row in groups:
         by_iteration.setdefault(row["iteration"], []).append(row)
+    intervals = _eval_intervals(catalog, run_id)
     result = []
     for iteration in sorted(set(by_iteration) | set(greedy)):
         entry: dict[str, Any] = {"iteration": iteration, "greedy": greedy.get(iteration),
@@ -87,8 +88,29 @@ def _evaluation(catalog: Catalog, run_id: str, ks: list[int]) -> list[dict[str, 
         for k in ks:
             values = [pass_at_k(g["n"], g["c"], k) for g in by_iteration.get(iteration, []) if g["n"] >= k]
             entry[f"pass@{k}"] = sum(values) / len(values) if values else None
+            if (interval := intervals.get(iteration, {}).get(f"pass@{k}")) is not None:
+                entry[f"pass@{k}_ci"] = interval
         result.append(entry)
     return result
+
+
+def _eval_intervals(catalog: Catalog, run_id: str) -> dict[int, dict[str, tuple[float, float]]]:
+    """iteration -> metric -> the bootstrap 95% interval the evaluate stage recorded in its manifest (for a
+    run evaluated on one dataset; with several, the report's pass@k pools them and no interval applies)."""
+    intervals: dict[int, dict[str, tuple[float, float]]] = {}
+    for row in catalog.rows(
+        """SELECT iter, metrics FROM manifests WHERE run_id = $run AND stage IN ('evaluate', 'evaluate_base')
+           AND name = 'eval'""", {"run": run_id}
+    ):
+        datasets = [v for v in json.loads(row["metrics"]).values() if isinstance(v, dict) and "prompts" in v]
+        if len(datasets) != 1:
+            continue
+        summary = datasets[0]
+        intervals[row["iter"]] = {
+            metric.removesuffix("_ci_low"): (value, summary[metric.replace("_ci_low", "_ci_high")])
+            for metric, value in summary.items() if metric.endswith("_ci_low")
+        }
+    return intervals
 
 
 def collect(catalog: Catalog, run_id: str, config: RunConfig | None) -> ReportData:
@@ -177,6 +199,10 @@ def _num(value: Any, digits: int = 3) -> str:
 
 def _pct(value: float | None) -> str:
     return "–" if value is None else f"{value:.1%}"
+
+
+def _interval(interval: tuple[float, float] | None) -> str:
+    return "" if interval is None else f" <span class='meta'>[{interval[0]:.1%}, {interval[1]:.1%}]</span>"
 
 
 def _charts(data: ReportData) -> list[str]:
@@ -309,12 +335,13 @@ def render(data: ReportData) -> str:
     charts = "".join(f"<div class='card'>{chart}</div>" for chart in _charts(data))
     evaluation_rows = "".join(
         "<tr><td>" + ("base" if r["iteration"] < 0 else str(r["iteration"])) + "</td>"
-        + "".join(f"<td class='num'>{_pct(r.get(f'pass@{k}'))}</td>" for k in data.ks)
+        + "".join(f"<td class='num'>{_pct(r.get(f'pass@{k}'))}{_interval(r.get(f'pass@{k}_ci'))}</td>"
+                  for k in data.ks)
         + f"<td class='num'>{_pct(r['greedy'])}</td><td class='num'>{r['prompts']}</td></tr>"
         for r in data.evaluation
     )
     evaluation_table = (
-        "<table><thead><tr><th>iteration</th>" + "".join(f"<th>pass@{k}</th>" for k in data.ks)
+        "<table><thead><tr><th>iteration</th>" + "".join(f"<th>pass@{k} [95% CI]</th>" for k in data.ks)
         + f"<th>greedy</th><th>prompts</th></tr></thead><tbody>{evaluation_rows}</tbody></table>"
         if data.evaluation else "<p class='meta'>no evaluation yet</p>"
     )

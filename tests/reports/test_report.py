@@ -139,3 +139,28 @@ def test_charts_render_in_headless_chromium(run_root: Path, tmp_path: Path) -> N
     assert pixels_near((0x00, 0x72, 0xB2)) > 2000  # the first series' blue: lines, markers, legends
     assert pixels_near((0x00, 0x9E, 0x73)) > 2000  # status "ok" bars (green)
     assert pixels_near((0xD5, 0x5E, 0x00)) > 2000  # status "fail" bars (vermillion)
+
+
+def test_evaluation_shows_the_recorded_bootstrap_intervals(tmp_path: Path) -> None:
+    """The held-out table shows each checkpoint's pass@k with the 95% interval its evaluate stage recorded
+    (here: the stage's own `aggregate` put into the synthetic run's eval manifests)."""
+    from stages.eval_metrics import aggregate
+
+    layout = write_synthetic_run(str(tmp_path), SyntheticSpec(run_id="ci", iterations=1, test_prompts=6, seed=3))
+    run_dir = tmp_path / "runs/ci"
+    for name in ("base/eval.parquet", "iter=0000/eval.parquet"):
+        path = run_dir / f"{name}.manifest.json"
+        manifest = json.loads(path.read_text())
+        manifest["metrics"] = {"toy": aggregate(pq.read_table(run_dir / name).to_pylist(), [1, 4])}
+        path.write_text(json.dumps(manifest))
+    with Catalog(str(tmp_path), ["ci"]) as catalog:
+        data = collect(catalog, "ci", read_config(layout))
+    for row in data.evaluation:
+        name = "base/eval.parquet" if row["iteration"] < 0 else "iter=0000/eval.parquet"
+        recorded = json.loads((run_dir / f"{name}.manifest.json").read_text())["metrics"]["toy"]
+        for k in (1, 4):
+            assert row[f"pass@{k}_ci"] == (recorded[f"pass@{k}_ci_low"], recorded[f"pass@{k}_ci_high"])
+            assert row[f"pass@{k}_ci"][0] <= row[f"pass@{k}"] <= row[f"pass@{k}_ci"][1]
+    html = (Path(write_report(str(tmp_path), "ci"))).read_text()
+    low, high = data.evaluation[0]["pass@1_ci"]
+    assert f"[{low:.1%}, {high:.1%}]" in html
