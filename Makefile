@@ -11,7 +11,7 @@ STAMP   = $(VENV)/.installed-$(subst $(comma),-,$(EXTRAS))
 comma  := ,
 CONFIG ?= deployments/configs/default.yaml
 
-.PHONY: install system-deps run test lint lock clean-venv
+.PHONY: install system-deps run test lint lock clean-venv bench-deps
 
 install: $(STAMP)
 
@@ -42,6 +42,10 @@ run: install
 
 test: install
 	$(VENV)/bin/python -m pytest -q -ra
+
+# Peers that benchmarks/ compare against, never dependencies of rlpipe: TRL for benchmarks/peer_trl.py.
+bench-deps: install
+	$(PIPC) -q trl==1.16.0
 
 lint: install
 	$(VENV)/bin/ruff check .

@@ -1,0 +1,228 @@
+"""Peer comparison: TRL's GRPOTrainer against a finished rlpipe run, same job, same wall-clock budget.
+
+The rlpipe side is a run that already finished (e.g. `rlpipe run --config deployments/configs/humaneval-cpu.yaml`):
+its config fixes everything the peer gets, so the two can only differ in the trainer:
+
+- the same model (the run's base model directory), training prompts (the run's prompts table, train
+  split, with the same chat messages) and reward (our sandbox, `stages.sandbox.Sandbox`, with the run's
+  `score` section: same reward kind, fraction or binary, same no-code penalty);
+- the same group size (`generate.n_samples` = TRL's `num_generations`), prompts per generation batch
+  (`generate.prompts_per_iteration`), optimizer steps per batch (`train.minibatches` = TRL's
+  `steps_per_generation`), sampling (temperature, top-p, top-k, max new tokens), learning rate, clip range,
+  KL coefficient, and loss aggregation mapped to TRL's `loss_type` (token-mean = "dapo",
+  seq-mean-token-mean = "grpo", seq-mean-token-sum-norm = "dr_grpo") and estimator to `scale_rewards`;
+- the same wall-clock budget: the rlpipe run's training time (first iteration stage start to last train
+  end, its per-iteration evaluations included, since rlpipe pays for them); TRL stops at the first
+  optimizer step past it;
+- the same held-out evaluation: TRL's final model is evaluated by rlpipe's own `evaluate_base` stage
+  (same prompts, backend, seeds, sandbox), in a run of its own beside the rlpipe run.
+
+TRL generates with Hugging Face `generate`; gradient checkpointing is off and `use_cache` is on (TRL turns
+the cache off by default, which made each step ~8x slower on this CPU: ENVIRONMENT.md). That is the fair
+setting, and it is said here so nobody has to guess.
+
+Prints both reward curves against wall-clock minutes, held-out pass@1 and pass@k (with the bootstrap 95%
+intervals the evaluate stage records) before and after for each side, and the ratio of improvement in
+pass@1 per wall-minute (rlpipe / TRL).
+
+Install the peer first (benchmarks only, not a dependency of rlpipe): `make bench-deps`.
+Run: `.venv/bin/python -m benchmarks.peer_trl --run humaneval-cpu [--root ./rlpipe-data]`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+LOSS_TYPES = {"token-mean": "dapo", "seq-mean-token-mean": "grpo", "seq-mean-token-sum-norm": "dr_grpo"}
+SCALE_REWARDS = {"grpo": "group", "dr_grpo": "none", "mean_centered": "none"}
+
+
+@dataclass
+class Side:
+    name: str
+    minutes: list[float] = field(default_factory=list)  # wall minutes since training started
+    rewards: list[float] = field(default_factory=list)  # mean reward of the rollouts at that point
+    budget_s: float = 0.0
+    before: dict[str, Any] = field(default_factory=dict)  # held-out metrics of the base model
+    after: dict[str, Any] = field(default_factory=dict)  # ... and of the trained model
+
+    def gain_per_minute(self, metric: str = "pass@1") -> float:
+        return (self.after[metric] - self.before[metric]) / (self.budget_s / 60)
+
+
+def _seconds(iso: str) -> float:
+    return datetime.fromisoformat(iso).timestamp()
+
+
+def eval_summary(manifest: Any, dataset: str) -> dict[str, Any]:  # noqa: ANN401 - a Manifest
+    return dict(manifest.metrics[dataset])
+
+
+def rlpipe_side(root: str, run_id: str) -> tuple[Side, Any]:
+    """The finished run's reward curve, budget and held-out results, from its manifests and tables."""
+    import pyarrow.parquet as pq
+
+    from stages.common import read_run_config
+    from stages.registry import STAGES, stage_state
+    from storage.layout import BASE, RunLayout
+    from storage.manifest import read_manifest
+
+    layout = RunLayout.create(root, run_id)
+    config = read_run_config(layout)
+    fs = layout.fs
+    last = config.iterations - 1
+    for k in range(config.iterations):
+        for stage in ("generate", "score", "train", "evaluate"):
+            if not stage_state(fs, layout, config, STAGES[stage], k).done:
+                raise SystemExit(f"run {run_id}: stage {stage} of iteration {k} is not done; finish the run first")
+    side = Side("rlpipe")
+    first = read_manifest(fs, layout.table_path("rollouts", 0) + ".manifest.json")
+    started = _seconds(first.started_at)
+    for k in range(config.iterations):
+        scores = pq.read_table(layout.table_path("scores", k), columns=["reward"]).column("reward").to_pylist()
+        trained = read_manifest(fs, layout.table_path("train_metrics", k) + ".manifest.json")
+        side.minutes.append((_seconds(trained.ended_at) - started) / 60)
+        side.rewards.append(sum(scores) / len(scores))
+    last_eval = read_manifest(fs, layout.table_path("eval", last) + ".manifest.json")
+    side.budget_s = _seconds(last_eval.ended_at) - started
+    base_eval = read_manifest(fs, layout.table_path("eval", BASE) + ".manifest.json")
+    dataset = next(name for name, value in base_eval.metrics.items() if isinstance(value, dict) and "pass@1" in value)
+    side.before = eval_summary(base_eval, dataset)
+    side.after = eval_summary(last_eval, dataset)
+    return side, config
+
+
+def train_with_trl(config: Any, root: str, run_id: str, budget_s: float, out_dir: Path) -> Side:  # noqa: ANN401
+    """GRPOTrainer on the run's train prompts with our sandbox as the reward, stopped at the budget."""
+    import pyarrow.parquet as pq
+    from datasets import Dataset
+    from transformers import TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from stages.models import resolve_model
+    from stages.sandbox import Sandbox, ScoreJob
+    from storage.layout import RunLayout
+
+    layout = RunLayout.create(root, run_id)
+    prompts = [row for row in pq.read_table(layout.prompts_path).to_pylist() if row["split"] == "train"]
+    dataset = Dataset.from_list([
+        {"prompt": json.loads(row["messages"]), "reward_spec": row["reward_spec"]} for row in prompts
+    ])
+    gen, train, adv = config.generate, config.train, config.advantage
+    sandbox = Sandbox.from_config(config.score).start()
+
+    def sandbox_reward(completions: list, reward_spec: list[str], **_: Any) -> list[float]:  # noqa: ANN401
+        jobs = [ScoreJob(completion[-1]["content"], json.loads(spec))
+                for completion, spec in zip(completions, reward_spec, strict=True)]
+        return [result.reward for result in sandbox.score(jobs)]
+
+    side = Side("TRL GRPOTrainer", budget_s=budget_s)
+    started = time.monotonic()
+
+    class Budget(TrainerCallback):
+        def on_log(self, args, state, control, logs=None, **kwargs):  # noqa: ANN001, ANN003, ANN201
+            if logs and "reward" in logs:
+                side.minutes.append((time.monotonic() - started) / 60)
+                side.rewards.append(float(logs["reward"]))
+
+        def on_step_end(self, args, state, control, **kwargs):  # noqa: ANN001, ANN003, ANN201
+            if time.monotonic() - started >= budget_s:
+                control.should_training_stop = True
+            return control
+
+    completions_per_batch = gen.prompts_per_iteration * gen.n_samples
+    args = GRPOConfig(
+        output_dir=str(out_dir / "trainer"), use_cpu=True, bf16=False, seed=config.seed, report_to="none",
+        save_strategy="no", logging_steps=1, max_steps=10**6, num_train_epochs=1000,
+        learning_rate=train.lr, weight_decay=train.weight_decay, adam_beta1=train.adam_beta1,
+        adam_beta2=train.adam_beta2, adam_epsilon=train.adam_eps, max_grad_norm=train.max_grad_norm,
+        lr_scheduler_type="constant", warmup_steps=train.warmup_steps,
+        num_generations=gen.n_samples, per_device_train_batch_size=completions_per_batch // train.minibatches,
+        gradient_accumulation_steps=1, steps_per_generation=train.minibatches, num_iterations=train.epochs,
+        max_completion_length=gen.max_new_tokens, temperature=gen.temperature, top_p=gen.top_p,
+        top_k=gen.top_k if gen.top_k > 0 else 0, generation_kwargs={"use_cache": True},
+        gradient_checkpointing=False, beta=train.kl_coef, epsilon=train.clip_low, epsilon_high=train.clip_high,
+        loss_type=LOSS_TYPES.get(train.loss_aggregation, "dapo"), scale_rewards=SCALE_REWARDS.get(adv.estimator,
+                                                                                                   "group"),
+        mask_truncated_completions=adv.mask_truncated, disable_dropout=True,
+    )
+    model_dir = resolve_model(config.model)
+    trainer = GRPOTrainer(model=str(model_dir), reward_funcs=sandbox_reward, args=args, train_dataset=dataset,
+                          callbacks=[Budget()])
+    try:
+        trainer.train()
+    finally:
+        sandbox.close()
+    side.budget_s = time.monotonic() - started
+    trainer.save_model(str(out_dir / "model"))
+    trainer.processing_class.save_pretrained(str(out_dir / "model"))
+    return side
+
+
+def evaluate_with_rlpipe(config: Any, root: str, model_dir: Path, run_id: str) -> dict[str, Any]:  # noqa: ANN401
+    """The held-out evaluation rlpipe gives its own checkpoints, given to `model_dir` (a run of its own)."""
+    from flows.cli import start_run
+    from flows.execute import run_stage_process
+    from stages.registry import RUN_STAGES
+    from storage.layout import BASE
+    from storage.manifest import read_manifest
+
+    values = config.model_dump(mode="json") | {"run_id": run_id}
+    values["model"] = values["model"] | {"name_or_path": str(model_dir)}
+    peer_config = type(config).model_validate(values)
+    layout = start_run(peer_config, root)
+    for stage in RUN_STAGES:
+        run_stage_process(layout, peer_config, stage, BASE)
+    manifest = read_manifest(layout.fs, layout.table_path("eval", BASE) + ".manifest.json")
+    dataset = next(name for name, value in manifest.metrics.items() if isinstance(value, dict) and "pass@1" in value)
+    return eval_summary(manifest, dataset)
+
+
+def describe(side: Side, ks: list[int]) -> None:
+    print(f"\n{side.name}: budget {side.budget_s / 60:.1f} min")
+    for minutes, reward in zip(side.minutes, side.rewards, strict=True):
+        print(f"  {minutes:7.1f} min  mean reward {reward:.3f}")
+    for k in ks:
+        metric = f"pass@{k}"
+        interval = ""
+        if f"{metric}_ci_low" in side.after:
+            before, after = (f"[{m[f'{metric}_ci_low']:.3f}, {m[f'{metric}_ci_high']:.3f}]"
+                             for m in (side.before, side.after))
+            interval = f"  (95% CI before {before}, after {after})"
+        print(f"  held-out {metric}: {side.before[metric]:.3f} -> {side.after[metric]:.3f}{interval}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--run", required=True, help="a finished rlpipe run (the recipe's)")
+    parser.add_argument("--root", default=os.environ.get("RLPIPE_ROOT", "./rlpipe-data"))
+    parser.add_argument("--budget-minutes", type=float, default=None, help="default: the rlpipe run's")
+    parser.add_argument("--out", default=None, help="where TRL's model goes (default: <root>/peer-trl/<run>)")
+    args = parser.parse_args()
+
+    ours, config = rlpipe_side(args.root, args.run)
+    budget_s = args.budget_minutes * 60 if args.budget_minutes else ours.budget_s
+    out_dir = Path(args.out or Path(args.root) / "peer-trl" / args.run)
+    load_before = os.getloadavg()[0]
+    peer = train_with_trl(config, args.root, args.run, budget_s, out_dir)
+    peer.before = ours.before  # the same base model, prompts and seeds: one evaluation serves both
+    peer.after = evaluate_with_rlpipe(config, args.root, out_dir / "model", f"{args.run}-peer-trl")
+    load_after = os.getloadavg()[0]
+
+    for side in (ours, peer):
+        describe(side, config.evaluate.k)
+    ours_gain, peer_gain = ours.gain_per_minute(), peer.gain_per_minute()
+    ratio = f"{ours_gain / peer_gain:.2f}" if peer_gain > 0 else "n/a (the peer did not improve)"
+    print(f"\nheld-out pass@1 gain per wall-minute: rlpipe {ours_gain:+.5f}, TRL {peer_gain:+.5f}; "
+          f"ratio rlpipe / TRL: {ratio}; load average {load_before:.1f} -> {load_after:.1f}")
+
+
+if __name__ == "__main__":
+    main()
