@@ -145,18 +145,23 @@ def uid_processes(uid: int, include_zombies: bool = True) -> list[int]:
     return found
 
 
-def kill_uid(uid: int, rounds: int = 100) -> bool:
+def kill_uid(uid: int, timeout_s: float = 10.0) -> bool:
     """SIGKILL every process running as `uid` and reap those that became ours; True when none is left.
-    A fork bomb converges: a killed process cannot fork again, and the process limits cap it."""
-    for attempt in range(rounds):
+    A fork bomb converges: a killed process cannot fork again, and the process limits cap it. A SIGKILLed
+    process needs a moment to exit, longer on a loaded machine, so this waits up to `timeout_s` (a fixed
+    number of 1 ms rounds let a daemonized sleeper outlive its job under load); with nothing left it
+    returns after one /proc scan."""
+    deadline = time.monotonic() + timeout_s
+    pause = 0.0005
+    while True:
         reap_children()
         if not uid_processes(uid):
             return True
+        if time.monotonic() > deadline:
+            return False
         _signal_uid(uid)
-        if attempt:
-            time.sleep(0.001)  # SIGKILLed processes need a moment to exit before they can be reaped
-    reap_children()
-    return not uid_processes(uid)
+        time.sleep(pause)
+        pause = min(pause * 2, 0.01)
 
 
 def _process_table() -> dict[int, tuple[int, int, str]]:
