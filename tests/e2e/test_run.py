@@ -100,7 +100,8 @@ def test_run_finishes_and_is_traceable(finished_run: Path) -> None:
     # ... and `rlpipe status` shows them side by side.
     held_out = status.stdout[status.stdout.index("held-out evaluation"):]
     for label, manifest in (("base", base_eval), ("iter 1", last_eval)):
-        line = next(line for line in held_out.splitlines() if f" {label} " in line)
+        line = next(line for line in held_out.splitlines()
+                    if line.startswith("│") and line.split("│")[1].strip() == label)  # the row, not the header
         assert f"{manifest['metrics']['humaneval']['pass@1']:.3f}" in line, line
     # Sampler logprobs are real log-probabilities.
     assert all(lp <= 0.0 for r in rollouts_0 for lp in r["response_logprobs"])
@@ -128,6 +129,14 @@ def test_deleting_an_output_reruns_that_stage(finished_run: Path) -> None:
     assert_tables_complete(run_dir)
 
 
+def _wait_for(condition, timeout_s: float) -> None:  # noqa: ANN001 - a callable returning bool
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError("timed out waiting")
+        time.sleep(0.05)
+
+
 def _wait_for_stage_process(stage: str, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -153,7 +162,10 @@ def test_sigkill_during_train_then_config_change_resume(finished_run: Path) -> N
     )
     try:
         _wait_for_stage_process("train", timeout_s=300)
-        time.sleep(8)  # into model loading / the update
+        # Into the stage's work: it has read its inputs and made its scratch checkpoint directory
+        # (`checkpoints/.iter=0000.tmp-*`), and publishes only after loading, training and saving into it.
+        # A fixed sleep raced a tiny batch's train (about 5 s) to its end.
+        _wait_for(lambda: any((run_dir / "checkpoints").glob(".iter=0000.tmp-*")), timeout_s=300)
         assert driver.poll() is None
     finally:
         os.killpg(driver.pid, signal.SIGKILL)
