@@ -47,6 +47,7 @@ import signal
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from schemas.config import ScoreConfig
@@ -145,23 +146,31 @@ def uid_processes(uid: int, include_zombies: bool = True) -> list[int]:
     return found
 
 
-def kill_uid(uid: int, timeout_s: float = 10.0) -> bool:
-    """SIGKILL every process running as `uid` and reap those that became ours; True when none is left.
-    A fork bomb converges: a killed process cannot fork again, and the process limits cap it. A SIGKILLed
-    process needs a moment to exit, longer on a loaded machine, so this waits up to `timeout_s` (a fixed
-    number of 1 ms rounds let a daemonized sleeper outlive its job under load); with nothing left it
-    returns after one /proc scan."""
+def kill_until_gone(
+    find: Callable[[], list[int]], kill: Callable[[list[int]], None], timeout_s: float = 10.0
+) -> bool:
+    """Kill what `find` returns and reap what became ours, until it returns nothing (True) or `timeout_s`
+    passes (False). A SIGKILLed process needs a moment to exit, longer on a loaded machine, so the pause
+    between rounds grows from 0.5 ms to 10 ms (a fixed number of 1 ms rounds let a daemonized sleeper
+    outlive its job under load); with nothing to kill it returns after one `find`. A fork bomb converges:
+    a killed process cannot fork again, and the process limits cap it."""
     deadline = time.monotonic() + timeout_s
     pause = 0.0005
     while True:
         reap_children()
-        if not uid_processes(uid):
+        left = find()
+        if not left:
             return True
         if time.monotonic() > deadline:
             return False
-        _signal_uid(uid)
+        kill(left)
         time.sleep(pause)
         pause = min(pause * 2, 0.01)
+
+
+def kill_uid(uid: int, timeout_s: float = 10.0) -> bool:
+    """SIGKILL every process running as `uid` (one kill(-1) as that uid per round); True when none is left."""
+    return kill_until_gone(lambda: uid_processes(uid), lambda _: _signal_uid(uid), timeout_s)
 
 
 def _process_table() -> dict[int, tuple[int, int, str]]:
@@ -216,22 +225,15 @@ def kill_descendants(timeout_s: float = 10.0) -> bool:
     but asynchronously (the init gets its SIGKILL from --die-with-parent, and a namespace's teardown
     takes a while on a loaded machine), so this waits for it, up to `timeout_s`."""
     me = os.getpid()
-    deadline = time.monotonic() + timeout_s
-    pause = 0.0005
-    while True:
-        reap_children()
-        left = job_descendants(me)
-        if not left:
-            return True
-        if time.monotonic() > deadline:
-            return False
-        for pid in left:
+
+    def kill(pids: list[int]) -> None:
+        for pid in pids:
             try:
                 os.kill(pid, signal.SIGKILL)
             except (ProcessLookupError, PermissionError):
                 pass
-        time.sleep(pause)
-        pause = min(pause * 2, 0.01)
+
+    return kill_until_gone(lambda: job_descendants(me), kill, timeout_s)
 
 
 def uid_tasks(uid: int) -> int:
