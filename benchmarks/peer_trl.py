@@ -61,8 +61,9 @@ def _seconds(iso: str) -> float:
     return datetime.fromisoformat(iso).timestamp()
 
 
-def eval_summary(manifest: Any, dataset: str) -> dict[str, Any]:  # noqa: ANN401 - a Manifest
-    return dict(manifest.metrics[dataset])
+def eval_summary(manifest: Any) -> dict[str, Any]:  # noqa: ANN401 - a Manifest
+    """The held-out summary (pass@k, intervals, greedy) an eval manifest records for its dataset."""
+    return next(dict(value) for value in manifest.metrics.values() if isinstance(value, dict) and "pass@1" in value)
 
 
 def rlpipe_side(root: str, run_id: str) -> tuple[Side, Any]:
@@ -93,9 +94,8 @@ def rlpipe_side(root: str, run_id: str) -> tuple[Side, Any]:
     last_eval = read_manifest(fs, layout.table_path("eval", last) + ".manifest.json")
     side.budget_s = _seconds(last_eval.ended_at) - started
     base_eval = read_manifest(fs, layout.table_path("eval", BASE) + ".manifest.json")
-    dataset = next(name for name, value in base_eval.metrics.items() if isinstance(value, dict) and "pass@1" in value)
-    side.before = eval_summary(base_eval, dataset)
-    side.after = eval_summary(last_eval, dataset)
+    side.before = eval_summary(base_eval)
+    side.after = eval_summary(last_eval)
     return side, config
 
 
@@ -181,8 +181,7 @@ def evaluate_with_rlpipe(config: Any, root: str, model_dir: Path, run_id: str) -
     for stage in RUN_STAGES:
         run_stage_process(layout, peer_config, stage, BASE)
     manifest = read_manifest(layout.fs, layout.table_path("eval", BASE) + ".manifest.json")
-    dataset = next(name for name, value in manifest.metrics.items() if isinstance(value, dict) and "pass@1" in value)
-    return eval_summary(manifest, dataset)
+    return eval_summary(manifest)
 
 
 def describe(side: Side, ks: list[int]) -> None:
