@@ -64,12 +64,18 @@ class GenerateConfig(Section):
     batch_size: int = Field(16, ge=1)
     # Precision of each backend's weights and activations, one field per backend: `dtype` is the HF
     # backend's (fp32: its logprobs then equal the trainer's fp32 forward pass), `vllm_dtype` the vLLM
-    # engine's (bf16: the fast path on CPU and GPU, and what benchmarks/generate.py and ENVIRONMENT.md
-    # measured; "auto" takes vLLM's own choice for the checkpoint). A bf16 sampler is fine for RL: its
-    # logprobs are the behaviour policy, the trainer recomputes the old policy's in train.dtype, and the gap
-    # is recorded per run (`logprob_mismatch` in the rollouts manifest).
+    # engine's. "auto" is float32 on CPU and bfloat16 on GPU: a CPU without native bf16 (AVX2 only, like the
+    # 2-core box) runs vLLM's bf16 path through converting fallbacks. Measured there on 84 HumanEval
+    # requests x 128 tokens: bf16 compiled 35 tok/s (engine start 112 s), fp32 eager 148 tok/s (10 s). Either precision is fine for RL: the sampler's logprobs are the behaviour
+    # policy, the trainer recomputes the old policy's in train.dtype, and the gap is recorded per run
+    # (`logprob_mismatch` in the rollouts manifest); fp32 on CPU also makes that gap small.
     dtype: Literal["float32", "bfloat16"] = "float32"
-    vllm_dtype: Literal["auto", "float32", "bfloat16"] = "bfloat16"
+    vllm_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    # torch.compile of the vLLM model: "auto" is off (eager) on CPU and on elsewhere. On the 2-core CPU the
+    # compiled engine took 70-110 s to start even with a warm compile cache (dynamo tracing plus a warm-up
+    # pass at the full step budget), the eager one 10 s; an RL iteration starts two engines (generate,
+    # evaluate), so compiling costs more than it could save at these batch sizes.
+    vllm_compile: Literal["auto", "on", "off"] = "auto"
     vllm_kv_cache_gib: int = Field(2, ge=1)
     vllm_tensor_parallel_size: int = Field(1, ge=1)
     # Only 1: vLLM's offline `LLM` (0.32) refuses data_parallel_size > 1 in one process (it needs one

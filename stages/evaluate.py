@@ -85,6 +85,7 @@ def run(ctx: StageContext) -> None:
     metrics: dict[str, object] = {
         "backend": backend.name,
         "deterministic": backend.deterministic,
+        "engine": backend.engine_settings,
         "engine_start_seconds": round(backend.engine_start_seconds, 3),
         "generation_seconds": round(generation_seconds, 3),
         "generated_tokens": generated_tokens,

@@ -122,6 +122,7 @@ def run(ctx: StageContext) -> None:
     ctx.write_table("rollouts", pa.Table.from_pylist(rows), {
         "backend": backend.name,
         "deterministic": backend.deterministic,
+        "engine": backend.engine_settings,
         "engine_start_seconds": round(backend.engine_start_seconds, 3),
         "generation_seconds": round(result.seconds, 3),
         "generated_tokens": result.tokens,

@@ -38,7 +38,7 @@ def make_backend(name: str, model_dir: Path, cfg: GenerateConfig) -> Backend:
 
     The vLLM engine's context length fits `max_prompt_tokens + max_new_tokens` (see `context_length`): a
     prompt the stage let through always fits with a full-length response. The HF backend runs in
-    `cfg.dtype`, the vLLM engine in `cfg.vllm_dtype`.
+    `cfg.dtype`, the vLLM engine in `cfg.vllm_dtype` (with `cfg.vllm_compile`; "auto" resolves per platform).
     """
     resolved = resolve_backend_name(name)
     if resolved == "hf":
@@ -47,11 +47,12 @@ def make_backend(name: str, model_dir: Path, cfg: GenerateConfig) -> Backend:
         return HFBackend(Path(model_dir), dtype=cfg.dtype, batch_size=cfg.batch_size)
     from stages.generation.vllm_backend import VLLMBackend, context_length
 
-    # Each backend has its own precision field (schemas/config.py): vLLM runs in `vllm_dtype` (bf16 by
-    # default, its fast path), HF in `dtype`. Data parallelism is not passed: the config admits only 1.
+    # Each backend has its own precision field (schemas/config.py): vLLM runs in `vllm_dtype` (fp32 on CPU,
+    # bf16 on GPU by default), HF in `dtype`. Data parallelism is not passed: the config admits only 1.
     return VLLMBackend(
         Path(model_dir),
         dtype=cfg.vllm_dtype,
+        compile=cfg.vllm_compile,
         max_model_len=context_length(cfg.max_prompt_tokens, cfg.max_new_tokens),
         kv_cache_gib=cfg.vllm_kv_cache_gib,
         tensor_parallel_size=cfg.vllm_tensor_parallel_size,

@@ -49,6 +49,9 @@ class Backend(Protocol):
     name: str
     deterministic: bool
     engine_start_seconds: float
+    # What the engine actually ran with, "auto" settings resolved (precision, compiled or eager): recorded in
+    # the manifests of the stages that generate.
+    engine_settings: dict[str, object]
 
     def generate(
         self,

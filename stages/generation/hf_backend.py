@@ -126,6 +126,7 @@ class HFBackend:
         self.model = load_model(model_dir, dtype)
         self.tokenizer = load_tokenizer(model_dir)
         self.batch_size = batch_size
+        self.engine_settings: dict[str, object] = {"dtype": dtype}
         self.stop_ids = eos_token_ids(self.model, self.tokenizer)
         pad = self.tokenizer.pad_token_id
         self.pad_id = int(pad if pad is not None else min(self.stop_ids))

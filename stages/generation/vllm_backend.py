@@ -20,9 +20,11 @@ What each setting is for:
 - Requests are fed to the engine in windows and results are collected as they finish (our own loop
   over `LLMEngine.step`, the loop `LLM.generate` runs internally), which keeps the scheduler full across
   window boundaries and reports progress per finished request.
-- The compile caches live in `~/.cache/rlpipe/vllm` (`VLLM_CACHE_ROOT`, and inductor's under it), so only
-  the first engine start on a machine pays for the whole torch.compile; on CPU this needs vLLM's AOT
-  compile mode off (`configure_cpu_compile_cache`). `engine_start_seconds` (import + engine
+- Precision and compilation (`generate.vllm_dtype`, `generate.vllm_compile`): "auto" is fp32 and eager on
+  CPU, bf16 and compiled on GPU (`resolve_engine_settings`). When the model is compiled, the compile caches
+  live in `~/.cache/rlpipe/vllm` (`VLLM_CACHE_ROOT`, and inductor's under it), so only the first engine
+  start on a machine pays for the whole torch.compile; on CPU this needs vLLM's AOT compile mode off
+  (`configure_cpu_compile_cache`). `engine_start_seconds` (import + engine
   construction + warm-up) is reported apart from generation time.
 
 Determinism: on CPU the engine core runs in the stage process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`) and
@@ -112,13 +114,24 @@ def context_length(max_prompt_tokens: int, max_new_tokens: int) -> int:
     return max(MIN_CONTEXT_TOKENS, max_prompt_tokens + max_new_tokens)
 
 
+def resolve_engine_settings(dtype: str, compile: str, on_cpu: bool) -> tuple[str, bool]:
+    """(dtype, enforce_eager) for the config's `vllm_dtype` and `vllm_compile`, whose "auto" means fp32 and
+    eager on CPU, bf16 and compiled elsewhere (schemas/config.py has the measurements behind that)."""
+    if dtype == "auto":
+        dtype = "float32" if on_cpu else "bfloat16"
+    enforce_eager = compile == "off" or (compile == "auto" and on_cpu)
+    return dtype, enforce_eager
+
+
 def engine_kwargs(
-    model_dir: Path, dtype: str, max_model_len: int, tensor_parallel_size: int, on_cpu: bool, seed: int = 0
+    model_dir: Path, dtype: str, max_model_len: int, tensor_parallel_size: int, on_cpu: bool, seed: int = 0,
+    enforce_eager: bool = False,
 ) -> dict[str, Any]:
     """Arguments of `vllm.LLM` (see the module docstring for why each is set)."""
     kwargs: dict[str, Any] = {
         "model": str(model_dir),
         "dtype": dtype,
+        "enforce_eager": enforce_eager,
         "seed": seed,
         "max_model_len": max_model_len,
         "tensor_parallel_size": tensor_parallel_size,
@@ -185,7 +198,8 @@ class VLLMBackend:
     def __init__(
         self,
         model_dir: Path,
-        dtype: str = "bfloat16",
+        dtype: str = "auto",
+        compile: str = "auto",
         max_model_len: int = MIN_CONTEXT_TOKENS,
         kv_cache_gib: int = 2,
         tensor_parallel_size: int = 1,
@@ -208,7 +222,12 @@ class VLLMBackend:
         self.deterministic = self.on_cpu
         self.max_model_len = max_model_len
         self.window = window
-        self.llm = LLM(**engine_kwargs(model_dir, dtype, max_model_len, tensor_parallel_size, self.on_cpu))
+        resolved_dtype, enforce_eager = resolve_engine_settings(dtype, compile, self.on_cpu)
+        self.engine_settings: dict[str, object] = {
+            "dtype": resolved_dtype, "compiled": not enforce_eager, "tensor_parallel_size": tensor_parallel_size,
+        }
+        self.llm = LLM(**engine_kwargs(model_dir, resolved_dtype, max_model_len, tensor_parallel_size, self.on_cpu,
+                                       enforce_eager=enforce_eager))
         self.engine_start_seconds = time.monotonic() - started
 
     def generate(

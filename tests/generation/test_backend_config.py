@@ -1,6 +1,7 @@
 """The generate section's backend settings reach the backend they belong to, without starting an engine.
 
-`dtype` is the HF backend's precision and `vllm_dtype` the vLLM engine's (bf16 by default, what was measured);
+`dtype` is the HF backend's precision and `vllm_dtype` the vLLM engine's ("auto": fp32 and eager on CPU, bf16 and
+compiled on GPU, as measured);
 `vllm_data_parallel_size` other than 1 is refused when the config loads, naming the field, because vLLM's
 offline engine cannot run it in one process and would otherwise fail minutes later, at engine start.
 """
@@ -35,9 +36,26 @@ def recorded(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, Any]]:
     return RecordingBackend.started
 
 
-def test_defaults_are_fp32_for_hf_and_bf16_for_vllm() -> None:
+def test_defaults_are_fp32_for_hf_and_per_platform_for_vllm() -> None:
     cfg = GenerateConfig()
-    assert (cfg.dtype, cfg.vllm_dtype, cfg.vllm_data_parallel_size) == ("float32", "bfloat16", 1)
+    assert (cfg.dtype, cfg.vllm_dtype, cfg.vllm_compile, cfg.vllm_data_parallel_size) == (
+        "float32", "auto", "auto", 1)
+
+
+@pytest.mark.parametrize(("dtype", "compile", "on_cpu", "expected"), [
+    ("auto", "auto", True, ("float32", True)),  # CPU: fp32, eager (measured faster to start and to run)
+    ("auto", "auto", False, ("bfloat16", False)),  # GPU: bf16, compiled
+    ("bfloat16", "on", True, ("bfloat16", False)),  # explicit settings win on either platform
+    ("float32", "off", False, ("float32", True)),
+])
+def test_auto_engine_settings_resolve_per_platform(
+    dtype: str, compile: str, on_cpu: bool, expected: tuple[str, bool]
+) -> None:
+    from stages.generation.vllm_backend import engine_kwargs, resolve_engine_settings
+
+    assert resolve_engine_settings(dtype, compile, on_cpu) == expected
+    kwargs = engine_kwargs(Path("/m"), expected[0], 2048, 1, on_cpu, enforce_eager=expected[1])
+    assert (kwargs["dtype"], kwargs["enforce_eager"]) == expected
 
 
 def test_each_backend_gets_its_own_dtype(recorded: list[dict[str, Any]]) -> None:
@@ -48,12 +66,12 @@ def test_each_backend_gets_its_own_dtype(recorded: list[dict[str, Any]]) -> None
     make_backend("vllm", Path("/m"), cfg)
     make_backend("hf", Path("/m"), cfg)
     assert recorded == [
-        {"model_dir": Path("/m"), "dtype": "bfloat16", "max_model_len": 3100, "kv_cache_gib": 3,
-         "tensor_parallel_size": 2},
+        {"model_dir": Path("/m"), "dtype": "bfloat16", "compile": "auto", "max_model_len": 3100,
+         "kv_cache_gib": 3, "tensor_parallel_size": 2},
         {"model_dir": Path("/m"), "dtype": "float32", "batch_size": 5},
     ]
     make_backend("vllm", Path("/m"), GenerateConfig(vllm_dtype="auto", dtype="bfloat16"))
-    assert recorded[-1]["dtype"] == "auto"  # vLLM's own choice; `dtype` does not leak into the engine
+    assert recorded[-1]["dtype"] == "auto"  # resolved by the engine per platform; `dtype` does not leak in
 
 
 def test_data_parallel_above_one_is_refused_at_load_naming_the_field() -> None:
