@@ -66,9 +66,10 @@ class GenerateConfig(Section):
     # backend's (fp32: its logprobs then equal the trainer's fp32 forward pass), `vllm_dtype` the vLLM
     # engine's. "auto" is float32 on CPU and bfloat16 on GPU: a CPU without native bf16 (AVX2 only, like the
     # 2-core box) runs vLLM's bf16 path through converting fallbacks. Measured there on 84 HumanEval
-    # requests x 128 tokens: bf16 compiled 35 tok/s (engine start 112 s), fp32 eager 148 tok/s (10 s). Either precision is fine for RL: the sampler's logprobs are the behaviour
-    # policy, the trainer recomputes the old policy's in train.dtype, and the gap is recorded per run
-    # (`logprob_mismatch` in the rollouts manifest); fp32 on CPU also makes that gap small.
+    # requests x 128 tokens: bf16 compiled 35 tok/s (engine start 112 s), fp32 eager 148 tok/s (10 s).
+    # Either precision is fine for RL: the sampler's logprobs are the behaviour policy, the trainer
+    # recomputes the old policy's in train.dtype, and the gap is recorded per run (`logprob_mismatch` in
+    # the rollouts manifest); fp32 on CPU also makes that gap small.
     dtype: Literal["float32", "bfloat16"] = "float32"
     vllm_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     # torch.compile of the vLLM model: "auto" is off (eager) on CPU and on elsewhere. On the 2-core CPU the
