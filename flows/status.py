@@ -12,7 +12,7 @@ from rich.table import Table
 
 from schemas.config import RunConfig
 from schemas.tables import TABLES
-from stages.eval_metrics import bootstrap_pass_at_k_gain, sampled_counts
+from stages.eval_metrics import bootstrap_mean_gain, bootstrap_pass_at_k_gain, mean_rewards, sampled_counts
 from stages.registry import ITERATION_STAGES, RUN_STAGES, STAGES, stage_state
 from storage.layout import BASE, RunLayout
 from storage.tables import read_table
@@ -46,13 +46,16 @@ def status_table(layout: RunLayout, config: RunConfig) -> Group:
 
 def held_out_table(layout: RunLayout, config: RunConfig) -> Table:
     """Held-out results of the base model and of each evaluated checkpoint, side by side: greedy accuracy,
-    pass@k with its bootstrap 95% interval (from the eval manifests), and pass@1's gain over the base model
-    with a paired bootstrap interval over the same problems (from the eval tables)."""
+    pass@k with its bootstrap 95% interval (from the eval manifests), and the gains over the base model with
+    paired bootstrap intervals over the same problems (from the eval tables): sampled pass@1, greedy
+    accuracy, and the mean reward of the sampled answers (the partial credit the training reward gives,
+    which moves before whole problems flip to solved)."""
     ks = config.evaluate.k
     table = Table(title="held-out evaluation (95% bootstrap intervals over problems and samples)")
-    for column in ["checkpoint", "dataset", "prompts", "greedy", *[f"pass@{k}" for k in ks], "pass@1 gain vs base"]:
+    gains = ["pass@1 gain vs base", "greedy gain", "reward gain"]
+    for column in ["checkpoint", "dataset", "prompts", "greedy", *[f"pass@{k}" for k in ks], *gains]:
         table.add_column(column)
-    base_counts: dict[str, dict[str, tuple[int, int]]] = {}
+    base_rows: dict[str, list[dict]] = {}
     checkpoints = [("base", "evaluate_base", BASE)] + [(f"iter {k}", "evaluate", k) for k in range(config.iterations)]
     for label, stage, iteration in checkpoints:
         state = stage_state(layout.fs, layout, config, STAGES[stage], iteration)
@@ -62,12 +65,13 @@ def held_out_table(layout: RunLayout, config: RunConfig) -> Table:
         for dataset, summary in sorted(state.manifests[-1].metrics.items()):
             if not (isinstance(summary, dict) and "prompts" in summary):
                 continue
-            counts = sampled_counts([row for row in rows if row["dataset"] == dataset])
+            dataset_rows = [row for row in rows if row["dataset"] == dataset]
             if iteration == BASE:
-                base_counts[dataset] = counts
+                base_rows[dataset] = dataset_rows
             table.add_row(label, dataset, f"{summary['prompts']:.0f}", _number(summary.get("greedy_accuracy")),
                           *[_with_interval(summary, f"pass@{k}") for k in ks],
-                          _gain(base_counts.get(dataset), counts) if iteration != BASE else "")
+                          *(_gains(base_rows[dataset], dataset_rows) if iteration != BASE and dataset in base_rows
+                            else [""] * len(gains)))
     return table
 
 
@@ -83,12 +87,26 @@ def _with_interval(summary: dict, metric: str) -> str:
     return f"{summary[metric]:.3f}{interval}"
 
 
-def _gain(base: dict[str, tuple[int, int]] | None, counts: dict[str, tuple[int, int]]) -> str:
-    shared = sorted(set(base or {}) & set(counts))
-    if not shared:
-        return ""
-    before, after = (np.array([source[p] for p in shared]) for source in (base, counts))
-    gain, low, high = bootstrap_pass_at_k_gain(before[:, 0], before[:, 1], after[:, 0], after[:, 1], 1)
+def _gains(base_rows: list[dict], rows: list[dict]) -> list[str]:
+    """Sampled pass@1, greedy accuracy and sampled mean reward of `rows` minus the base model's, each with its
+    paired 95% interval over the problems both evaluated."""
+    cells = []
+    for mode in ("sampled", "greedy"):
+        base, counts = sampled_counts(base_rows, mode), sampled_counts(rows, mode)
+        shared = sorted(set(base) & set(counts))
+        if not shared:
+            cells.append("")
+            continue
+        before, after = (np.array([source[p] for p in shared]) for source in (base, counts))
+        cells.append(_signed(*bootstrap_pass_at_k_gain(before[:, 0], before[:, 1], after[:, 0], after[:, 1], 1)))
+    base_reward, reward = mean_rewards(base_rows), mean_rewards(rows)
+    shared = sorted(set(base_reward) & set(reward))
+    cells.append(_signed(*bootstrap_mean_gain(np.array([base_reward[p] for p in shared]),
+                                              np.array([reward[p] for p in shared]))) if shared else "")
+    return cells
+
+
+def _signed(gain: float, low: float, high: float) -> str:
     return f"{gain:+.3f} [{low:+.3f}, {high:+.3f}]"
 
 

@@ -93,11 +93,40 @@ def bootstrap_pass_at_k_gain(
     return gain, float(low), float(high)
 
 
-def sampled_counts(rows: list[dict]) -> dict[str, tuple[int, int]]:
-    """prompt_id -> (n sampled answers, c correct) of an evaluation table's sampled rows."""
+def bootstrap_mean_gain(
+    before_P: np.ndarray, after_P: np.ndarray, resamples: int = 2000, seed: int = 0
+) -> tuple[float, float, float]:
+    """(gain, 95% interval low, high) of a per-problem score's mean, after minus before, on the same P problems.
+
+    gain = mean_p (after_p - before_p); the interval is the 2.5th and 97.5th percentiles of that mean over
+    `resamples` draws of the P problems with replacement (paired: each draw takes a problem's two scores
+    together). For scores that are already means over samples, such as a problem's mean reward.
+    """
+    if len(before_P) != len(after_P) or len(before_P) == 0:
+        raise ValueError("before and after must hold the same, non-empty, list of problems")
+    diff_P = np.asarray(after_P, dtype=np.float64) - np.asarray(before_P, dtype=np.float64)
+    rng = np.random.default_rng(seed)
+    means_R = diff_P[rng.integers(0, len(diff_P), size=(resamples, len(diff_P)))].mean(axis=1)
+    low, high = np.percentile(means_R, [2.5, 97.5])
+    return float(diff_P.mean()), float(low), float(high)
+
+
+def mean_rewards(rows: list[dict], mode: str = "sampled") -> dict[str, float]:
+    """prompt_id -> mean reward of an evaluation table's answers of one mode ("sampled" or "greedy")."""
+    totals: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+    for row in rows:
+        if row["mode"] == mode:
+            totals[row["prompt_id"]][0] += float(row["reward"])
+            totals[row["prompt_id"]][1] += 1
+    return {prompt_id: total / n for prompt_id, (total, n) in totals.items()}
+
+
+def sampled_counts(rows: list[dict], mode: str = "sampled") -> dict[str, tuple[int, int]]:
+    """prompt_id -> (n answers, c correct) of an evaluation table's answers of one mode ("sampled", or
+    "greedy": n = 1, so pass@1 of these counts is greedy accuracy)."""
     counts: dict[str, list[int]] = defaultdict(lambda: [0, 0])
     for row in rows:
-        if row["mode"] == "sampled":
+        if row["mode"] == mode:
             counts[row["prompt_id"]][0] += 1
             counts[row["prompt_id"]][1] += int(row["correct"])
     return {prompt_id: (n, c) for prompt_id, (n, c) in counts.items()}

@@ -5,7 +5,15 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from stages.eval_metrics import aggregate, bootstrap_pass_at_k, bootstrap_pass_at_k_gain, pass_at_k, sampled_counts
+from stages.eval_metrics import (
+    aggregate,
+    bootstrap_mean_gain,
+    bootstrap_pass_at_k,
+    bootstrap_pass_at_k_gain,
+    mean_rewards,
+    pass_at_k,
+    sampled_counts,
+)
 
 
 def test_pass_at_k_by_hand() -> None:
@@ -26,6 +34,7 @@ def rows(correct_by_prompt: dict[str, list[bool]], greedy: dict[str, bool]) -> l
 def test_aggregate_numbers_and_interval() -> None:
     table = rows({"a": [True, False, False, False], "b": [True, True, False, False]}, {"a": True, "b": False})
     assert sampled_counts(table) == {"a": (4, 1), "b": (4, 2)}
+    assert sampled_counts(table, "greedy") == {"a": (1, 1), "b": (1, 0)}  # pass@1 of these = greedy accuracy
     summary = aggregate(table, [1, 2])
     assert summary["prompts"] == 2 and summary["greedy_accuracy"] == 0.5
     assert summary["pass@1"] == pytest.approx((1 / 4 + 2 / 4) / 2)
@@ -78,3 +87,28 @@ def test_paired_gain() -> None:
     assert gain == 0.5 and low == pytest.approx(0.28, abs=0.05) and high == pytest.approx(0.72, abs=0.05)
     with pytest.raises(ValueError, match="same problems"):
         bootstrap_pass_at_k_gain(n_P, none, n_P[:3], none[:3], 1)
+
+
+def test_mean_rewards_per_mode() -> None:
+    table = [{"prompt_id": "a", "mode": "sampled", "reward": r} for r in (0.0, 0.5, 1.0, 0.5)]
+    table += [{"prompt_id": "b", "mode": "sampled", "reward": -0.2},
+              {"prompt_id": "a", "mode": "greedy", "reward": 1.0}]
+    assert mean_rewards(table) == {"a": pytest.approx(0.5), "b": pytest.approx(-0.2)}
+    assert mean_rewards(table, "greedy") == {"a": 1.0}
+
+
+def test_paired_mean_gain() -> None:
+    before = np.array([0.1, 0.2, 0.3, 0.4] * 5)
+    # The same shift on every problem: the gain, with no spread at all.
+    gain, low, high = bootstrap_mean_gain(before, before + 0.1)
+    assert gain == pytest.approx(0.1) and low == pytest.approx(0.1) and high == pytest.approx(0.1)
+    # Half the problems +0.2, half unchanged: mean of the differences 0.1; the resampled mean is
+    # 0.2 * Binomial(20, 1/2) / 20, so 0.1 +- 1.96 * 0.2 * sqrt(0.25 / 20) = 0.1 +- 0.044.
+    gain, low, high = bootstrap_mean_gain(before, before + np.array([0.2, 0.0] * 10), resamples=20000)
+    assert gain == pytest.approx(0.1)
+    assert low == pytest.approx(0.056, abs=0.01) and high == pytest.approx(0.144, abs=0.01)
+    # Paired: a large problem-to-problem spread that both sides share does not widen the interval.
+    spread = np.linspace(-1.0, 1.0, 20)
+    assert bootstrap_mean_gain(spread, spread + 0.05)[1:] == (pytest.approx(0.05), pytest.approx(0.05))
+    with pytest.raises(ValueError, match="same"):
+        bootstrap_mean_gain(before, before[:3])
