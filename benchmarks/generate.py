@@ -77,6 +77,11 @@ def humaneval_prompts(model_dir: Path, count: int, max_prompt_tokens: int) -> li
     return encoded.token_ids
 
 
+def compile_setting(flag: str) -> str | bool:
+    """`--vllm-compile auto|true|false` as the config's `generate.vllm_compile` value."""
+    return flag if flag == "auto" else flag == "true"
+
+
 def run_bare_vllm(model_dir: Path, prompts: list[list[int]], args: argparse.Namespace) -> Phase:
     from stages.generation.vllm_backend import configure_cpu_environment, context_length, resolve_engine_settings
 
@@ -86,7 +91,8 @@ def run_bare_vllm(model_dir: Path, prompts: list[list[int]], args: argparse.Name
     from vllm import LLM, SamplingParams
     from vllm.platforms import current_platform
 
-    dtype, enforce_eager = resolve_engine_settings(args.vllm_dtype, args.vllm_compile, current_platform.is_cpu())
+    dtype, enforce_eager = resolve_engine_settings(args.vllm_dtype, compile_setting(args.vllm_compile),
+                                                   current_platform.is_cpu())
     llm = LLM(model=str(model_dir), dtype=dtype, enforce_eager=enforce_eager, seed=0,
               max_model_len=context_length(args.max_prompt_tokens, args.max_new_tokens))
     start_seconds = time.monotonic() - started
@@ -115,7 +121,7 @@ def run_backend(name: str, label: str, model_dir: Path, prompts: list[list[int]]
 
     cfg = GenerateConfig(
         backend=name, max_new_tokens=args.max_new_tokens, max_prompt_tokens=args.max_prompt_tokens,
-        dtype=args.hf_dtype, vllm_dtype=args.vllm_dtype, vllm_compile=args.vllm_compile,
+        dtype=args.hf_dtype, vllm_dtype=args.vllm_dtype, vllm_compile=compile_setting(args.vllm_compile),
         vllm_kv_cache_gib=args.kv_cache_gib,
         batch_size=args.hf_batch_size,
     )
@@ -145,7 +151,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--vllm-dtype", default="auto", choices=["auto", "bfloat16", "float32"])
-    parser.add_argument("--vllm-compile", default="auto", choices=["auto", "on", "off"])
+    parser.add_argument("--vllm-compile", default="auto", choices=["auto", "true", "false"])
     parser.add_argument("--hf-dtype", default="float32", choices=["bfloat16", "float32"])
     parser.add_argument("--hf-prompts", type=int, default=4, help="HF runs the first N prompts (it is slow)")
     parser.add_argument("--hf-batch-size", type=int, default=16)

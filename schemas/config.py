@@ -72,11 +72,11 @@ class GenerateConfig(Section):
     # the rollouts manifest); fp32 on CPU also makes that gap small.
     dtype: Literal["float32", "bfloat16"] = "float32"
     vllm_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
-    # torch.compile of the vLLM model: "auto" is off (eager) on CPU and on elsewhere. On the 2-core CPU the
-    # compiled engine took 70-110 s to start even with a warm compile cache (dynamo tracing plus a warm-up
-    # pass at the full step budget), the eager one 10 s; an RL iteration starts two engines (generate,
-    # evaluate), so compiling costs more than it could save at these batch sizes.
-    vllm_compile: Literal["auto", "on", "off"] = "auto"
+    # torch.compile of the vLLM model: true, false (eager), or "auto": eager on CPU, compiled elsewhere. On
+    # the 2-core CPU the compiled engine took 70-110 s to start even with a warm compile cache (dynamo tracing
+    # plus a warm-up pass at the full step budget), the eager one 10 s; an RL iteration starts two engines
+    # (generate, evaluate), so compiling costs more than it could save at these batch sizes.
+    vllm_compile: Literal["auto"] | bool = "auto"
     vllm_kv_cache_gib: int = Field(2, ge=1)
     vllm_tensor_parallel_size: int = Field(1, ge=1)
     # Only 1: vLLM's offline `LLM` (0.32) refuses data_parallel_size > 1 in one process (it needs one

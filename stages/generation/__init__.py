@@ -52,7 +52,7 @@ def make_backend(name: str, model_dir: Path, cfg: GenerateConfig) -> Backend:
     return VLLMBackend(
         Path(model_dir),
         dtype=cfg.vllm_dtype,
-        compile=cfg.vllm_compile,
+        compiled=cfg.vllm_compile,
         max_model_len=context_length(cfg.max_prompt_tokens, cfg.max_new_tokens),
         kv_cache_gib=cfg.vllm_kv_cache_gib,
         tensor_parallel_size=cfg.vllm_tensor_parallel_size,

@@ -114,12 +114,12 @@ def context_length(max_prompt_tokens: int, max_new_tokens: int) -> int:
     return max(MIN_CONTEXT_TOKENS, max_prompt_tokens + max_new_tokens)
 
 
-def resolve_engine_settings(dtype: str, compile: str, on_cpu: bool) -> tuple[str, bool]:
+def resolve_engine_settings(dtype: str, compiled: str | bool, on_cpu: bool) -> tuple[str, bool]:
     """(dtype, enforce_eager) for the config's `vllm_dtype` and `vllm_compile`, whose "auto" means fp32 and
     eager on CPU, bf16 and compiled elsewhere (schemas/config.py has the measurements behind that)."""
     if dtype == "auto":
         dtype = "float32" if on_cpu else "bfloat16"
-    enforce_eager = compile == "off" or (compile == "auto" and on_cpu)
+    enforce_eager = on_cpu if compiled == "auto" else not compiled
     return dtype, enforce_eager
 
 
@@ -199,7 +199,7 @@ class VLLMBackend:
         self,
         model_dir: Path,
         dtype: str = "auto",
-        compile: str = "auto",
+        compiled: str | bool = "auto",
         max_model_len: int = MIN_CONTEXT_TOKENS,
         kv_cache_gib: int = 2,
         tensor_parallel_size: int = 1,
@@ -222,7 +222,7 @@ class VLLMBackend:
         self.deterministic = self.on_cpu
         self.max_model_len = max_model_len
         self.window = window
-        resolved_dtype, enforce_eager = resolve_engine_settings(dtype, compile, self.on_cpu)
+        resolved_dtype, enforce_eager = resolve_engine_settings(dtype, compiled, self.on_cpu)
         self.engine_settings: dict[str, object] = {
             "dtype": resolved_dtype, "compiled": not enforce_eager, "tensor_parallel_size": tensor_parallel_size,
         }

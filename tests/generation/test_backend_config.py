@@ -45,11 +45,11 @@ def test_defaults_are_fp32_for_hf_and_per_platform_for_vllm() -> None:
 @pytest.mark.parametrize(("dtype", "compile", "on_cpu", "expected"), [
     ("auto", "auto", True, ("float32", True)),  # CPU: fp32, eager (measured faster to start and to run)
     ("auto", "auto", False, ("bfloat16", False)),  # GPU: bf16, compiled
-    ("bfloat16", "on", True, ("bfloat16", False)),  # explicit settings win on either platform
-    ("float32", "off", False, ("float32", True)),
+    ("bfloat16", True, True, ("bfloat16", False)),  # explicit settings win on either platform
+    ("float32", False, False, ("float32", True)),
 ])
 def test_auto_engine_settings_resolve_per_platform(
-    dtype: str, compile: str, on_cpu: bool, expected: tuple[str, bool]
+    dtype: str, compile: str | bool, on_cpu: bool, expected: tuple[str, bool]
 ) -> None:
     from stages.generation.vllm_backend import engine_kwargs, resolve_engine_settings
 
@@ -66,7 +66,7 @@ def test_each_backend_gets_its_own_dtype(recorded: list[dict[str, Any]]) -> None
     make_backend("vllm", Path("/m"), cfg)
     make_backend("hf", Path("/m"), cfg)
     assert recorded == [
-        {"model_dir": Path("/m"), "dtype": "bfloat16", "compile": "auto", "max_model_len": 3100,
+        {"model_dir": Path("/m"), "dtype": "bfloat16", "compiled": "auto", "max_model_len": 3100,
          "kv_cache_gib": 3, "tensor_parallel_size": 2},
         {"model_dir": Path("/m"), "dtype": "float32", "batch_size": 5},
     ]
@@ -85,3 +85,13 @@ def test_data_parallel_above_one_is_refused_at_load_naming_the_field() -> None:
 def test_unknown_vllm_dtype_names_the_field() -> None:
     with pytest.raises(ConfigError, match=r"generate\.vllm_dtype"):
         load_config(None, ["generate.vllm_dtype=float16"])
+
+
+@pytest.mark.parametrize(("override", "expected"), [
+    ("generate.vllm_compile=auto", "auto"), ("generate.vllm_compile=true", True),
+    ("generate.vllm_compile=on", True), ("generate.vllm_compile=off", False),  # YAML's booleans
+])
+def test_vllm_compile_takes_auto_or_a_boolean(override: str, expected: str | bool) -> None:
+    assert load_config(None, [override]).generate.vllm_compile == expected
+    with pytest.raises(ConfigError, match=r"generate\.vllm_compile"):
+        load_config(None, ["generate.vllm_compile=sometimes"])

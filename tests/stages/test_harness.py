@@ -100,7 +100,8 @@ def test_evaluation_keys_follow_the_generate_settings_evaluation_uses(stage: str
     them reruns it; generate's sampling settings are not evaluation's (it has its own), so they do not."""
     payload = STAGES[stage].config_payload
     base = payload(load_config(None, []))
-    for change in ("generate.vllm_dtype=float32", "generate.dtype=bfloat16", "generate.max_prompt_tokens=64",
+    for change in ("generate.vllm_dtype=float32", "generate.vllm_compile=on", "generate.dtype=bfloat16",
+                   "generate.max_prompt_tokens=64",
                    "generate.overlong_prompt=truncate", "generate.backend=hf"):
         assert payload(load_config(None, [change])) != base, change
     for change in ("generate.temperature=0.5", "generate.n_samples=2", "train.lr=0.5"):
