@@ -7,8 +7,8 @@ its config fixes everything the peer gets, so the two can only differ in the tra
   split, with the same chat messages) and reward (our sandbox, `stages.sandbox.Sandbox`, with the run's
   `score` section: same reward kind, fraction or binary, same no-code penalty);
 - the same group size (`generate.n_samples` = TRL's `num_generations`), prompts per generation batch
-  (`generate.prompts_per_iteration`), optimizer steps per batch (`train.minibatches` = TRL's
-  `steps_per_generation`), sampling (temperature, top-p, top-k, max new tokens), learning rate, clip range,
+  (`generate.prompts_per_iteration`), optimizer steps per batch (`train.minibatches`; TRL's
+  `steps_per_generation` counts micro-batches of at most 8 sequences, with gradient accumulation), sampling (temperature, top-p, top-k, max new tokens), learning rate, clip range,
   KL coefficient, and loss aggregation mapped to TRL's `loss_type` (token-mean = "dapo",
   seq-mean-token-mean = "grpo", seq-mean-token-sum-norm = "dr_grpo") and estimator to `scale_rewards`;
 - the same wall-clock budget: the rlpipe run's training time (first iteration stage start to last train
@@ -138,14 +138,21 @@ def train_with_trl(config: Any, root: str, run_id: str, budget_s: float, out_dir
             return control
 
     completions_per_batch = gen.prompts_per_iteration * gen.n_samples
+    # One optimizer step per rlpipe minibatch, in micro-batches of at most 8 sequences: TRL holds the
+    # full-vocabulary logits of a whole micro-batch, and with 16 sequences of ~500 tokens the process reached
+    # 21.7 GB and was OOM-killed on this 24 GiB machine. Accumulation keeps 16 sequences per step.
+    per_step = completions_per_batch // train.minibatches
+    micro_batch = max(d for d in range(1, min(8, per_step) + 1) if per_step % d == 0)
+    accumulation = per_step // micro_batch
     args = GRPOConfig(
         output_dir=str(out_dir / "trainer"), use_cpu=True, bf16=False, seed=config.seed, report_to="none",
         save_strategy="no", logging_steps=1, max_steps=10**6, num_train_epochs=1000,
         learning_rate=train.lr, weight_decay=train.weight_decay, adam_beta1=train.adam_beta1,
         adam_beta2=train.adam_beta2, adam_epsilon=train.adam_eps, max_grad_norm=train.max_grad_norm,
         lr_scheduler_type="constant", warmup_steps=train.warmup_steps,
-        num_generations=gen.n_samples, per_device_train_batch_size=completions_per_batch // train.minibatches,
-        gradient_accumulation_steps=1, steps_per_generation=train.minibatches, num_iterations=train.epochs,
+        num_generations=gen.n_samples, per_device_train_batch_size=micro_batch,
+        gradient_accumulation_steps=accumulation, steps_per_generation=train.minibatches * accumulation,
+        num_iterations=train.epochs,
         max_completion_length=gen.max_new_tokens, temperature=gen.temperature, top_p=gen.top_p,
         top_k=gen.top_k if gen.top_k > 0 else 0, generation_kwargs={"use_cache": True},
         gradient_checkpointing=False, beta=train.kl_coef, epsilon=train.clip_low, epsilon_high=train.clip_high,
