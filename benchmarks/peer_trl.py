@@ -10,7 +10,8 @@ its config fixes everything the peer gets, so the two can only differ in the tra
   (`generate.prompts_per_iteration`), optimizer steps per batch (`train.minibatches`; TRL's
   `steps_per_generation` counts micro-batches of at most 8 sequences, with gradient accumulation),
   sampling (temperature, top-p, top-k, max new tokens), learning rate, clip range, KL coefficient, and
-  loss aggregation mapped to TRL's `loss_type` (token-mean = "dapo", seq-mean-token-mean = "grpo", seq-mean-token-sum-norm = "dr_grpo") and estimator to `scale_rewards`;
+  loss aggregation mapped to TRL's `loss_type` (token-mean = "dapo", seq-mean-token-mean = "grpo",
+  seq-mean-token-sum-norm = "dr_grpo") and estimator to `scale_rewards`;
 - the same wall-clock budget: the rlpipe run's training time (first iteration stage start to last train
   end, its per-iteration evaluations included, since rlpipe pays for them); TRL stops at the first
   optimizer step past it;
