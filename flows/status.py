@@ -44,17 +44,19 @@ def status_table(layout: RunLayout, config: RunConfig) -> Group:
     return Group(run_table, table, held_out_table(layout, config))
 
 
-def held_out_table(layout: RunLayout, config: RunConfig) -> Table:
-    """Held-out results of the base model and of each evaluated checkpoint, side by side: greedy accuracy,
-    pass@k with its bootstrap 95% interval (from the eval manifests), and the gains over the base model with
-    paired bootstrap intervals over the same problems (from the eval tables): sampled pass@1, greedy
-    accuracy, and the mean reward of the sampled answers (the partial credit the training reward gives,
-    which moves before whole problems flip to solved)."""
+def held_out_table(layout: RunLayout, config: RunConfig) -> Group:
+    """Held-out results of the base model and of each evaluated checkpoint, side by side: greedy accuracy and
+    pass@k with its bootstrap 95% interval (from the eval manifests); then, in a table of their own (so each
+    fits a terminal), the gains over the base model with paired bootstrap intervals over the same problems
+    (from the eval tables): sampled pass@1, greedy accuracy, and the mean reward of the sampled answers (the
+    partial credit the training reward gives, which moves before whole problems flip to solved)."""
     ks = config.evaluate.k
-    table = Table(title="held-out evaluation (95% bootstrap intervals over problems and samples)")
-    gains = ["pass@1 gain vs base", "greedy gain", "reward gain"]
-    for column in ["checkpoint", "dataset", "prompts", "greedy", *[f"pass@{k}" for k in ks], *gains]:
-        table.add_column(column)
+    results = Table(title="held-out evaluation (95% bootstrap intervals over problems and samples)")
+    for column in ["checkpoint", "dataset", "prompts", "greedy", *[f"pass@{k}" for k in ks]]:
+        results.add_column(column, no_wrap=column == "checkpoint")
+    gains = Table(title="gain over the base model (paired 95% intervals)")
+    for column in ["checkpoint", "dataset", "pass@1", "greedy", "reward"]:
+        gains.add_column(column, no_wrap=column == "checkpoint")
     base_rows: dict[str, list[dict]] = {}
     checkpoints = [("base", "evaluate_base", BASE)] + [(f"iter {k}", "evaluate", k) for k in range(config.iterations)]
     for label, stage, iteration in checkpoints:
@@ -66,13 +68,13 @@ def held_out_table(layout: RunLayout, config: RunConfig) -> Table:
             if not (isinstance(summary, dict) and "prompts" in summary):
                 continue
             dataset_rows = [row for row in rows if row["dataset"] == dataset]
+            results.add_row(label, dataset, f"{summary['prompts']:.0f}", _number(summary.get("greedy_accuracy")),
+                            *[_with_interval(summary, f"pass@{k}") for k in ks])
             if iteration == BASE:
                 base_rows[dataset] = dataset_rows
-            table.add_row(label, dataset, f"{summary['prompts']:.0f}", _number(summary.get("greedy_accuracy")),
-                          *[_with_interval(summary, f"pass@{k}") for k in ks],
-                          *(_gains(base_rows[dataset], dataset_rows) if iteration != BASE and dataset in base_rows
-                            else [""] * len(gains)))
-    return table
+            elif dataset in base_rows:
+                gains.add_row(label, dataset, *_gains(base_rows[dataset], dataset_rows))
+    return Group(results, gains) if gains.row_count else Group(results)
 
 
 def _number(value: float | None) -> str:
