@@ -165,5 +165,6 @@ def test_make_backend_hf(model_dir: Path) -> None:
     try:
         assert backend.name == "hf" and backend.deterministic
         assert backend.engine_start_seconds > 0
+        assert backend.engine_settings == {"dtype": "float32"}
     finally:
         backend.close()

@@ -73,6 +73,8 @@ def test_engine_runs_seeded_requests_beyond_one_step(engine, tokenizer, prompt_i
         assert all(math.isfinite(lp) and lp <= 0.0 for lp in sample.logprobs)
         assert sample.finish_reason in ("stop", "length")
     assert engine.name == "vllm" and engine.deterministic and engine.engine_start_seconds > 0
+    # The config's "auto" settings, resolved for this CPU: what the manifests record as `engine`.
+    assert engine.engine_settings == {"dtype": "float32", "compiled": False, "tensor_parallel_size": 1}
 
 
 def test_seeds_reproduce_across_calls(engine, prompt_ids) -> None:  # noqa: ANN001
