@@ -13,8 +13,8 @@ its config fixes everything the peer gets, so the two can only differ in the tra
   loss aggregation mapped to TRL's `loss_type` (token-mean = "dapo", seq-mean-token-mean = "grpo",
   seq-mean-token-sum-norm = "dr_grpo") and estimator to `scale_rewards`;
 - the same wall-clock budget: the rlpipe run's training time (first iteration stage start to last train
-  end, its per-iteration evaluations included, since rlpipe pays for them); TRL stops at the first
-  optimizer step past it;
+  end, its per-iteration evaluations included, since rlpipe pays for them); TRL stops at it, or before a
+  step that would begin a generation batch it could not finish within it;
 - the same held-out evaluation: TRL's final model is evaluated by rlpipe's own `evaluate_base` stage
   (same prompts, backend, seeds, sandbox), in a run of its own beside the rlpipe run.
 
@@ -133,8 +133,18 @@ def train_with_trl(config: Any, root: str, run_id: str, budget_s: float, out_dir
                 side.minutes.append((time.monotonic() - started) / 60)
                 side.rewards.append(float(logs["reward"]))
 
+        last_step_end = started
+        generation_step_s = 0.0  # the last step that began with a generation batch, generation included
+
         def on_step_end(self, args, state, control, **kwargs):  # noqa: ANN001, ANN003, ANN201
-            if time.monotonic() - started >= budget_s:
+            now = time.monotonic()
+            if (state.global_step - 1) % train.minibatches == 0:
+                self.generation_step_s = now - self.last_step_end
+            self.last_step_end = now
+            # Stop at the budget, or before a step that starts a new generation batch and would not end
+            # within it (a batch takes about as long as the last one), so TRL never runs past rlpipe's time.
+            next_generates = state.global_step % train.minibatches == 0
+            if now - started >= budget_s or (next_generates and now - started + self.generation_step_s > budget_s):
                 control.should_training_stop = True
             return control
 
