@@ -26,6 +26,13 @@ Prints both reward curves against wall-clock minutes, held-out pass@1 and pass@k
 intervals the evaluate stage records) before and after for each side, and the ratio of improvement in
 pass@1 per wall-minute (rlpipe / TRL).
 
+Measured on the 2-core CPU box, nothing else running (2026-11-23), against the humaneval-cpu recipe's run.
+rlpipe (budget 31.8 min: 4 iterations, 16 optimizer steps, an evaluation after each): train reward 0.079,
+0.208, 0.147, 0.160; held-out pass@1 0.036 -> 0.030. TRL (33.3 min: 3 generation batches, 9 optimizer steps;
+that run used the old stop-at-the-first-step-past-the-budget rule): train reward 0.082, 0.097, 0.114;
+held-out pass@1 0.036 -> 0.024. Neither improved, so the ratio is "n/a". TRL's Hugging Face generation took
+6-10 min per batch of 64 answers, rlpipe's vLLM stage ~70 s.
+
 Install the peer first (benchmarks only, not a dependency of rlpipe): `make bench-deps`.
 Run: `.venv/bin/python -m benchmarks.peer_trl --run humaneval-cpu [--root ./rlpipe-data]`.
 """
