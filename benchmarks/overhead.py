@@ -28,15 +28,18 @@ Run: `.venv/bin/python -m benchmarks.overhead` (the default run config with iter
 `--set section.field=value`, `--root DIR` to keep the run).
 
 Measured on the 2-core CPU box, nothing else running (2026-11-23, default config: 4 prompts x 4 samples x
-128 tokens, 8 held-out prompts x (1 greedy + 4 sampled), vLLM bf16; load 2.4 -> 1.8): iteration wall 443.0 s,
-engine start 141.1 s (generate 71.0, evaluate 70.1); of the remaining 301.9 s: model/sandbox work 251.2 s
-(83.2%), process start + harness 17.4 s (5.8%), Parquet I/O + validation 20.3 s (6.7%), orchestration
-13.1 s (4.3%): overhead 50.8 s = 16.8%, target NOT met. Where it goes: `import great_expectations` costs
-3.9 s in every stage process that validates (the validation itself 0.25 s for these tables), so validation
-is ~18 s of the 20.3; each stage process spends ~3.5 s starting (interpreter, torch and transformers
-imports); orchestration includes Prefect's temporary server start, paid once per `rlpipe run`, not per
-iteration. The default job is tiny (16 rollouts): these costs are fixed per stage, so a larger iteration
-(the humaneval-cpu recipe: 64 rollouts x 256 tokens) has a smaller share, but the target is not met by them.
+128 tokens, 8 held-out prompts x (1 greedy + 4 sampled), vLLM fp32 eager, the CPU default; load 1.6 -> 1.8):
+iteration wall 185.2 s, engine start 12.1 s (generate 6.6, evaluate 5.5); once per run, before it, Prefect's
+import and temporary server 11.2 s. Of the remaining 173.1 s: model/sandbox work 134.6 s (77.8%), process
+start + harness 16.5 s (9.5%), Parquet I/O + validation 19.8 s (11.4%), orchestration 2.2 s (1.3%): overhead
+38.5 s = 22.2%, target NOT met. Where it goes: `import great_expectations` costs 3.5-4 s in every stage process
+that validates (validation itself ~0.25 s for these tables), so validation is ~18 s of the 19.8; each stage
+process spends 1.7-4.4 s starting (interpreter, torch and transformers imports). Both are fixed per stage:
+the humaneval-cpu recipe's iterations (~480 s of work each) would carry the same ~38 s, about 8% (an
+estimate, not measured). Meeting 5% on
+the default iteration needs a persistent stage worker (one process that has imported torch and Great
+Expectations and forks a stage per request), which does not exist yet. (2026-11-23 earlier, with vLLM bf16
+compiled: wall 443.0 s, engine start 141.1 s, overhead 50.8 s = 16.8% of a larger, slower work share.)
 """
 
 from __future__ import annotations
