@@ -12,7 +12,7 @@ from rich.table import Table
 
 from schemas.config import RunConfig
 from schemas.tables import TABLES
-from stages.eval_metrics import bootstrap_mean_gain, bootstrap_pass_at_k_gain, mean_rewards, sampled_counts
+from stages.eval_metrics import answer_counts, bootstrap_mean_gain, bootstrap_pass_at_k_gain, mean_rewards
 from stages.registry import ITERATION_STAGES, RUN_STAGES, STAGES, stage_state
 from storage.layout import BASE, RunLayout
 from storage.tables import read_table
@@ -94,7 +94,7 @@ def _gains(base_rows: list[dict], rows: list[dict]) -> list[str]:
     paired 95% interval over the problems both evaluated."""
     cells = []
     for mode in ("sampled", "greedy"):
-        base, counts = sampled_counts(base_rows, mode), sampled_counts(rows, mode)
+        base, counts = answer_counts(base_rows, mode), answer_counts(rows, mode)
         shared = sorted(set(base) & set(counts))
         if not shared:
             cells.append("")

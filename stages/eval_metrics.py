@@ -121,7 +121,7 @@ def mean_rewards(rows: list[dict], mode: str = "sampled") -> dict[str, float]:
     return {prompt_id: total / n for prompt_id, (total, n) in totals.items()}
 
 
-def sampled_counts(rows: list[dict], mode: str = "sampled") -> dict[str, tuple[int, int]]:
+def answer_counts(rows: list[dict], mode: str = "sampled") -> dict[str, tuple[int, int]]:
     """prompt_id -> (n answers, c correct) of an evaluation table's answers of one mode ("sampled", or
     "greedy": n = 1, so pass@1 of these counts is greedy accuracy)."""
     counts: dict[str, list[int]] = defaultdict(lambda: [0, 0])
@@ -136,7 +136,7 @@ def aggregate(rows: list[dict], ks: list[int]) -> dict[str, float]:
     """Per-dataset summary: greedy accuracy, mean pass@k over prompts with its bootstrap 95% interval
     (`pass@k_ci_low`, `pass@k_ci_high`), mean response length."""
     greedy = [row["correct"] for row in rows if row["mode"] == "greedy"]
-    counts = sampled_counts(rows)
+    counts = answer_counts(rows)
     n_P = np.array([n for n, _ in counts.values()], dtype=np.int64)
     c_P = np.array([c for _, c in counts.values()], dtype=np.int64)
     summary: dict[str, float] = {"prompts": float(len({row["prompt_id"] for row in rows}))}

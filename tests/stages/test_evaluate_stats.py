@@ -7,12 +7,12 @@ import pytest
 
 from stages.eval_metrics import (
     aggregate,
+    answer_counts,
     bootstrap_mean_gain,
     bootstrap_pass_at_k,
     bootstrap_pass_at_k_gain,
     mean_rewards,
     pass_at_k,
-    sampled_counts,
 )
 
 
@@ -33,8 +33,8 @@ def rows(correct_by_prompt: dict[str, list[bool]], greedy: dict[str, bool]) -> l
 
 def test_aggregate_numbers_and_interval() -> None:
     table = rows({"a": [True, False, False, False], "b": [True, True, False, False]}, {"a": True, "b": False})
-    assert sampled_counts(table) == {"a": (4, 1), "b": (4, 2)}
-    assert sampled_counts(table, "greedy") == {"a": (1, 1), "b": (1, 0)}  # pass@1 of these = greedy accuracy
+    assert answer_counts(table) == {"a": (4, 1), "b": (4, 2)}
+    assert answer_counts(table, "greedy") == {"a": (1, 1), "b": (1, 0)}  # pass@1 of these = greedy accuracy
     summary = aggregate(table, [1, 2])
     assert summary["prompts"] == 2 and summary["greedy_accuracy"] == 0.5
     assert summary["pass@1"] == pytest.approx((1 / 4 + 2 / 4) / 2)
