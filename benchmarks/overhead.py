@@ -37,8 +37,9 @@ that validates (validation itself ~0.25 s for these tables), so validation is ~1
 process spends 1.7-4.4 s starting (interpreter, torch and transformers imports). Both are fixed per stage:
 the humaneval-cpu recipe's iterations (~480 s of work each) would carry the same ~38 s, about 8% (an
 estimate, not measured). Meeting 5% on the default iteration needs a persistent stage worker (one process
-that has imported torch and Great Expectations and forks a stage per request), which does not exist yet. (2026-11-23 earlier, with vLLM bf16
-compiled: wall 443.0 s, engine start 141.1 s, overhead 50.8 s = 16.8% of a larger, slower work share.)
+that has imported torch and Great Expectations and forks a stage per request), which does not exist yet.
+(2026-11-23 earlier, with vLLM bf16 compiled: wall 443.0 s, engine start 141.1 s, overhead 50.8 s = 16.8% of
+a larger, slower work share.)
 """
 
 from __future__ import annotations
