@@ -58,28 +58,38 @@ class Side:
     minutes: list[float] = field(default_factory=list)  # wall minutes since training started
     rewards: list[float] = field(default_factory=list)  # mean reward of the rollouts at that point
     budget_s: float = 0.0
-    before: dict[str, Any] = field(default_factory=dict)  # held-out metrics of the base model
-    after: dict[str, Any] = field(default_factory=dict)  # ... and of the trained model
+    before: dict[str, dict[str, Any]] = field(default_factory=dict)  # dataset -> base model's held-out summary
+    after: dict[str, dict[str, Any]] = field(default_factory=dict)  # ... and the trained model's
+    after_rows: list[dict] = field(default_factory=list)  # the trained model's eval table
 
-    def gain_per_minute(self, metric: str = "pass@1") -> float:
-        return (self.after[metric] - self.before[metric]) / (self.budget_s / 60)
+    def gain_per_minute(self, dataset: str, metric: str = "pass@1") -> float:
+        return (self.after[dataset][metric] - self.before[dataset][metric]) / (self.budget_s / 60)
 
 
 def _seconds(iso: str) -> float:
     return datetime.fromisoformat(iso).timestamp()
 
 
-def eval_summary(manifest: Any) -> dict[str, Any]:  # noqa: ANN401 - a Manifest
-    """The held-out summary (pass@k, intervals, greedy) an eval manifest records for its dataset."""
-    return next(dict(value) for value in manifest.metrics.values() if isinstance(value, dict) and "pass@1" in value)
+def eval_summaries(manifest: Any) -> dict[str, dict[str, Any]]:  # noqa: ANN401 - a Manifest
+    """dataset -> the held-out summary (pass@k, intervals, greedy) an eval manifest records for it."""
+    return {name: dict(value) for name, value in manifest.metrics.items()
+            if isinstance(value, dict) and "pass@1" in value}
 
 
-def rlpipe_side(root: str, run_id: str) -> tuple[Side, Any]:
-    """The finished run's reward curve, budget and held-out results, from its manifests and tables."""
+def eval_rows(layout: Any, iteration: int) -> list[dict]:  # noqa: ANN401 - a RunLayout
+    import pyarrow.parquet as pq
+
+    columns = ["dataset", "prompt_id", "mode", "correct", "reward"]
+    return pq.read_table(layout.table_path("eval", iteration), columns=columns).to_pylist()
+
+
+def rlpipe_side(root: str, run_id: str) -> tuple[Side, Any, list[dict]]:
+    """The finished run's reward curve, budget and held-out results (and the base model's eval table), from
+    its manifests and tables."""
     import pyarrow.parquet as pq
 
     from stages.common import read_run_config
-    from stages.registry import STAGES, stage_state
+    from stages.registry import STAGES, is_scheduled, stage_state
     from storage.layout import BASE, RunLayout
     from storage.manifest import read_manifest
 
@@ -89,7 +99,7 @@ def rlpipe_side(root: str, run_id: str) -> tuple[Side, Any]:
     last = config.iterations - 1
     for k in range(config.iterations):
         for stage in ("generate", "score", "train", "evaluate"):
-            if not stage_state(fs, layout, config, STAGES[stage], k).done:
+            if is_scheduled(config, stage, k) and not stage_state(fs, layout, config, STAGES[stage], k).done:
                 raise SystemExit(f"run {run_id}: stage {stage} of iteration {k} is not done; finish the run first")
     side = Side("rlpipe")
     first = read_manifest(fs, layout.table_path("rollouts", 0) + ".manifest.json")
@@ -102,9 +112,10 @@ def rlpipe_side(root: str, run_id: str) -> tuple[Side, Any]:
     last_eval = read_manifest(fs, layout.table_path("eval", last) + ".manifest.json")
     side.budget_s = _seconds(last_eval.ended_at) - started
     base_eval = read_manifest(fs, layout.table_path("eval", BASE) + ".manifest.json")
-    side.before = eval_summary(base_eval)
-    side.after = eval_summary(last_eval)
-    return side, config
+    side.before = eval_summaries(base_eval)
+    side.after = eval_summaries(last_eval)
+    side.after_rows = eval_rows(layout, last)
+    return side, config, eval_rows(layout, BASE)
 
 
 def train_with_trl(config: Any, root: str, run_id: str, budget_s: float, out_dir: Path) -> Side:  # noqa: ANN401
@@ -191,8 +202,9 @@ def train_with_trl(config: Any, root: str, run_id: str, budget_s: float, out_dir
     return side
 
 
-def evaluate_with_rlpipe(config: Any, root: str, model_dir: Path, run_id: str) -> dict[str, Any]:  # noqa: ANN401
-    """The held-out evaluation rlpipe gives its own checkpoints, given to `model_dir` (a run of its own)."""
+def evaluate_with_rlpipe(config: Any, root: str, model_dir: Path, run_id: str) -> tuple[dict, list[dict]]:  # noqa: ANN401
+    """The held-out evaluation rlpipe gives its own checkpoints, given to `model_dir` (a run of its own):
+    (dataset -> summary, eval table rows)."""
     from flows.cli import start_run
     from flows.execute import run_stage_process
     from stages.registry import RUN_STAGES
@@ -206,21 +218,31 @@ def evaluate_with_rlpipe(config: Any, root: str, model_dir: Path, run_id: str) -
     for stage in RUN_STAGES:
         run_stage_process(layout, peer_config, stage, BASE)
     manifest = read_manifest(layout.fs, layout.table_path("eval", BASE) + ".manifest.json")
-    return eval_summary(manifest)
+    return eval_summaries(manifest), eval_rows(layout, BASE)
 
 
-def describe(side: Side, ks: list[int]) -> None:
+def describe(side: Side, ks: list[int], base_rows: list[dict]) -> None:
+    """The side's reward curve, then per held-out dataset: pass@k before -> after with the evaluate stage's
+    bootstrap intervals, and the paired gains over the base model (pass@1, greedy, reward)."""
+    from stages.eval_metrics import paired_gains
+
     print(f"\n{side.name}: budget {side.budget_s / 60:.1f} min")
     for minutes, reward in zip(side.minutes, side.rewards, strict=True):
         print(f"  {minutes:7.1f} min  mean reward {reward:.3f}")
-    for k in ks:
-        metric = f"pass@{k}"
-        interval = ""
-        if f"{metric}_ci_low" in side.after:
-            before, after = (f"[{m[f'{metric}_ci_low']:.3f}, {m[f'{metric}_ci_high']:.3f}]"
-                             for m in (side.before, side.after))
-            interval = f"  (95% CI before {before}, after {after})"
-        print(f"  held-out {metric}: {side.before[metric]:.3f} -> {side.after[metric]:.3f}{interval}")
+    for dataset in sorted(side.after):
+        before, after = side.before[dataset], side.after[dataset]
+        print(f"  held-out {dataset} ({after['prompts']:.0f} problems):")
+        for k in ks:
+            metric = f"pass@{k}"
+            interval = ""
+            if f"{metric}_ci_low" in after:
+                lo_hi = (f"[{m[f'{metric}_ci_low']:.3f}, {m[f'{metric}_ci_high']:.3f}]" for m in (before, after))
+                interval = "  (95% CI before {}, after {})".format(*lo_hi)
+            print(f"    {metric}: {before[metric]:.3f} -> {after[metric]:.3f}{interval}")
+        gains = paired_gains([r for r in base_rows if r["dataset"] == dataset],
+                             [r for r in side.after_rows if r["dataset"] == dataset])
+        print("    paired gain over base: " + ", ".join(
+            f"{name} {gain:+.3f} [{low:+.3f}, {high:+.3f}]" for name, (gain, low, high) in gains.items()))
 
 
 def main() -> None:
@@ -231,21 +253,22 @@ def main() -> None:
     parser.add_argument("--out", default=None, help="where TRL's model goes (default: <root>/peer-trl/<run>)")
     args = parser.parse_args()
 
-    ours, config = rlpipe_side(args.root, args.run)
+    ours, config, base_rows = rlpipe_side(args.root, args.run)
     budget_s = args.budget_minutes * 60 if args.budget_minutes else ours.budget_s
     out_dir = Path(args.out or Path(args.root) / "peer-trl" / args.run)
     load_before = os.getloadavg()[0]
     peer = train_with_trl(config, args.root, args.run, budget_s, out_dir)
     peer.before = ours.before  # the same base model, prompts and seeds: one evaluation serves both
-    peer.after = evaluate_with_rlpipe(config, args.root, out_dir / "model", f"{args.run}-peer-trl")
+    peer.after, peer.after_rows = evaluate_with_rlpipe(config, args.root, out_dir / "model", f"{args.run}-peer-trl")
     load_after = os.getloadavg()[0]
 
     for side in (ours, peer):
-        describe(side, config.evaluate.k)
-    ours_gain, peer_gain = ours.gain_per_minute(), peer.gain_per_minute()
-    ratio = f"{ours_gain / peer_gain:.2f}" if peer_gain > 0 else "n/a (the peer did not improve)"
-    print(f"\nheld-out pass@1 gain per wall-minute: rlpipe {ours_gain:+.5f}, TRL {peer_gain:+.5f}; "
-          f"ratio rlpipe / TRL: {ratio}; load average {load_before:.1f} -> {load_after:.1f}")
+        describe(side, config.evaluate.k, base_rows)
+    print(f"\nheld-out pass@1 gain per wall-minute (load average {load_before:.1f} -> {load_after:.1f}):")
+    for dataset in sorted(ours.after):
+        ours_gain, peer_gain = ours.gain_per_minute(dataset), peer.gain_per_minute(dataset)
+        ratio = f"{ours_gain / peer_gain:.2f}" if peer_gain > 0 else "n/a (the peer did not improve)"
+        print(f"  {dataset}: rlpipe {ours_gain:+.5f}, TRL {peer_gain:+.5f}; ratio rlpipe / TRL: {ratio}")
 
 
 if __name__ == "__main__":

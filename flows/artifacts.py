@@ -26,7 +26,7 @@ import pyarrow.compute as pc
 
 from schemas.config import RunConfig
 from schemas.tables import TABLES
-from stages.registry import ITERATION_STAGES, STAGES, round_inputs, stage_state
+from stages.registry import STAGES, iteration_stages, round_inputs, stage_state
 from storage.fs import is_remote
 from storage.layout import RunLayout
 from storage.tables import read_table
@@ -95,7 +95,8 @@ def _table_summaries(layout: RunLayout, config: RunConfig, iteration: int) -> li
 def iteration_metrics(layout: RunLayout, config: RunConfig, iteration: int) -> list[dict[str, Any]]:
     """Rows of {stage, metric, value} for one iteration: status, seconds, rows, host, and stage metrics."""
     fs = layout.fs
-    states = {stage: stage_state(fs, layout, config, STAGES[stage], iteration) for stage in ITERATION_STAGES}
+    states = {stage: stage_state(fs, layout, config, STAGES[stage], iteration)
+              for stage in iteration_stages(config, iteration)}
     # Every stage's status comes first, so the row limit can only ever cut details.
     status = [{"stage": stage, "metric": "status", "value": state.reason} for stage, state in states.items()]
     rows: list[dict[str, Any]] = []

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from schemas.config import RunConfig
-from stages.registry import ITERATION_STAGES, RUN_STAGES, STAGES, stage_state
+from stages.registry import RUN_STAGES, STAGES, iteration_stages, stage_state
 from storage.layout import BASE, RunLayout, manifest_path_for
 from storage.manifest import read_manifest
 
@@ -76,12 +76,12 @@ def run_stage_process(
 
 
 def pending_stages(layout: RunLayout, config: RunConfig) -> list[tuple[str, int]]:
-    """Every (stage, iteration) of the run, in order, whose outputs are not valid yet.
+    """Every scheduled (stage, iteration) of the run, in order, whose outputs are not valid yet.
 
     A stage whose inputs are missing counts as pending, since its upstream will run first.
     """
     plan = [(stage, BASE) for stage in RUN_STAGES]
-    plan += [(stage, k) for k in range(config.iterations) for stage in ITERATION_STAGES]
+    plan += [(stage, k) for k in range(config.iterations) for stage in iteration_stages(config, k)]
     fs = layout.fs
     return [(s, k) for s, k in plan if not stage_state(fs, layout, config, STAGES[s], k).done]
 

@@ -44,7 +44,7 @@ from flows.execute import (  # noqa: E402
 )
 from schemas.config import ConfigError, RunConfig, load_config, parse_config  # noqa: E402
 from stages.common import read_run_config  # noqa: E402
-from stages.registry import ITERATION_STAGES, RUN_STAGES, STAGES, is_done_now  # noqa: E402
+from stages.registry import RUN_STAGES, STAGES, is_done_now, iteration_stages  # noqa: E402
 from storage.fs import filesystem, is_remote  # noqa: E402
 from storage.layout import BASE, RunLayout, instance_name, iteration_name  # noqa: E402
 from storage.lock import RunLocked, run_lock  # noqa: E402
@@ -178,7 +178,7 @@ def _run_iteration(layout: RunLayout, iteration: int | None, mode: str) -> list[
         if iteration is None:
             get_run_logger().info("run %s: all %d iterations are done", layout.run_id, config.iterations)
             return outcomes
-    for stage in ITERATION_STAGES:
+    for stage in iteration_stages(config, iteration):
         outcomes.append(stage_task(layout.root, layout.run_id, stage, iteration, mode))
         if stage == "advantage" and config.advantage.target_groups is not None:
             outcomes += dynamic_sampling_rounds(

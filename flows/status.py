@@ -6,19 +6,20 @@ own under it, `k.r`, for every round that left any output, finished or not.
 
 from __future__ import annotations
 
-import numpy as np
 from rich.console import Group
 from rich.table import Table
 
 from schemas.config import RunConfig
 from schemas.tables import TABLES
-from stages.eval_metrics import answer_counts, bootstrap_mean_gain, bootstrap_pass_at_k_gain, mean_rewards
-from stages.registry import ITERATION_STAGES, RUN_STAGES, STAGES, stage_state
+from stages.eval_metrics import paired_gains
+from stages.registry import ITERATION_STAGES, RUN_STAGES, STAGES, is_scheduled, iteration_stages, stage_state
 from storage.layout import BASE, RunLayout
 from storage.tables import read_table
 
 
 def _cell(layout: RunLayout, config: RunConfig, stage: str, iteration: int, round_idx: int = 0) -> str:
+    if iteration != BASE and not is_scheduled(config, stage, iteration):
+        return "[dim]not scheduled[/]"
     state = stage_state(layout.fs, layout, config, STAGES[stage], iteration, round_idx)
     if not state.done:
         return f"[yellow]{state.reason}[/]"
@@ -90,22 +91,8 @@ def _with_interval(summary: dict, metric: str) -> str:
 
 
 def _gains(base_rows: list[dict], rows: list[dict]) -> list[str]:
-    """Sampled pass@1, greedy accuracy and sampled mean reward of `rows` minus the base model's, each with its
-    paired 95% interval over the problems both evaluated."""
-    cells = []
-    for mode in ("sampled", "greedy"):
-        base, counts = answer_counts(base_rows, mode), answer_counts(rows, mode)
-        shared = sorted(set(base) & set(counts))
-        if not shared:
-            cells.append("")
-            continue
-        before, after = (np.array([source[p] for p in shared]) for source in (base, counts))
-        cells.append(_signed(*bootstrap_pass_at_k_gain(before[:, 0], before[:, 1], after[:, 0], after[:, 1], 1)))
-    base_reward, reward = mean_rewards(base_rows), mean_rewards(rows)
-    shared = sorted(set(base_reward) & set(reward))
-    cells.append(_signed(*bootstrap_mean_gain(np.array([base_reward[p] for p in shared]),
-                                              np.array([reward[p] for p in shared]))) if shared else "")
-    return cells
+    gains = paired_gains(base_rows, rows)
+    return [_signed(*gains[name]) if name in gains else "" for name in ("pass@1", "greedy", "reward")]
 
 
 def _signed(gain: float, low: float, high: float) -> str:
@@ -127,6 +114,6 @@ def stage_states(layout: RunLayout, config: RunConfig) -> dict[tuple[str, int], 
     """(stage, iteration) -> done, for scripts and tests."""
     states = {(stage, BASE): stage_state(layout.fs, layout, config, STAGES[stage], BASE).done for stage in RUN_STAGES}
     for k in range(config.iterations):
-        for stage in ITERATION_STAGES:
+        for stage in iteration_stages(config, k):
             states[(stage, k)] = stage_state(layout.fs, layout, config, STAGES[stage], k).done
     return states

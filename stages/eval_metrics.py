@@ -132,6 +132,26 @@ def answer_counts(rows: list[dict], mode: str = "sampled") -> dict[str, tuple[in
     return {prompt_id: (n, c) for prompt_id, (n, c) in counts.items()}
 
 
+def paired_gains(base_rows: list[dict], rows: list[dict]) -> dict[str, tuple[float, float, float]]:
+    """Gains of one checkpoint's evaluation rows over the base model's, each (gain, 95% low, high) paired over
+    the problems both evaluated: "pass@1" of the sampled answers, "greedy" accuracy, and the sampled answers'
+    mean "reward" (the partial credit training optimizes, which moves before whole problems flip). A gain
+    whose two sides share no problem is left out."""
+    gains: dict[str, tuple[float, float, float]] = {}
+    for name, mode in (("pass@1", "sampled"), ("greedy", "greedy")):
+        base, counts = answer_counts(base_rows, mode), answer_counts(rows, mode)
+        shared = sorted(set(base) & set(counts))
+        if shared:
+            before_P2, after_P2 = (np.array([source[p] for p in shared]) for source in (base, counts))
+            gains[name] = bootstrap_pass_at_k_gain(before_P2[:, 0], before_P2[:, 1], after_P2[:, 0], after_P2[:, 1], 1)
+    base_reward, reward = mean_rewards(base_rows), mean_rewards(rows)
+    shared = sorted(set(base_reward) & set(reward))
+    if shared:
+        gains["reward"] = bootstrap_mean_gain(np.array([base_reward[p] for p in shared]),
+                                              np.array([reward[p] for p in shared]))
+    return gains
+
+
 def aggregate(rows: list[dict], ks: list[int]) -> dict[str, float]:
     """Per-dataset summary: greedy accuracy, mean pass@k over prompts with its bootstrap 95% interval
     (`pass@k_ci_low`, `pass@k_ci_high`), mean response length."""

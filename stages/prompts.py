@@ -9,14 +9,13 @@ from __future__ import annotations
 import pyarrow as pa
 
 from stages.common import StageContext, StageInputError, exit_with
-from stages.data import DataError, load_prompts
+from stages.data import DataError, load_splits
 
 
 def run(ctx: StageContext) -> None:
     data = ctx.config.data
     try:
-        train = load_prompts(data.train, "train", data)
-        test = load_prompts(data.test, "test", data)
+        train, test = load_splits(data)
     except DataError as error:
         raise StageInputError(str(error)) from None
     if train.num_rows == 0:

@@ -75,13 +75,21 @@ class StageSpec:
     reads_rounds: tuple[str, ...] = ()  # tables it also reads from every extra round (see round_inputs)
 
 
+# Fields that decide when a stage runs, not what it computes: never part of a stage key, so changing them
+# (or adding them to an older config) does not make finished stages stale.
+SCHEDULING_FIELDS = {"evaluate": ("every",)}
+
+
 def _sections(*names: str) -> Callable[[RunConfig], dict[str, Any]]:
     def payload(config: RunConfig) -> dict[str, Any]:
         dumped = config.model_dump(mode="json")
         values: dict[str, Any] = {}
         for name in names:
             section, _, field = name.partition(".")
-            values[name] = dumped[section][field] if field else dumped[section]
+            value = dumped[section][field] if field else dumped[section]
+            if name in SCHEDULING_FIELDS:
+                value = {k: v for k, v in value.items() if k not in SCHEDULING_FIELDS[name]}
+            values[name] = value
         return values
 
     return payload
@@ -150,6 +158,20 @@ STAGES: dict[str, StageSpec] = {
 
 RUN_STAGES = ["prompts", "base_model", "evaluate_base"]
 ITERATION_STAGES = ["generate", "score", "advantage", "train", "evaluate"]
+
+
+def is_scheduled(config: RunConfig, stage: str, iteration: int) -> bool:
+    """Whether `stage` runs in `iteration` at all. Every stage does, except `evaluate`: it judges the
+    checkpoint of every `evaluate.every`-th iteration and always the last one's, since on a small machine
+    evaluating a checkpoint can cost as much as making it."""
+    if stage != "evaluate":
+        return True
+    return (iteration + 1) % config.evaluate.every == 0 or iteration == config.iterations - 1
+
+
+def iteration_stages(config: RunConfig, iteration: int) -> list[str]:
+    """The stages that run in `iteration`, in order."""
+    return [stage for stage in ITERATION_STAGES if is_scheduled(config, stage, iteration)]
 
 
 class MissingInput(RuntimeError):

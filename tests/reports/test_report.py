@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 import shutil
 import subprocess
 from pathlib import Path
 
+import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import pytest
@@ -141,26 +143,40 @@ def test_charts_render_in_headless_chromium(run_root: Path, tmp_path: Path) -> N
     assert pixels_near((0xD5, 0x5E, 0x00)) > 2000  # status "fail" bars (vermillion)
 
 
-def test_evaluation_shows_the_recorded_bootstrap_intervals(tmp_path: Path) -> None:
-    """The held-out table shows each checkpoint's pass@k with the 95% interval its evaluate stage recorded
-    (here: the stage's own `aggregate` put into the synthetic run's eval manifests)."""
+def test_evaluation_shows_each_datasets_recorded_bootstrap_intervals(tmp_path: Path) -> None:
+    """The held-out table shows each checkpoint's pass@k per held-out dataset, with the 95% interval its
+    evaluate stage recorded for that dataset (here: the stage's own `aggregate`, on a synthetic run whose
+    test prompts are split into two datasets)."""
     from stages.eval_metrics import aggregate
 
     layout = write_synthetic_run(str(tmp_path), SyntheticSpec(run_id="ci", iterations=1, test_prompts=6, seed=3))
     run_dir = tmp_path / "runs/ci"
-    for name in ("base/eval.parquet", "iter=0000/eval.parquet"):
+    prompt_ids = sorted({r["prompt_id"] for r in pq.read_table(run_dir / "base/eval.parquet").to_pylist()})
+    dataset_of = {pid: "easy" if i % 2 else "hard" for i, pid in enumerate(prompt_ids)}
+    recorded: dict[tuple[int, str], dict] = {}
+    for iteration, name in ((-1, "base/eval.parquet"), (0, "iter=0000/eval.parquet")):
+        table = pq.read_table(run_dir / name)
+        rows = [r | {"dataset": dataset_of[r["prompt_id"]]} for r in table.to_pylist()]
+        pq.write_table(pa.Table.from_pylist(rows, schema=table.schema), run_dir / name)
         path = run_dir / f"{name}.manifest.json"
         manifest = json.loads(path.read_text())
-        manifest["metrics"] = {"toy": aggregate(pq.read_table(run_dir / name).to_pylist(), [1, 4])}
+        manifest["metrics"] = {d: aggregate([r for r in rows if r["dataset"] == d], [1, 4]) for d in ("easy", "hard")}
+        manifest["bytes"] = (run_dir / name).stat().st_size
+        manifest["sha256"] = hashlib.sha256((run_dir / name).read_bytes()).hexdigest()
         path.write_text(json.dumps(manifest))
+        recorded |= {(iteration, d): summary for d, summary in manifest["metrics"].items()}
     with Catalog(str(tmp_path), ["ci"]) as catalog:
         data = collect(catalog, "ci", read_config(layout))
+    assert [(r["iteration"], r["dataset"]) for r in data.evaluation] == [(-1, "easy"), (-1, "hard"), (0, "easy"),
+                                                                        (0, "hard")]
     for row in data.evaluation:
-        name = "base/eval.parquet" if row["iteration"] < 0 else "iter=0000/eval.parquet"
-        recorded = json.loads((run_dir / f"{name}.manifest.json").read_text())["metrics"]["toy"]
+        summary = recorded[(row["iteration"], row["dataset"])]
+        assert row["prompts"] == summary["prompts"] == 3
         for k in (1, 4):
-            assert row[f"pass@{k}_ci"] == (recorded[f"pass@{k}_ci_low"], recorded[f"pass@{k}_ci_high"])
-            assert row[f"pass@{k}_ci"][0] <= row[f"pass@{k}"] <= row[f"pass@{k}_ci"][1]
+            assert row[f"pass@{k}"] == pytest.approx(summary[f"pass@{k}"])
+            assert row[f"pass@{k}_ci"] == (summary[f"pass@{k}_ci_low"], summary[f"pass@{k}_ci_high"])
     html = (Path(write_report(str(tmp_path), "ci"))).read_text()
-    low, high = data.evaluation[0]["pass@1_ci"]
-    assert f"[{low:.1%}, {high:.1%}]" in html
+    for row in data.evaluation:
+        low, high = row["pass@1_ci"]
+        cell = f"{row['pass@1']:.1%} <span class='meta'>[{low:.1%}, {high:.1%}]"
+        assert f"<td>{row['dataset']}</td><td class='num'>{cell}" in html

@@ -12,6 +12,7 @@ from stages.eval_metrics import (
     bootstrap_pass_at_k,
     bootstrap_pass_at_k_gain,
     mean_rewards,
+    paired_gains,
     pass_at_k,
 )
 
@@ -112,3 +113,24 @@ def test_paired_mean_gain() -> None:
     assert bootstrap_mean_gain(spread, spread + 0.05)[1:] == (pytest.approx(0.05), pytest.approx(0.05))
     with pytest.raises(ValueError, match="same"):
         bootstrap_mean_gain(before, before[:3])
+
+
+def test_paired_gains_of_evaluation_rows() -> None:
+    """Problem a: base 0/2 sampled, greedy wrong; after 2/2, greedy right. Problem b: unchanged (1/2,
+    greedy wrong). Problem c is only in the base table and is not compared. Pass@1 gain (1.0 + 0) / 2 = 0.5,
+    greedy gain 0.5, reward gain ((1 - 0) + 0) / 2 = 0.5."""
+    def answers(prompt_id: str, sampled: list[bool], greedy: bool) -> list[dict]:
+        rows = [{"prompt_id": prompt_id, "mode": "sampled", "correct": c, "reward": float(c)} for c in sampled]
+        return rows + [{"prompt_id": prompt_id, "mode": "greedy", "correct": greedy, "reward": float(greedy)}]
+
+    base = answers("a", [False, False], False) + answers("b", [True, False], False) + answers("c", [True], True)
+    after = answers("a", [True, True], True) + answers("b", [True, False], False)
+    gains = paired_gains(base, after)
+    assert set(gains) == {"pass@1", "greedy", "reward"}
+    for name in ("greedy", "reward"):
+        # Resampling two problems: both a (+1), both b (0) or one of each (+0.5).
+        assert gains[name] == (pytest.approx(0.5), pytest.approx(0.0), pytest.approx(1.0)), name
+    # pass@1 also resamples b's two answers on each side, so b alone can come out -1 .. +1.
+    gain, low, high = gains["pass@1"]
+    assert gain == pytest.approx(0.5) and -0.5 <= low < 0.0 and high == pytest.approx(1.0)
+    assert paired_gains(base, answers("d", [True], True)) == {}

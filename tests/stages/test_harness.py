@@ -8,9 +8,10 @@ import pyarrow as pa
 import pytest
 
 from flows.cli import start_run
+from flows.execute import pending_stages
 from schemas.config import load_config
 from stages.common import StageContext, run_stage
-from stages.registry import STAGES, stage_state
+from stages.registry import ITERATION_STAGES, STAGES, is_scheduled, iteration_stages, stage_state
 from storage.layout import BASE, RunLayout
 
 
@@ -121,3 +122,24 @@ def test_stage_processes_never_import_prefect() -> None:
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.strip() == "[]", result.stdout
+
+
+def test_evaluate_every_schedules_evaluation_without_entering_any_key() -> None:
+    """evaluate.every=2 over 5 iterations evaluates checkpoints 1, 3 and the last one (4); every other stage
+    runs in every iteration. `every` says when, not what: it is in no stage key, so raising it on a run
+    leaves its finished evaluations done."""
+    config = load_config(None, ["iterations=5", "evaluate.every=2"])
+    assert [k for k in range(5) if is_scheduled(config, "evaluate", k)] == [1, 3, 4]
+    assert iteration_stages(config, 0) == ["generate", "score", "advantage", "train"]
+    assert iteration_stages(config, 3) == ITERATION_STAGES
+    assert all(is_scheduled(load_config(None, ["iterations=5"]), "evaluate", k) for k in range(5))
+    for stage in STAGES.values():
+        assert stage.config_payload(config) == stage.config_payload(load_config(None, ["iterations=5"])), stage.name
+
+
+def test_evaluate_every_leaves_unscheduled_evaluations_out_of_the_plan(tmp_path: Path) -> None:
+    config = load_config(None, ["run_id=t", "iterations=3", "evaluate.every=2"])
+    layout = start_run(config, str(tmp_path))
+    plan = pending_stages(layout, config)
+    assert [k for stage, k in plan if stage == "evaluate"] == [1, 2]
+    assert [k for stage, k in plan if stage == "train"] == [0, 1, 2]
