@@ -72,3 +72,12 @@ def test_bypass_with_correction_is_refused_on_assignment_too() -> None:
     config = load_config(None, ["train.bypass_old_logprobs=true"])
     with pytest.raises(ValueError, match=r"train\.bypass_old_logprobs with train\.rejection"):
         config.train.is_level = "token"
+
+
+@pytest.mark.parametrize("path", sorted((Path(__file__).parents[2] / "deployments" / "configs").glob("*.yaml")),
+                         ids=lambda p: p.name)
+def test_shipped_configs_load_and_their_data_sources_resolve(path: Path) -> None:
+    from stages.data import validate_sources
+
+    config = load_config(str(path))
+    validate_sources(config.data)
