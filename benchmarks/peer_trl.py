@@ -118,6 +118,16 @@ def rlpipe_side(root: str, run_id: str) -> tuple[Side, Any, list[dict]]:
     return side, config, eval_rows(layout, BASE)
 
 
+def run_clusters(root: str, run_id: str) -> dict[str, str]:
+    """prompt_id -> the family the bootstrap resamples it with (stages/eval_metrics.clusters_of)."""
+    import pyarrow.parquet as pq
+
+    from stages.eval_metrics import clusters_of
+    from storage.layout import RunLayout
+
+    return clusters_of(pq.read_table(RunLayout.create(root, run_id).prompts_path).to_pylist())
+
+
 def train_with_trl(config: Any, root: str, run_id: str, budget_s: float, out_dir: Path) -> Side:  # noqa: ANN401
     """GRPOTrainer on the run's train prompts with our sandbox as the reward, stopped at the budget."""
     import pyarrow.parquet as pq
@@ -221,7 +231,7 @@ def evaluate_with_rlpipe(config: Any, root: str, model_dir: Path, run_id: str) -
     return eval_summaries(manifest), eval_rows(layout, BASE)
 
 
-def describe(side: Side, ks: list[int], base_rows: list[dict]) -> None:
+def describe(side: Side, ks: list[int], base_rows: list[dict], clusters: dict[str, str]) -> None:
     """The side's reward curve, then per held-out dataset: pass@k before -> after with the evaluate stage's
     bootstrap intervals, and the paired gains over the base model (pass@1, greedy, reward)."""
     from stages.eval_metrics import paired_gains
@@ -240,7 +250,7 @@ def describe(side: Side, ks: list[int], base_rows: list[dict]) -> None:
                 interval = "  (95% CI before {}, after {})".format(*lo_hi)
             print(f"    {metric}: {before[metric]:.3f} -> {after[metric]:.3f}{interval}")
         gains = paired_gains([r for r in base_rows if r["dataset"] == dataset],
-                             [r for r in side.after_rows if r["dataset"] == dataset])
+                             [r for r in side.after_rows if r["dataset"] == dataset], clusters)
         print("    paired gain over base: " + ", ".join(
             f"{name} {gain:+.3f} [{low:+.3f}, {high:+.3f}]" for name, (gain, low, high) in gains.items()))
 
@@ -263,7 +273,7 @@ def main() -> None:
     load_after = os.getloadavg()[0]
 
     for side in (ours, peer):
-        describe(side, config.evaluate.k, base_rows)
+        describe(side, config.evaluate.k, base_rows, run_clusters(args.root, args.run))
     print(f"\nheld-out pass@1 gain per wall-minute (load average {load_before:.1f} -> {load_after:.1f}):")
     for dataset in sorted(ours.after):
         ours_gain, peer_gain = ours.gain_per_minute(dataset), peer.gain_per_minute(dataset)

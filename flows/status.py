@@ -11,7 +11,7 @@ from rich.table import Table
 
 from schemas.config import RunConfig
 from schemas.tables import TABLES
-from stages.eval_metrics import paired_gains
+from stages.eval_metrics import clusters_of, paired_gains
 from stages.registry import ITERATION_STAGES, RUN_STAGES, STAGES, is_scheduled, iteration_stages, stage_state
 from storage.layout import BASE, RunLayout
 from storage.tables import read_table
@@ -52,13 +52,16 @@ def held_out_table(layout: RunLayout, config: RunConfig) -> Group:
     (from the eval tables): sampled pass@1, greedy accuracy, and the mean reward of the sampled answers (the
     partial credit the training reward gives, which moves before whole problems flip to solved)."""
     ks = config.evaluate.k
-    results = Table(title="held-out evaluation (95% bootstrap intervals over problems and samples)")
+    results = Table(title="held-out evaluation (95% bootstrap intervals over problems, or their families, and samples)")
     for column in ["checkpoint", "dataset", "prompts", "greedy", *[f"pass@{k}" for k in ks]]:
         results.add_column(column, no_wrap=column == "checkpoint")
     gains = Table(title="gain over the base model (paired 95% intervals)")
     for column in ["checkpoint", "dataset", "pass@1", "greedy", "reward"]:
         gains.add_column(column, no_wrap=column == "checkpoint")
     base_rows: dict[str, list[dict]] = {}
+    clusters: dict[str, str] = {}
+    if layout.fs.exists(layout.prompts_path):
+        clusters = clusters_of(read_table(layout.fs, layout.prompts_path, TABLES["prompts"]).to_pylist())
     checkpoints = [("base", "evaluate_base", BASE)] + [(f"iter {k}", "evaluate", k) for k in range(config.iterations)]
     for label, stage, iteration in checkpoints:
         state = stage_state(layout.fs, layout, config, STAGES[stage], iteration)
@@ -69,12 +72,15 @@ def held_out_table(layout: RunLayout, config: RunConfig) -> Group:
             if not (isinstance(summary, dict) and "prompts" in summary):
                 continue
             dataset_rows = [row for row in rows if row["dataset"] == dataset]
-            results.add_row(label, dataset, f"{summary['prompts']:.0f}", _number(summary.get("greedy_accuracy")),
+            prompts = f"{summary['prompts']:.0f}"
+            if summary.get("clusters", summary["prompts"]) < summary["prompts"]:
+                prompts += f" ({summary['clusters']:.0f} families)"
+            results.add_row(label, dataset, prompts, _number(summary.get("greedy_accuracy")),
                             *[_with_interval(summary, f"pass@{k}") for k in ks])
             if iteration == BASE:
                 base_rows[dataset] = dataset_rows
             elif dataset in base_rows:
-                gains.add_row(label, dataset, *_gains(base_rows[dataset], dataset_rows))
+                gains.add_row(label, dataset, *_gains(base_rows[dataset], dataset_rows, clusters))
     return Group(results, gains) if gains.row_count else Group(results)
 
 
@@ -90,8 +96,8 @@ def _with_interval(summary: dict, metric: str) -> str:
     return f"{summary[metric]:.3f}{interval}"
 
 
-def _gains(base_rows: list[dict], rows: list[dict]) -> list[str]:
-    gains = paired_gains(base_rows, rows)
+def _gains(base_rows: list[dict], rows: list[dict], clusters: dict[str, str]) -> list[str]:
+    gains = paired_gains(base_rows, rows, clusters)
     return [_signed(*gains[name]) if name in gains else "" for name in ("pass@1", "greedy", "reward")]
 
 

@@ -5,7 +5,8 @@ one greedy sample per prompt (greedy accuracy) and n sampled ones (pass@k by the
 Chen et al. 2021). `evaluate_base` is the same stage on the base model, run once per run, stored as
 iteration -1 in `base/eval.parquet`. A sample is correct when every test passed (status "ok").
 
-The manifest's metrics hold one summary per dataset (keyed by dataset name) beside the engine figures the
+The manifest's metrics hold one summary per dataset (keyed by dataset name; its intervals resample whole
+problem families where the prompts name one, see stages/eval_metrics.py) beside the engine figures the
 generate stage also records: backend, `deterministic`, `engine_start_seconds` apart from
 `generation_seconds`, tokens/s, and the overlong-prompt counts.
 """
@@ -17,7 +18,7 @@ import json
 import pyarrow as pa
 
 from stages.common import StageContext, StageInputError, exit_with
-from stages.eval_metrics import aggregate
+from stages.eval_metrics import aggregate, clusters_of
 from stages.generation import make_backend
 from stages.generation.base import GenerationRequest, SamplingSpec, sample_seed
 from stages.models import load_tokenizer
@@ -93,8 +94,9 @@ def run(ctx: StageContext) -> None:
         "prompts_skipped_overlong": encoded.skipped,
         "prompts_truncated": encoded.truncated,
     }
+    clusters = clusters_of(prompts)  # the intervals resample whole problem families where prompts name one
     for dataset in sorted({row["dataset"] for row in rows}):
-        metrics[dataset] = aggregate([row for row in rows if row["dataset"] == dataset], ev.k)
+        metrics[dataset] = aggregate([row for row in rows if row["dataset"] == dataset], ev.k, clusters)
     ctx.write_table("eval", pa.Table.from_pylist(rows), metrics)
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
@@ -11,6 +13,8 @@ from stages.eval_metrics import (
     bootstrap_mean_gain,
     bootstrap_pass_at_k,
     bootstrap_pass_at_k_gain,
+    cluster_weights,
+    clusters_of,
     mean_rewards,
     paired_gains,
     pass_at_k,
@@ -134,3 +138,39 @@ def test_paired_gains_of_evaluation_rows() -> None:
     gain, low, high = gains["pass@1"]
     assert gain == pytest.approx(0.5) and -0.5 <= low < 0.0 and high == pytest.approx(1.0)
     assert paired_gains(base, answers("d", [True], True)) == {}
+
+
+def test_cluster_weights_draw_whole_clusters() -> None:
+    weights_RP = cluster_weights(np.array(["a", "a", "b", "b", "b"]), 5, 1000, np.random.default_rng(0))
+    assert weights_RP.shape == (1000, 5)
+    # Two draws of clusters per resample; a drawn cluster brings every one of its problems.
+    assert (weights_RP[:, 0] == weights_RP[:, 1]).all() and (weights_RP[:, 2] == weights_RP[:, 4]).all()
+    assert ((weights_RP[:, 0] + weights_RP[:, 2]) == 2).all()
+    assert set(np.unique(weights_RP[:, 0])) == {0, 1, 2}
+    # No clusters: every problem its own, P draws per resample.
+    assert (cluster_weights(None, 5, 100, np.random.default_rng(0)).sum(axis=1) == 5).all()
+
+
+def test_family_clusters_widen_the_interval_to_what_the_families_support() -> None:
+    """Ten problems in two families of five: every problem of family A goes from wrong to right, family B
+    stays wrong (one answer per problem, so no sample noise). Gain 0.5. As ten independent problems the
+    interval is about 0.5 +- 1.96 * sqrt(0.25 / 10) = [0.2, 0.8]; as two families the resamples are AA (+1),
+    AB (+0.5) or BB (0), so the interval is [0, 1]: two families cannot show more."""
+    n_P, before_P = np.ones(10, dtype=np.int64), np.zeros(10, dtype=np.int64)
+    after_P = np.array([1] * 5 + [0] * 5)
+    family_P = np.array(["A"] * 5 + ["B"] * 5)
+    gain, low, high = bootstrap_pass_at_k_gain(n_P, before_P, n_P, after_P, 1, resamples=20000)
+    assert gain == 0.5 and low == pytest.approx(0.2, abs=0.001) and high == pytest.approx(0.8, abs=0.001)
+    assert bootstrap_pass_at_k_gain(n_P, before_P, n_P, after_P, 1, cluster_P=family_P) == (0.5, 0.0, 1.0)
+    assert bootstrap_mean_gain(before_P, after_P, cluster_P=family_P) == (0.5, 0.0, 1.0)
+    assert bootstrap_pass_at_k(n_P, after_P, 1, cluster_P=family_P) == (0.0, 1.0)
+
+
+def test_clusters_come_from_the_family_in_prompt_metadata() -> None:
+    prompts = [{"prompt_id": "p1", "metadata": json.dumps({"family": "sum_even", "task_id": "t1"})},
+               {"prompt_id": "p2", "metadata": json.dumps({"family": "sum_even"})},
+               {"prompt_id": "h1", "metadata": json.dumps({"task_id": "HumanEval/3"})}]
+    clusters = clusters_of(prompts)
+    assert clusters == {"p1": "sum_even", "p2": "sum_even", "h1": "h1"}
+    rows = [{"prompt_id": p, "mode": "sampled", "correct": True, "num_tokens": 3} for p in ("p1", "p2", "h1")]
+    assert aggregate(rows, [1], clusters)["clusters"] == 2 and aggregate(rows, [1])["clusters"] == 3
