@@ -26,12 +26,13 @@ Prints both reward curves against wall-clock minutes, held-out pass@1 and pass@k
 intervals the evaluate stage records) before and after for each side, and the ratio of improvement in
 pass@1 per wall-minute (rlpipe / TRL).
 
-Measured on the 2-core CPU box, nothing else running (2026-11-23), against the humaneval-cpu recipe's run.
-rlpipe (budget 31.8 min: 4 iterations, 16 optimizer steps, an evaluation after each): train reward 0.079,
-0.208, 0.147, 0.160; held-out pass@1 0.036 -> 0.030. TRL (33.3 min: 3 generation batches, 9 optimizer steps;
-that run used the old stop-at-the-first-step-past-the-budget rule): train reward 0.082, 0.097, 0.114;
-held-out pass@1 0.036 -> 0.024. Neither improved, so the ratio is "n/a". TRL's Hugging Face generation took
-6-10 min per batch of 64 answers, rlpipe's vLLM stage ~70 s.
+Measured on the 2-core CPU box, nothing else running (2026-11-23), against the humaneval-cpu recipe's run
+(pytasks + HumanEval train prompts; held out: 8 unseen pytasks families and 42 HumanEval problems).
+rlpipe (budget 41.2 min: 8 iterations, 512 rollouts, 32 optimizer steps): train reward 0.155 -> 0.722;
+pytasks pass@1 0.234 -> 0.339, paired gain +0.104 [-0.026, +0.240] (families resampled), HumanEval +0.016.
+TRL (39.7 min: 4 generation batches, 256 rollouts, 16 steps, 15.2 GB peak RSS): train reward 0.231, 0.376,
+0.324, 0.175; pytasks pass@1 0.234 -> 0.401, +0.167 [+0.026, +0.323]; HumanEval +0.024. Ratio of pass@1 gain
+per wall-minute rlpipe / TRL: 0.60 (pytasks), 0.64 (HumanEval).
 
 Install the peer first (benchmarks only, not a dependency of rlpipe): `make bench-deps`.
 Run: `.venv/bin/python -m benchmarks.peer_trl --run humaneval-cpu [--root ./rlpipe-data]`.

@@ -52,7 +52,7 @@ def held_out_table(layout: RunLayout, config: RunConfig) -> Group:
     (from the eval tables): sampled pass@1, greedy accuracy, and the mean reward of the sampled answers (the
     partial credit the training reward gives, which moves before whole problems flip to solved)."""
     ks = config.evaluate.k
-    results = Table(title="held-out evaluation (95% bootstrap intervals over problems, or their families, and samples)")
+    results = Table(title="held-out evaluation (95% bootstrap intervals: problems or families, and samples)")
     for column in ["checkpoint", "dataset", "prompts", "greedy", *[f"pass@{k}" for k in ks]]:
         results.add_column(column, no_wrap=column == "checkpoint")
     gains = Table(title="gain over the base model (paired 95% intervals)")

@@ -21,7 +21,9 @@ Sources:
      -> ``{"kind": "code_stdio", "inputs", "outputs"}``;
   3. math: ``messages`` or ``prompt``, plus ``gt_answer`` (or ``answer``) -> ``{"kind": "math", "answer"}``.
 
-  Fields a format does not use (``task_id``, ``difficulty``, ...) are kept in ``metadata`` when scalar.
+  Fields a format does not use (``task_id``, ``difficulty``, ...) are kept in ``metadata`` when scalar. A
+  ``family`` field groups problems for the evaluation's bootstrap intervals, which resample whole families
+  (stages/eval_metrics.py): variants of one problem are not independent evidence.
 
 ``data.train`` and ``data.test`` each name one source or a list of them; the prompts of a split are those of
 its sources in order, and a problem may not appear twice in a run (a duplicate across sources is refused).
