@@ -19,6 +19,7 @@ families is a gain in writing small functions, not in recalling one family's tri
 
 from __future__ import annotations
 
+import math
 import random
 import string
 from collections.abc import Callable
@@ -113,7 +114,7 @@ FAMILIES: list[Family] = [
            lambda c, n: len(str(n)), _one(lambda r: r.randint(0, 10 ** r.randint(0, 7)))),
     Family("factorial", _const(_pick("factorial", "fact", "product_up_to")), "n: int", "int",
            lambda c: "Return n factorial (1 * 2 * ... * n); 0 factorial is 1.",
-           lambda c, n: __import__("math").factorial(n), _one(lambda r: r.randint(0, 10))),
+           lambda c, n: math.factorial(n), _one(lambda r: r.randint(0, 10))),
     Family("fibonacci", _const(_pick("fibonacci", "fib", "nth_fibonacci")), "n: int", "int",
            lambda c: "Return the n-th Fibonacci number, where fib(0) = 0 and fib(1) = 1.",
            lambda c, n: (lambda f: f(f, n))(lambda f, k: k if k < 2 else f(f, k - 1) + f(f, k - 2)),
@@ -123,13 +124,13 @@ FAMILIES: list[Family] = [
            _one(lambda r: r.randint(-3, 60))),
     Family("gcd", _const(_pick("gcd", "greatest_common_divisor", "common_divisor")), "a: int, b: int", "int",
            lambda c: "Return the greatest common divisor of two positive integers a and b.",
-           lambda c, a, b: __import__("math").gcd(a, b), lambda r, c: (r.randint(1, 120), r.randint(1, 120))),
+           lambda c, a, b: math.gcd(a, b), lambda r, c: (r.randint(1, 120), r.randint(1, 120))),
     Family("sum_list", _const(_pick("sum_list", "total", "add_all")), "nums: list[int]", "int",
            lambda c: "Return the sum of the numbers in nums (0 for an empty list).", lambda c, nums: sum(nums),
            _one(_ints)),
     Family("product_list", _const(_pick("product", "multiply_all", "list_product")), "nums: list[int]", "int",
            lambda c: "Return the product of the numbers in nums (1 for an empty list).",
-           lambda c, nums: __import__("math").prod(nums), _one(lambda r: _ints(r, -5, 5))),
+           lambda c, nums: math.prod(nums), _one(lambda r: _ints(r, -5, 5))),
     Family("max_list", _const(_pick("max_element", "largest", "find_max")), "nums: list[int]", "int",
            lambda c: "Return the largest number in the non-empty list nums.", lambda c, nums: max(nums),
            _one(lambda r: _ints(r, size=(1, 7)))),
@@ -253,13 +254,19 @@ def _render(family: Family, name: str, constants: dict[str, Any], rng: random.Ra
     return {"prompt": prompt, "entry_point": name, "test": "def check(candidate):\n" + "\n".join(asserts) + "\n"}
 
 
+def instance_rng(family: str, instance: int) -> random.Random:
+    """The random generator of one problem: seeded by (family, instance) only, so adding a family or an
+    instance never changes the others."""
+    return random.Random(f"{SOURCE}/{family}/{instance}")
+
+
 def generate_rows(instances: int = INSTANCES_PER_FAMILY) -> list[dict[str, Any]]:
     """Every problem, in family order: HumanEval-style rows plus `task_id` ("pytasks/<family>/<i>") and
     `family` (the split key). Duplicates (a family with few distinct constants) are dropped."""
     rows, seen = [], set()
     for family in FAMILIES:
         for instance in range(instances):
-            rng = random.Random(f"{SOURCE}/{family.name}/{instance}")
+            rng = instance_rng(family.name, instance)
             name, constants = family.make(rng)
             row = _render(family, name, constants, rng)
             if row["prompt"] in seen:

@@ -4,14 +4,13 @@ real by the sandbox, and loaded beside HumanEval as a list of sources."""
 from __future__ import annotations
 
 import json
-import random
 from collections import Counter
 
 import pytest
 
 from schemas.config import ConfigError, DataConfig, ScoreConfig, load_config
 from stages.data import DataError, load_prompts, load_splits
-from stages.pytasks import FAMILIES, INSTANCES_PER_FAMILY, generate_rows
+from stages.pytasks import FAMILIES, INSTANCES_PER_FAMILY, generate_rows, instance_rng
 from stages.sandbox import Sandbox, ScoreJob
 
 
@@ -30,7 +29,7 @@ def test_every_problem_is_a_valid_humaneval_style_row_whose_reference_passes_its
         assert row["test"].count("assert ") >= 3, row["task_id"]
         # The constants are not in the row: draw them again from the instance's seed.
         instance = int(row["task_id"].rsplit("/", 1)[1])
-        name, constants = family.make(random.Random(f"pytasks/{family.name}/{instance}"))
+        name, constants = family.make(instance_rng(family.name, instance))
         assert name == row["entry_point"]
         namespace["check"](lambda *args, c=constants, f=family: f.solve(c, *args))
         with pytest.raises((AssertionError, TypeError)):  # TypeError: None - float in a float comparison
