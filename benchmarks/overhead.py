@@ -110,8 +110,9 @@ def stage_times(root: str, run_id: str, outcomes: list) -> list[StageTime]:  # n
 
 def main() -> None:
     from flows.cli import start_run
-    from flows.execute import run_stage_process
+    from flows.execute import run_stage_process, stage_environment
     from schemas.config import load_config
+    from stages import forkserver
     from stages.registry import RUN_STAGES
     from storage.layout import BASE
 
@@ -125,6 +126,10 @@ def main() -> None:
     root = args.root or str(scratch / "root")
     config = load_config(args.config, ["run_id=overhead", "iterations=1", *args.set])
     layout = start_run(config, root)
+    # Once per run, as `rlpipe run` does before Prefect starts: the stage server (stages/forkserver.py) imports
+    # torch, Great Expectations and vLLM once; every stage after it is a fork. Timed apart like Prefect's start.
+    server = forkserver.start(stage_environment(config))
+    server_start = server.wait_ready() if server is not None else 0.0
     # The run-level stages (prompts, base model, the base model's evaluation) run once per run, not per
     # iteration: done first, untimed, the way the flow would, so the measured call only checks them.
     for stage in RUN_STAGES:
@@ -168,7 +173,8 @@ def main() -> None:
     budget = total - engine_start
     overhead = process + io_checks + orchestration
     console.print(f"iteration wall {total:.1f} s, of which engine start {engine_start:.1f} s (reported apart); "
-                  f"once per run, before it: Prefect import and temporary server {prefect_start:.1f} s")
+                  f"once per run, before it: Prefect import and temporary server {prefect_start:.1f} s, stage server "
+                  f"imports {server_start:.1f} s" + ("" if server is not None else " (off: RLPIPE_STAGE_FORK=0)"))
     for name, seconds in [("model/sandbox work", work), ("process start + harness", process),
                           ("Parquet I/O + validation", io_checks), ("orchestration (Prefect, checks, report)",
                                                                     orchestration)]:

@@ -1,7 +1,9 @@
 """Running stages as child processes, and deciding which ones still need to run. No Prefect here.
 
 Each stage runs in its own Python process: a stage that holds a model frees all of its memory when it
-exits, and a crash (even SIGKILL) in a stage cannot take the flow down. The child inherits the terminal, so
+exits, and a crash (even SIGKILL) in a stage cannot take the flow down. Inside `forkserver.stage_server`
+(local runs) the process is forked from a server that has imported torch, Great Expectations and vLLM
+already (stages/forkserver.py); elsewhere it is a fresh interpreter. The child inherits the terminal, so
 its progress bars and timing lines show as they happen; it never imports Prefect, so it never starts a
 Prefect server of its own.
 """
@@ -9,13 +11,13 @@ Prefect server of its own.
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from schemas.config import RunConfig
+from stages import forkserver
 from stages.registry import RUN_STAGES, STAGES, iteration_stages, stage_state
 from storage.layout import BASE, RunLayout, manifest_path_for
 from storage.manifest import read_manifest
@@ -69,9 +71,9 @@ def run_stage_process(
 ) -> float:
     started = time.monotonic()
     command = stage_command(layout, stage, iteration, lock_wait_s, round_idx)
-    completed = subprocess.run(command, env=stage_environment(config))
-    if completed.returncode != 0:
-        raise StageFailed(stage, iteration, completed.returncode, round_idx)
+    returncode = forkserver.run(command, stage_environment(config))
+    if returncode != 0:
+        raise StageFailed(stage, iteration, returncode, round_idx)
     return time.monotonic() - started
 
 

@@ -20,6 +20,7 @@ and a finished stage is never redone.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
 import time
@@ -41,9 +42,11 @@ from flows.execute import (  # noqa: E402
     dynamic_sampling_rounds,
     pending_stages,
     run_stage_process,
+    stage_environment,
 )
 from schemas.config import ConfigError, RunConfig, load_config, parse_config  # noqa: E402
 from stages.common import read_run_config  # noqa: E402
+from stages.forkserver import stage_server  # noqa: E402
 from stages.registry import RUN_STAGES, STAGES, is_done_now, iteration_stages  # noqa: E402
 from storage.fs import filesystem, is_remote  # noqa: E402
 from storage.layout import BASE, RunLayout, instance_name, iteration_name  # noqa: E402
@@ -190,6 +193,14 @@ def _run_iteration(layout: RunLayout, iteration: int | None, mode: str) -> list[
     return outcomes
 
 
+def _local_stage_server(layout: RunLayout, mode: str) -> contextlib.AbstractContextManager:
+    """Stages run here fork from one warm server (stages/forkserver.py) while a flow runs several of them;
+    a stage dispatched to a worker runs in that worker's own flow-run process instead."""
+    if mode != "local":
+        return contextlib.nullcontext()
+    return stage_server(stage_environment(read_run_config(layout)))
+
+
 @flow(name="iteration", flow_run_name=lambda: _run_name("iteration"))
 def iteration_flow(
     root: str, run_id: str, iteration: int | None = None, dispatch: str | None = None
@@ -201,7 +212,7 @@ def iteration_flow(
     layout = RunLayout.create(root, run_id)
     mode = resolve_dispatch(dispatch)
     try:
-        with run_lock(layout):
+        with run_lock(layout), _local_stage_server(layout, mode):
             return _run_iteration(layout, iteration, mode)
     except RunLocked as error:
         if iteration is not None:
@@ -227,7 +238,7 @@ def loop_flow(
     else:
         layout = RunLayout.create(root or os.environ.get("RLPIPE_ROOT") or "./rlpipe-data", run_id)
     mode = resolve_dispatch(dispatch)
-    with run_lock(layout):
+    with run_lock(layout), _local_stage_server(layout, mode):
         run_config = read_run_config(layout)
         count = iterations if iterations is not None else run_config.iterations
         if count > run_config.iterations:

@@ -1,0 +1,313 @@
+"""A warm parent for stage processes: one process that has imported the heavy libraries every stage imports
+(torch, transformers, pyarrow, Great Expectations, vLLM) and forks a fresh child for each stage.
+
+Why: a stage started as `python -m stages.<name>` spends 2-4 s starting the interpreter and importing
+torch and transformers, 3.5-4 s importing Great Expectations before it validates its first table, and a
+generate or evaluate stage 6-8 s more importing vLLM. On the default iteration that was a fifth of the wall
+time (benchmarks/overhead.py). A child forked from this server starts in milliseconds with all of it
+imported, and is otherwise the same thing as before:
+
+- its own process: it frees its memory when it exits, a crash (even SIGKILL) ends only it, it takes its
+  own stage lease, and it survives its driver the way a `subprocess.run` child does;
+- the caller's stdin/stdout/stderr, working directory and environment: the descriptors travel over the
+  socket (SCM_RIGHTS), so progress bars, logs and captured output go where they would have gone;
+- `python -m <module> <args>` semantics: the module runs as `__main__` (runpy), `sys.exit(code)` is its
+  exit code, and atexit handlers run when it ends;
+- the command line: /proc/<pid>/cmdline (`ps`, `pkill -f stages.score`) shows `python -m stages.<name> ...`;
+- fresh rlpipe code: only third-party libraries are preloaded, never rlpipe's own modules, so a child
+  imports the stage code as it is on disk when the stage starts (and creates its console, which looks at
+  its own stdout, after the descriptors are in place).
+
+Thread pools are sized when a library loads, so variables read at import (`IMPORT_TIME_VARIABLES`) are fixed
+for the server's life; a request with other values gets a new server. The server never runs a thread of
+its own, so a fork copies no lock held by another thread; it handles concurrent requests from one select
+loop, reaping children on SIGCHLD.
+
+Where it is used: `rlpipe run` and the `loop`/`iteration` flows in local dispatch, which run many stages
+from one process (`stage_server`). A stage dispatched to a worker runs in a short-lived flow-run process
+and keeps plain `subprocess.run`, as do stages when `RLPIPE_STAGE_FORK=0` or the OS cannot fork (not
+Linux). Imports the standard library only: the flow process imports it, and Prefect must never reach a stage.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import importlib
+import json
+import os
+import selectors
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+
+# Loaded once by the server; each is skipped when it is not installed (vLLM is an extra).
+PRELOAD = (
+    "pyarrow", "pyarrow.parquet", "pyarrow.compute", "numpy", "pydantic", "yaml", "rich", "fsspec", "s3fs",
+    "torch", "transformers", "great_expectations", "great_expectations.expectations", "vllm", "vllm.entrypoints.llm",
+)
+# Read by libraries when they load (thread pools, import path): a server serves one set of values.
+IMPORT_TIME_VARIABLES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "PYTHONPATH", "CUDA_VISIBLE_DEVICES",
+                         "VLLM_TARGET_DEVICE")
+MAX_REQUEST_BYTES = 1 << 20
+
+
+def fork_enabled() -> bool:
+    """Stages fork from a warm server unless `RLPIPE_STAGE_FORK=0`; only on Linux (macOS forbids fork after
+    some system libraries load, and Windows has no fork)."""
+    return sys.platform.startswith("linux") and os.environ.get("RLPIPE_STAGE_FORK", "1") != "0"
+
+
+class ForkServerDied(RuntimeError):
+    pass
+
+
+class ForkServer:
+    """The client side, in the flow process: starts the server and asks it to run `python -m ...` commands."""
+
+    def __init__(self, env: dict[str, str]) -> None:
+        self.env = dict(env)
+        self._dir = tempfile.mkdtemp(prefix="rlpipe-forkserver-")
+        self.socket_path = os.path.join(self._dir, "socket")
+        # The listening socket is made here and handed over, so a request can be sent at once: it waits in
+        # the backlog while the server is still importing.
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        listener.bind(self.socket_path)
+        listener.listen(64)
+        self.started = time.monotonic()
+        # stdin is a pipe that only the server reads: when this process ends (even killed), it sees EOF and
+        # leaves once its running children are done.
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "stages.forkserver", str(listener.fileno())],
+            stdin=subprocess.PIPE, pass_fds=(listener.fileno(),), env=self.env,
+        )
+        listener.close()
+
+    def serves(self, env: dict[str, str]) -> bool:
+        return self.alive() and all(env.get(k) == self.env.get(k) for k in IMPORT_TIME_VARIABLES)
+
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+    def run(self, command: list[str], env: dict[str, str]) -> int:
+        """Run `command` ([python, "-m", module, *args]) as a forked child; its exit status as
+        `subprocess.run` reports it (negative: the signal that ended it)."""
+        request = json.dumps({"command": command, "env": env, "cwd": os.getcwd()}).encode()
+        if len(request) > MAX_REQUEST_BYTES:
+            raise ValueError(f"stage request of {len(request)} bytes (environment too large for the fork server)")
+        with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as connection:
+            connection.connect(self.socket_path)
+            socket.send_fds(connection, [request], [0, 1, 2])
+            pid = self._receive(connection, "pid")
+            try:
+                return self._receive(connection, "returncode")
+            except BaseException:
+                # As subprocess.run does when the caller is interrupted: the child goes too.
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+                raise
+
+    def wait_ready(self) -> float:
+        """Block until the server has finished its imports; the seconds since it was started."""
+        with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as connection:
+            connection.connect(self.socket_path)
+            connection.send(json.dumps({"ping": True}).encode())
+            self._receive(connection, "ready")
+        return time.monotonic() - self.started
+
+    def _receive(self, connection: socket.socket, field: str) -> int:
+        message = connection.recv(4096)
+        if not message:
+            raise ForkServerDied(f"the stage fork server (pid {self.process.pid}) ended while running a stage")
+        return int(json.loads(message)[field])
+
+    def close(self) -> None:
+        """Let the server go: it stops accepting and exits once its running children end."""
+        if self.process.stdin is not None and not self.process.stdin.closed:
+            self.process.stdin.close()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.process.wait(timeout=5)
+        with contextlib.suppress(OSError):
+            os.unlink(self.socket_path)
+            os.rmdir(self._dir)
+
+
+_server: ForkServer | None = None
+
+
+def start(env: dict[str, str]) -> ForkServer | None:
+    """The server for `env`, started now if none serves it (None when forking is off): starting it early
+    lets its imports overlap other start-up work."""
+    global _server
+    if not fork_enabled():
+        return None
+    if _server is not None and _server.serves(env):
+        return _server
+    if _server is not None:
+        _server.close()
+    else:
+        atexit.register(stop)  # the socket's directory goes with the process
+    _server = ForkServer(env)
+    return _server
+
+
+def stop() -> None:
+    global _server
+    if _server is not None:
+        _server.close()
+        _server = None
+
+
+@contextlib.contextmanager
+def stage_server(env: dict[str, str]) -> Iterator[ForkServer | None]:
+    """Stages started inside this block fork from a warm server; it ends with the block unless it was
+    running before (a caller further out started it and stops it)."""
+    running_before = _server is not None and _server.serves(env)
+    server = start(env)
+    try:
+        yield server
+    finally:
+        if not running_before:
+            stop()
+
+
+def run(command: list[str], env: dict[str, str]) -> int:
+    """Run a stage command: forked from the active server when one serves `env`, else `subprocess.run`."""
+    if _server is not None and _server.serves(env) and command[1:2] == ["-m"]:
+        return _server.run(command, env)
+    return subprocess.run(command, env=env).returncode
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The server process.
+
+
+def _preload() -> None:
+    with contextlib.suppress(ImportError):
+        import setproctitle  # set up here, while the environment is the original one (children rename)
+
+        setproctitle.setproctitle(f"{sys.executable} -m stages.forkserver (rlpipe stage server)")
+    for module in PRELOAD:
+        with contextlib.suppress(ImportError):
+            importlib.import_module(module)
+
+
+def _become_stage(request: dict, fds: list[int], keep_closed: list[int]) -> None:
+    """In the forked child: take the caller's descriptors, directory and environment, run the module as
+    `python -m` would, and exit with its status. Never returns."""
+    import runpy
+    import threading
+    import traceback
+
+    code = 1
+    try:
+        signal.set_wakeup_fd(-1)
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        for fd in keep_closed:
+            os.close(fd)
+        for target, fd in zip((0, 1, 2), fds, strict=True):
+            os.dup2(fd, target)
+            os.close(fd)
+        os.chdir(request["cwd"])
+        os.environ.clear()
+        os.environ.update(request["env"])
+        command = request["command"]
+        module, *args = command[2:]
+        sys.argv = [module, *args]
+        with contextlib.suppress(ImportError):  # `ps` and /proc/<pid>/cmdline show the stage, not the server
+            import setproctitle
+
+            setproctitle.setproctitle(" ".join(command))
+        sys.path[0] = request["cwd"]  # `python -m` puts the working directory first
+        if "numpy" in sys.modules:  # a fork copies the global RNG state; `random` reseeds itself at fork
+            sys.modules["numpy"].random.seed()
+        try:
+            runpy.run_module(module, run_name="__main__", alter_sys=True)
+            code = 0
+        except SystemExit as exit_:
+            if exit_.code is None or isinstance(exit_.code, int):
+                code = exit_.code or 0
+            else:
+                print(exit_.code, file=sys.stderr)
+                code = 1
+        threading._shutdown()  # as the interpreter does at exit: wait for non-daemon threads
+        atexit._run_exitfuncs()
+    except BaseException:  # noqa: BLE001 - everything ends here: the child must never return into the server
+        traceback.print_exc()
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):
+                stream.flush()
+        os._exit(code)
+
+
+def _send(connection: socket.socket, **message: int) -> None:
+    with contextlib.suppress(OSError):  # the caller may be gone; the child runs on regardless
+        connection.send(json.dumps(message).encode())
+
+
+def serve(listener: socket.socket) -> None:
+    # Ctrl-C in the terminal reaches the whole process group: it is for the flow and the stages; the server
+    # ends when its caller does (EOF on stdin).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    wake_read, wake_write = os.pipe()
+    os.set_blocking(wake_read, False)
+    os.set_blocking(wake_write, False)
+    signal.set_wakeup_fd(wake_write)
+    signal.signal(signal.SIGCHLD, lambda *_: None)  # a handler, so the wakeup fd is written
+    _preload()
+
+    selector = selectors.DefaultSelector()
+    selector.register(listener, selectors.EVENT_READ, "request")
+    selector.register(wake_read, selectors.EVENT_READ, "child")
+    selector.register(sys.stdin.fileno(), selectors.EVENT_READ, "caller")
+    children: dict[int, socket.socket] = {}
+    accepting = True
+    while accepting or children:
+        for key, _ in selector.select():
+            if key.data == "request":
+                connection, _ = listener.accept()
+                try:
+                    message, fds, _, _ = socket.recv_fds(connection, MAX_REQUEST_BYTES, 3)
+                    request = json.loads(message)
+                except (OSError, ValueError):
+                    connection.close()
+                    continue
+                if request.get("ping"):  # answered only once the imports are done (they come before the loop)
+                    _send(connection, ready=1)
+                    connection.close()
+                    continue
+                pid = os.fork()
+                if pid == 0:
+                    _become_stage(request, fds, [listener.fileno(), wake_read, wake_write, connection.fileno(),
+                                                 sys.stdin.fileno(), selector.fileno()])
+                for fd in fds:
+                    os.close(fd)
+                children[pid] = connection
+                _send(connection, pid=pid)
+            elif key.data == "child":
+                with contextlib.suppress(BlockingIOError):
+                    while os.read(wake_read, 512):
+                        pass
+                while children:
+                    pid, status = os.waitpid(-1, os.WNOHANG)
+                    if pid == 0:
+                        break
+                    if (connection := children.pop(pid, None)) is not None:
+                        _send(connection, returncode=os.waitstatus_to_exitcode(status))
+                        connection.close()
+            elif key.data == "caller" and not os.read(sys.stdin.fileno(), 4096):
+                selector.unregister(listener)
+                selector.unregister(sys.stdin.fileno())
+                listener.close()
+                accepting = False
+
+
+if __name__ == "__main__":
+    serve(socket.socket(fileno=int(sys.argv[1])))
