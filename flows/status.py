@@ -50,7 +50,8 @@ def held_out_table(layout: RunLayout, config: RunConfig) -> Group:
     pass@k with its bootstrap 95% interval (from the eval manifests); then, in a table of their own (so each
     fits a terminal), the gains over the base model with paired bootstrap intervals over the same problems
     (from the eval tables): sampled pass@1, greedy accuracy, and the mean reward of the sampled answers (the
-    partial credit the training reward gives, which moves before whole problems flip to solved)."""
+    partial credit the training reward gives, which moves before whole problems flip to solved). With more
+    than one held-out dataset, a last row pools them: the whole test split."""
     ks = config.evaluate.k
     results = Table(title="held-out evaluation (95% bootstrap intervals: problems or families, and samples)")
     for column in ["checkpoint", "dataset", "prompts", "greedy", *[f"pass@{k}" for k in ks]]:
@@ -79,8 +80,10 @@ def held_out_table(layout: RunLayout, config: RunConfig) -> Group:
                             *[_with_interval(summary, f"pass@{k}") for k in ks])
             if iteration == BASE:
                 base_rows[dataset] = dataset_rows
-            elif dataset in base_rows:
-                gains.add_row(label, dataset, *_gains(base_rows[dataset], dataset_rows, clusters))
+        if iteration != BASE:
+            for dataset, gain in checkpoint_gains(base_rows, rows, clusters):
+                gains.add_row(label, dataset, *[_signed(*gain[name]) if name in gain else ""
+                                                for name in ("pass@1", "greedy", "reward")])
     return Group(results, gains) if gains.row_count else Group(results)
 
 
@@ -96,9 +99,20 @@ def _with_interval(summary: dict, metric: str) -> str:
     return f"{summary[metric]:.3f}{interval}"
 
 
-def _gains(base_rows: list[dict], rows: list[dict], clusters: dict[str, str]) -> list[str]:
-    gains = paired_gains(base_rows, rows, clusters)
-    return [_signed(*gains[name]) if name in gains else "" for name in ("pass@1", "greedy", "reward")]
+def checkpoint_gains(
+    base_rows: dict[str, list[dict]], rows: list[dict], clusters: dict[str, str]
+) -> list[tuple[str, dict[str, tuple[float, float, float]]]]:
+    """(dataset, `paired_gains`) of a checkpoint's eval rows over the base model's, for each dataset both
+    evaluated; then, with more than one, ("all held out", the gains pooled over every held-out problem): the
+    whole test split, as a problem is in one source only (stages/data.py refuses duplicates)."""
+    compared = sorted(set(base_rows) & {row["dataset"] for row in rows})
+    per_dataset = [(dataset, paired_gains(base_rows[dataset], [row for row in rows if row["dataset"] == dataset],
+                                          clusters)) for dataset in compared]
+    if len(compared) < 2:
+        return per_dataset
+    pooled_base = [row for dataset in compared for row in base_rows[dataset]]
+    pooled = [row for row in rows if row["dataset"] in compared]
+    return [*per_dataset, ("all held out", paired_gains(pooled_base, pooled, clusters))]
 
 
 def _signed(gain: float, low: float, high: float) -> str:

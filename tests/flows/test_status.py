@@ -24,3 +24,29 @@ def test_unscheduled_evaluations_read_not_scheduled(tmp_path: Path) -> None:
     assert rows["2"].split("│")[-2].strip() == "missing"  # the last iteration is always evaluated
     states = stage_states(layout, config)
     assert ("evaluate", 0) not in states and ("evaluate", 1) in states and ("train", 0) in states
+
+
+def _eval_rows(dataset: str, solved: dict[str, int], samples: int = 4) -> list[dict]:
+    """Eval rows of one dataset: per problem, `solved[p]` of `samples` sampled answers correct; greedy wrong."""
+    rows = [{"dataset": dataset, "prompt_id": p, "mode": "greedy", "sample_idx": 0, "correct": False, "reward": 0.0}
+            for p in solved]
+    rows += [{"dataset": dataset, "prompt_id": p, "mode": "sampled", "sample_idx": i, "correct": i < c,
+              "reward": float(i < c)} for p, c in solved.items() for i in range(samples)]
+    return rows
+
+
+def test_gains_pool_every_held_out_problem_when_there_are_several_datasets() -> None:
+    """Per dataset, then "all held out": pass@1 gain 0.5 on 2 problems and 0 on 6 pool to 2/8 * 0.5 = 0.125."""
+    from flows.status import checkpoint_gains
+
+    base = {"a": _eval_rows("a", {"a1": 0, "a2": 0}), "b": _eval_rows("b", {f"b{i}": 2 for i in range(6)})}
+    after = _eval_rows("a", {"a1": 2, "a2": 2}) + _eval_rows("b", {f"b{i}": 2 for i in range(6)})
+    gains = dict(checkpoint_gains(base, after, clusters={}))
+    assert list(gains) == ["a", "b", "all held out"]
+    assert gains["a"]["pass@1"][0] == 0.5
+    assert gains["b"]["pass@1"][0] == 0.0
+    assert gains["all held out"]["pass@1"][0] == 0.125
+    _, low, high = gains["all held out"]["pass@1"]
+    assert low < 0.125 < high  # resampling problems and each problem's 4 samples
+    # One dataset: no pooled row.
+    assert [name for name, _ in checkpoint_gains({"a": base["a"]}, after, clusters={})] == ["a"]
