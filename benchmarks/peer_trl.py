@@ -63,9 +63,6 @@ class Side:
     after: dict[str, dict[str, Any]] = field(default_factory=dict)  # ... and the trained model's
     after_rows: list[dict] = field(default_factory=list)  # the trained model's eval table
 
-    def gain_per_minute(self, dataset: str, metric: str = "pass@1") -> float:
-        return (self.after[dataset][metric] - self.before[dataset][metric]) / (self.budget_s / 60)
-
 
 def _seconds(iso: str) -> float:
     return datetime.fromisoformat(iso).timestamp()
@@ -232,11 +229,18 @@ def evaluate_with_rlpipe(config: Any, root: str, model_dir: Path, run_id: str) -
     return eval_summaries(manifest), eval_rows(layout, BASE)
 
 
-def describe(side: Side, ks: list[int], base_rows: list[dict], clusters: dict[str, str]) -> None:
-    """The side's reward curve, then per held-out dataset: pass@k before -> after with the evaluate stage's
-    bootstrap intervals, and the paired gains over the base model (pass@1, greedy, reward)."""
-    from stages.eval_metrics import paired_gains
+def held_out_gains(side: Side, base_rows: list[dict], clusters: dict[str, str]) -> dict[str, dict]:
+    """dataset (and "all held out" with several) -> paired gains of the side's final model over the base model."""
+    from flows.status import checkpoint_gains
 
+    by_dataset = {dataset: [r for r in base_rows if r["dataset"] == dataset] for dataset in side.after}
+    return dict(checkpoint_gains(by_dataset, side.after_rows, clusters))
+
+
+def describe(side: Side, ks: list[int], gains: dict[str, dict]) -> None:
+    """The side's reward curve, then per held-out dataset: pass@k before -> after with the evaluate stage's
+    bootstrap intervals, and the paired gains over the base model (pass@1, greedy, reward); then the gains
+    pooled over the whole test split."""
     print(f"\n{side.name}: budget {side.budget_s / 60:.1f} min")
     for minutes, reward in zip(side.minutes, side.rewards, strict=True):
         print(f"  {minutes:7.1f} min  mean reward {reward:.3f}")
@@ -250,10 +254,13 @@ def describe(side: Side, ks: list[int], base_rows: list[dict], clusters: dict[st
                 lo_hi = (f"[{m[f'{metric}_ci_low']:.3f}, {m[f'{metric}_ci_high']:.3f}]" for m in (before, after))
                 interval = "  (95% CI before {}, after {})".format(*lo_hi)
             print(f"    {metric}: {before[metric]:.3f} -> {after[metric]:.3f}{interval}")
-        gains = paired_gains([r for r in base_rows if r["dataset"] == dataset],
-                             [r for r in side.after_rows if r["dataset"] == dataset], clusters)
-        print("    paired gain over base: " + ", ".join(
-            f"{name} {gain:+.3f} [{low:+.3f}, {high:+.3f}]" for name, (gain, low, high) in gains.items()))
+        print("    paired gain over base: " + _gains_line(gains[dataset]))
+    if "all held out" in gains:
+        print("  all held out, paired gain over base: " + _gains_line(gains["all held out"]))
+
+
+def _gains_line(gains: dict[str, tuple[float, float, float]]) -> str:
+    return ", ".join(f"{name} {gain:+.3f} [{low:+.3f}, {high:+.3f}]" for name, (gain, low, high) in gains.items())
 
 
 def main() -> None:
@@ -273,11 +280,13 @@ def main() -> None:
     peer.after, peer.after_rows = evaluate_with_rlpipe(config, args.root, out_dir / "model", f"{args.run}-peer-trl")
     load_after = os.getloadavg()[0]
 
+    clusters = run_clusters(args.root, args.run)
+    gains = {side.name: held_out_gains(side, base_rows, clusters) for side in (ours, peer)}
     for side in (ours, peer):
-        describe(side, config.evaluate.k, base_rows, run_clusters(args.root, args.run))
+        describe(side, config.evaluate.k, gains[side.name])
     print(f"\nheld-out pass@1 gain per wall-minute (load average {load_before:.1f} -> {load_after:.1f}):")
-    for dataset in sorted(ours.after):
-        ours_gain, peer_gain = ours.gain_per_minute(dataset), peer.gain_per_minute(dataset)
+    for dataset in gains[ours.name]:
+        ours_gain, peer_gain = (gains[side.name][dataset]["pass@1"][0] / (side.budget_s / 60) for side in (ours, peer))
         ratio = f"{ours_gain / peer_gain:.2f}" if peer_gain > 0 else "n/a (the peer did not improve)"
         print(f"  {dataset}: rlpipe {ours_gain:+.5f}, TRL {peer_gain:+.5f}; ratio rlpipe / TRL: {ratio}")
 
