@@ -6,7 +6,8 @@ used for that, because it cannot see a deleted file or a changed upstream table.
 
 Where stages run is the dispatch mode (the flows' `dispatch` parameter, else `$RLPIPE_DISPATCH`, else local):
 
-- `local`: each stage is a child process of the flow process, on this machine;
+- `local`: each stage is a child process on this machine, forked from the stage server the `loop` and
+  `iteration` flows keep while they run (stages/forkserver.py: torch, Great Expectations and vLLM imported once);
 - `deployments`: each stage is a flow run of the deployment `stage/<name>` (deployments/prefect.yaml), picked
   up by a worker of that stage's pool (gpu for generate/train/evaluate, cpu for scoring), which runs the very
   same child process there. Stages exchange data only through the storage root (an `s3://` URL when the
