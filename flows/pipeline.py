@@ -246,6 +246,9 @@ def loop_flow(
             raise ConfigError(f"run {layout.run_id} has {run_config.iterations} iterations; raise it with "
                               f"`rlpipe resume {layout.run_id} --set iterations={count}`")
         outcomes = [stage_task(layout.root, layout.run_id, stage, BASE, mode) for stage in RUN_STAGES]
+        # Iterations run inline, their stages as tasks of this flow run (named stage[iteration.round]): a
+        # subflow per iteration costs ~1.3 s of Prefect bookkeeping each (most of it joining its heartbeat
+        # thread), more than all of an iteration's stage launches. A scheduled trigger runs `iteration`.
         for k in range(count):
-            outcomes += iteration_flow(layout.root, layout.run_id, k, mode)
+            outcomes += _run_iteration(layout, k, mode)
     return outcomes
