@@ -27,19 +27,20 @@ engine start. Target: <= 5%.
 Run: `.venv/bin/python -m benchmarks.overhead` (the default run config with iterations=1; `--config`,
 `--set section.field=value`, `--root DIR` to keep the run).
 
-Measured on the 2-core CPU box, nothing else running (2026-11-23, default config: 4 prompts x 4 samples x
-128 tokens, 8 held-out prompts x (1 greedy + 4 sampled), vLLM fp32 eager, the CPU default; load 1.6 -> 1.8):
-iteration wall 185.2 s, engine start 12.1 s (generate 6.6, evaluate 5.5); once per run, before it, Prefect's
-import and temporary server 11.2 s. Of the remaining 173.1 s: model/sandbox work 134.6 s (77.8%), process
-start + harness 16.5 s (9.5%), Parquet I/O + validation 19.8 s (11.4%), orchestration 2.2 s (1.3%): overhead
-38.5 s = 22.2%, target NOT met. Where it goes: `import great_expectations` costs 3.5-4 s in every stage process
-that validates (validation itself ~0.25 s for these tables), so validation is ~18 s of the 19.8; each stage
-process spends 1.7-4.4 s starting (interpreter, torch and transformers imports). Both are fixed per stage:
-the humaneval-cpu recipe's iterations (~480 s of work each) would carry the same ~38 s, about 8% (an
-estimate, not measured). Meeting 5% on the default iteration needs a persistent stage worker (one process
-that has imported torch and Great Expectations and forks a stage per request), which does not exist yet.
-(2026-11-23 earlier, with vLLM bf16 compiled: wall 443.0 s, engine start 141.1 s, overhead 50.8 s = 16.8% of
-a larger, slower work share.)
+Measured on the 2-core CPU box (2026-11-23, default config: 4 prompts x 4 samples x 128 tokens, 8 held-out
+prompts x (1 greedy + 4 sampled), vLLM fp32 eager, the CPU default; load 1.5 -> 2.4, nothing else running):
+iteration wall 154.2 s, engine start 14.2 s (generate 6.9, evaluate 7.4); once per run, before it, Prefect's
+import and temporary server 13.0 s and the stage server's imports 16.3 s (they run at the same time under
+`rlpipe run`). Of the remaining 140.0 s: model/sandbox work 131.4 s (93.9%), process start + harness 2.5 s
+(1.8%), Parquet I/O + validation 4.2 s (3.0%), orchestration 1.8 s (1.3%): overhead 8.5 s = 6.1%, target NOT
+met. What is left: Great Expectations' own per-suite cost, ~0.4 s per validated table even with GX imported
+(its metric-graph building, for tables of 1-64 rows), 2.6 s in all; writing the 1.6 GB checkpoint, 1.4 s;
+0.4-0.7 s per stage between fork and the stage body (rlpipe imports, lease, input manifests) and after it
+(output manifests); Prefect's task runs, artifacts and the report, 1.8 s.
+Before the stage fork server (stages/forkserver.py) every stage was a fresh interpreter: overhead 38.5 s =
+22.2%, of which `import great_expectations` (3.5-4 s per stage) and interpreter + torch imports (1.7-4.4 s per
+stage); and the loop ran each iteration as a Prefect subflow (~1.3 s each, mostly joining its heartbeat
+thread). (Earlier still, with vLLM bf16 compiled: wall 443.0 s, engine start 141.1 s, overhead 16.8%.)
 """
 
 from __future__ import annotations

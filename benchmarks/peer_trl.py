@@ -12,9 +12,10 @@ its config fixes everything the peer gets, so the two can only differ in the tra
   sampling (temperature, top-p, top-k, max new tokens), learning rate, clip range, KL coefficient, and
   loss aggregation mapped to TRL's `loss_type` (token-mean = "dapo", seq-mean-token-mean = "grpo",
   seq-mean-token-sum-norm = "dr_grpo") and estimator to `scale_rewards`;
-- the same wall-clock budget: the rlpipe run's training time (first iteration stage start to last train
-  end, its per-iteration evaluations included, since rlpipe pays for them); TRL stops at it, or before a
-  step that would begin a generation batch it could not finish within it;
+- the same wall-clock budget: the rlpipe run's time from its first rollout to the end of its last
+  evaluation (the evaluations it schedules are included, since rlpipe pays for them; the base model's is
+  not, as neither side needs it to train); TRL stops at it, or before a step that would begin a generation
+  batch it could not finish within it;
 - the same held-out evaluation: TRL's final model is evaluated by rlpipe's own `evaluate_base` stage
   (same prompts, backend, seeds, sandbox), in a run of its own beside the rlpipe run.
 
@@ -27,12 +28,13 @@ intervals the evaluate stage records) before and after for each side, and the ra
 pass@1 per wall-minute (rlpipe / TRL).
 
 Measured on the 2-core CPU box, nothing else running (2026-11-23), against the humaneval-cpu recipe's run
-(pytasks + HumanEval train prompts; held out: 8 unseen pytasks families and 42 HumanEval problems).
-rlpipe (budget 41.2 min: 8 iterations, 512 rollouts, 32 optimizer steps): train reward 0.155 -> 0.722;
-pytasks pass@1 0.234 -> 0.339, paired gain +0.104 [-0.026, +0.240] (families resampled), HumanEval +0.016.
-TRL (39.7 min: 4 generation batches, 256 rollouts, 16 steps, 15.2 GB peak RSS): train reward 0.231, 0.376,
-0.324, 0.175; pytasks pass@1 0.234 -> 0.401, +0.167 [+0.026, +0.323]; HumanEval +0.024. Ratio of pass@1 gain
-per wall-minute rlpipe / TRL: 0.60 (pytasks), 0.64 (HumanEval).
+(pytasks + HumanEval train prompts; held out: 8 unseen pytasks families and 42 HumanEval problems; pass@1
+gains paired, pytasks families resampled). rlpipe (budget 31.0 min: 8 iterations, 512 rollouts, 16 optimizer
+steps): train reward 0.155 -> 0.768; pass@1 gain +0.156 [0.000, +0.328] pytasks, +0.040 HumanEval, +0.110
+[+0.003, +0.221] over all held-out problems. TRL (18.4 min: 1 generation batch of 64, 2 steps; a second
+batch would not have fit; 15.4 GB peak RSS): +0.078 [-0.005, +0.177] pytasks, +0.008 HumanEval, +0.050
+[-0.007, +0.112] all. Ratio of pass@1 gain per wall-minute rlpipe / TRL: 1.19 (pytasks), 2.97 (HumanEval),
+1.30 (all). With the previous recipe (4 steps per batch, budget 41.2 min) TRL won: 0.60 on pytasks.
 
 Install the peer first (benchmarks only, not a dependency of rlpipe): `make bench-deps`.
 Run: `.venv/bin/python -m benchmarks.peer_trl --run humaneval-cpu [--root ./rlpipe-data]`.
