@@ -44,7 +44,7 @@ from stages.registry import (
     stage_inputs,
 )
 from storage.checkpoints import checkpoint_digest, fetch_checkpoint, publish_checkpoint
-from storage.fs import atomic_write_bytes, describe_os_error, is_remote, temporary_prefix
+from storage.fs import atomic_write_bytes, describe_os_error, is_remote, local_cache_dir, temporary_prefix
 from storage.layout import BASE, InvalidRunId, RunLayout
 from storage.manifest import Manifest, config_hash, output_damage, read_manifest, write_manifest
 from storage.tables import TableVersionError, read_table, write_table
@@ -66,10 +66,6 @@ def read_run_config(layout: RunLayout) -> RunConfig:
             f"run {layout.run_id} has no config at {layout.config_path}: start it with `rlpipe run`"
         ) from None
     return parse_config(yaml.safe_load(text) or {}, layout.config_path)
-
-
-def local_cache_dir() -> Path:
-    return Path(os.environ.get("RLPIPE_CACHE", "~/.cache/rlpipe")).expanduser()
 
 
 @dataclass

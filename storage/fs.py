@@ -23,6 +23,12 @@ import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
 
+def local_cache_dir() -> Path:
+    """This machine's cache root (`$RLPIPE_CACHE`, default ~/.cache/rlpipe): fetched checkpoints, stage
+    scratch, compiled templates. Never part of a run: deleting it costs only time."""
+    return Path(os.environ.get("RLPIPE_CACHE", "~/.cache/rlpipe")).expanduser()
+
+
 def is_remote(root: str) -> bool:
     return "://" in root and not root.startswith("file://")
 

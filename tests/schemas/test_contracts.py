@@ -212,3 +212,29 @@ def test_html_data_docs_render(tables: dict[str, pa.Table], config: RunConfig, t
     html = validate_table("scores", replace(tables["scores"], "reward", rewards), config).to_html()
     assert html is not None and "<html" in html.lower()
     assert "expect_column_values_to_be_between" in html or "values must be" in html.lower()
+
+
+def test_data_docs_templates_compile_once_per_machine(
+    tables: dict[str, pa.Table], config: RunConfig, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """GX's Jinja templates go to a bytecode cache under $RLPIPE_CACHE (compiling them cost ~0.3 s in every
+    stage process), and a page rendered from the cache is the page GX renders compiling them."""
+    import re
+
+    from great_expectations.render.renderer import ValidationResultsPageRenderer
+    from great_expectations.render.view import DefaultJinjaPageView
+
+    import schemas.contracts as contracts
+
+    monkeypatch.setenv("RLPIPE_CACHE", str(tmp_path))
+    monkeypatch.delitem(contracts._GX, "page_view", raising=False)
+    result = validate_table("scores", tables["scores"], config)
+    cached = result.to_html()
+    assert sorted(p.suffix for p in (tmp_path / "jinja2").iterdir())[:1] == [".cache"]
+    fresh = DefaultJinjaPageView().render(ValidationResultsPageRenderer().render(result.gx_result))
+
+    def comparable(html: str) -> str:  # element ids are random per render, and the page has its time
+        html = re.sub(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}", "ID", html)
+        return re.sub(r"\d{8}T\d{6}\.\d{6}Z", "TIME", html)
+
+    assert cached is not None and comparable(cached) == comparable(fresh)
