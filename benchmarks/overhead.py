@@ -28,15 +28,16 @@ Run: `.venv/bin/python -m benchmarks.overhead` (the default run config with iter
 `--set section.field=value`, `--root DIR` to keep the run).
 
 Measured on the 2-core CPU box (2026-11-23, default config: 4 prompts x 4 samples x 128 tokens, 8 held-out
-prompts x (1 greedy + 4 sampled), vLLM fp32 eager, the CPU default; load 1.5 -> 2.4, nothing else running):
-iteration wall 154.2 s, engine start 14.2 s (generate 6.9, evaluate 7.4); once per run, before it, Prefect's
-import and temporary server 13.0 s and the stage server's imports 16.3 s (they run at the same time under
-`rlpipe run`). Of the remaining 140.0 s: model/sandbox work 131.4 s (93.9%), process start + harness 2.5 s
-(1.8%), Parquet I/O + validation 4.2 s (3.0%), orchestration 1.8 s (1.3%): overhead 8.5 s = 6.1%, target NOT
-met. What is left: Great Expectations' own per-suite cost, ~0.4 s per validated table even with GX imported
-(its metric-graph building, for tables of 1-64 rows), 2.6 s in all; writing the 1.6 GB checkpoint, 1.4 s;
-0.4-0.7 s per stage between fork and the stage body (rlpipe imports, lease, input manifests) and after it
-(output manifests); Prefect's task runs, artifacts and the report, 1.8 s.
+prompts x (1 greedy + 4 sampled), vLLM fp32 eager, the CPU default; load 1.3 -> 1.5, nothing else running):
+iteration wall 140.2 s, engine start 12.9 s (generate 5.8, evaluate 7.1); once per run, before it, Prefect's
+import and temporary server 11.4 s and the stage server's imports 14.8 s (they run at the same time under
+`rlpipe run`). Of the remaining 127.3 s: model/sandbox work 120.1 s (94.3%), process start + harness 2.3 s
+(1.8%), Parquet I/O + validation 3.2 s (2.5%), orchestration 1.6 s (1.3%): overhead 7.2 s = 5.7%, target NOT
+met. What is left: Great Expectations' own per-suite cost, ~0.3-0.4 s per validated table even with GX
+imported (its metric-graph building, for tables of 1-64 rows), 1.7 s in all; writing the 1.6 GB checkpoint,
+1.4 s; 0.3-0.6 s per stage between fork and the stage body (rlpipe imports, lease, input manifests) and after
+it (output manifests); Prefect's task runs, artifacts and the report, 1.6 s. (GX's data-docs page compiled 17
+Jinja templates in every stage process, ~0.3 s; they are now cached per machine: 6.1% -> 5.7%.)
 Before the stage fork server (stages/forkserver.py) every stage was a fresh interpreter: overhead 38.5 s =
 22.2%, of which `import great_expectations` (3.5-4 s per stage) and interpreter + torch imports (1.7-4.4 s per
 stage); and the loop ran each iteration as a Prefect subflow (~1.3 s each, mostly joining its heartbeat
