@@ -67,14 +67,14 @@ def start_run(config: RunConfig, root: str, replace_config: bool = False) -> Run
 
 
 def _drive(root: str, run_id: str) -> int:
-    from flows.execute import StageFailed, stage_environment
+    from flows.execute import StageFailed, resolve_dispatch, stage_environment
     from flows.status import status_table
     from stages import forkserver
     from stages.common import read_run_config
     from storage.lock import RunLocked, run_lock
 
     layout = RunLayout.create(root, run_id)
-    if os.environ.get("RLPIPE_DISPATCH", "local") == "local":
+    if resolve_dispatch(None) == "local":
         # Started before Prefect is imported and its temporary server comes up, so that the stage server's
         # imports (torch, Great Expectations, vLLM: ~10 s) overlap them; the loop flow reuses it.
         forkserver.start(stage_environment(read_run_config(layout)))

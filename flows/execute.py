@@ -16,11 +16,22 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from schemas.config import RunConfig
+from schemas.config import ConfigError, RunConfig
 from stages import forkserver
 from stages.registry import RUN_STAGES, STAGES, iteration_stages, stage_state
 from storage.layout import BASE, RunLayout, manifest_path_for
 from storage.manifest import read_manifest
+
+# Where stages run (flows/pipeline.py): child processes here, or flow runs of the stage deployments.
+DISPATCH_MODES = ("local", "deployments")
+
+
+def resolve_dispatch(dispatch: str | None) -> str:
+    mode = dispatch or os.environ.get("RLPIPE_DISPATCH") or "local"
+    if mode not in DISPATCH_MODES:
+        choices = ", ".join(DISPATCH_MODES)
+        raise ConfigError(f"dispatch {mode!r} must be one of {choices} (the flow parameter or $RLPIPE_DISPATCH)")
+    return mode
 
 
 class StageFailed(RuntimeError):

@@ -42,6 +42,7 @@ from flows.execute import (  # noqa: E402
     StageOutcome,
     dynamic_sampling_rounds,
     pending_stages,
+    resolve_dispatch,
     run_stage_process,
     stage_environment,
 )
@@ -53,7 +54,6 @@ from storage.fs import filesystem, is_remote  # noqa: E402
 from storage.layout import BASE, RunLayout, instance_name, iteration_name  # noqa: E402
 from storage.lock import RunLocked, run_lock  # noqa: E402
 
-DISPATCH_MODES = ("local", "deployments")
 STAGE_FLOW = "stage"
 # How long a stage waits for another process that runs the same stage (then it finds it done and skips it).
 STAGE_LOCK_WAIT_S = float(os.environ.get("RLPIPE_STAGE_LOCK_WAIT_S", 6 * 3600))
@@ -67,14 +67,6 @@ class DispatchedStageFailed(StageFailed):
             self, f"stage {stage} ({iteration_name(iteration)}) ran as flow run {flow_run_name!r} and ended {state}"
         )
         self.stage, self.iteration, self.returncode = stage, iteration, 1
-
-
-def resolve_dispatch(dispatch: str | None) -> str:
-    mode = dispatch or os.environ.get("RLPIPE_DISPATCH") or "local"
-    if mode not in DISPATCH_MODES:
-        choices = ", ".join(DISPATCH_MODES)
-        raise ConfigError(f"dispatch {mode!r} must be one of {choices} (the flow parameter or $RLPIPE_DISPATCH)")
-    return mode
 
 
 def stage_deployment(stage: str) -> str:

@@ -72,14 +72,13 @@ def held_out_table(layout: RunLayout, config: RunConfig) -> Group:
         for dataset, summary in sorted(state.manifests[-1].metrics.items()):
             if not (isinstance(summary, dict) and "prompts" in summary):
                 continue
-            dataset_rows = [row for row in rows if row["dataset"] == dataset]
             prompts = f"{summary['prompts']:.0f}"
             if summary.get("clusters", summary["prompts"]) < summary["prompts"]:
                 prompts += f" ({summary['clusters']:.0f} families)"
             results.add_row(label, dataset, prompts, _number(summary.get("greedy_accuracy")),
                             *[_with_interval(summary, f"pass@{k}") for k in ks])
             if iteration == BASE:
-                base_rows[dataset] = dataset_rows
+                base_rows[dataset] = [row for row in rows if row["dataset"] == dataset]
         if iteration != BASE:
             for dataset, gain in checkpoint_gains(base_rows, rows, clusters):
                 gains.add_row(label, dataset, *[_signed(*gain[name]) if name in gain else ""

@@ -161,7 +161,7 @@ def _state(pid: int) -> str:
         return "gone"
 
 
-def test_off_switch_runs_a_fresh_interpreter(probe_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_off_switch_starts_no_server(probe_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("RLPIPE_STAGE_FORK", "0")
     assert not forkserver.fork_enabled()
     assert forkserver.start(dict(os.environ)) is None
