@@ -23,10 +23,9 @@ import os
 import sys
 from pathlib import Path
 
-import yaml
 from rich.console import Console
 
-from schemas.config import ConfigError, RunConfig, apply_overrides, dump_config, load_config, parse_config
+from schemas.config import ConfigError, RunConfig, apply_overrides, dump_config, load_config, parse_config, read_yaml
 from storage.layout import InvalidRunId, RunLayout
 
 console = Console()
@@ -55,7 +54,7 @@ def start_run(config: RunConfig, root: str, replace_config: bool = False) -> Run
     text = dump_config(config)
     if fs.exists(layout.config_path) and not replace_config:
         existing = fs.cat_file(layout.config_path).decode()
-        if yaml.safe_load(existing) != yaml.safe_load(text):
+        if read_yaml(existing) != read_yaml(text):
             raise ConfigError(
                 f"run {config.run_id} already exists at {layout.run_dir} with a different config; "
                 f"use `rlpipe resume {config.run_id} --set section.field=value` to change it deliberately "

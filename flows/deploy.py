@@ -27,7 +27,7 @@ from typing import Any
 
 import yaml
 
-from schemas.config import ConfigError
+from schemas.config import ConfigError, read_yaml
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 PREFECT_YAML = REPO_ROOT / "deployments" / "prefect.yaml"
@@ -63,7 +63,7 @@ def enter_checkout(directory: str | None = None) -> dict[str, str]:
 
 
 def load_spec(path: Path = PREFECT_YAML) -> dict[str, Any]:
-    return yaml.safe_load(path.read_text())
+    return read_yaml(path.read_text())
 
 
 def deployment_pools(spec: dict[str, Any]) -> dict[str, str]:

@@ -22,7 +22,7 @@ from typing import Any
 import yaml
 
 from reports.svg import STATUS_COLOURS, Series, line_chart, stacked_bar_chart
-from schemas.config import ConfigError, RunConfig, parse_config
+from schemas.config import ConfigError, RunConfig, parse_config, read_yaml
 from storage.catalog import Catalog
 from storage.fs import atomic_write_bytes, join
 from storage.layout import RunLayout
@@ -63,7 +63,7 @@ class ReportData:
 
 def read_config(layout: RunLayout) -> RunConfig | None:
     try:
-        return parse_config(yaml.safe_load(layout.fs.cat_file(layout.config_path)) or {}, layout.config_path)
+        return parse_config(read_yaml(layout.fs.cat_file(layout.config_path)) or {}, layout.config_path)
     except (FileNotFoundError, ConfigError, yaml.YAMLError):
         return None
 

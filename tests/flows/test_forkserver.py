@@ -1,16 +1,21 @@
 """The stage fork server (stages/forkserver.py): a forked stage behaves like `subprocess.run([python, "-m", ...])`
 (exit status, signals, the caller's descriptors, directory, environment and command line), starts with the
-heavy libraries imported but rlpipe's own code fresh, and the server ends when its caller does."""
+heavy libraries imported, keeps rlpipe's preloaded code only while it is what a fresh import would give, runs
+its own finalizers but not the server's, and the server ends when its caller does."""
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import textwrap
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -20,7 +25,14 @@ from stages import forkserver
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the fork server is Linux-only")
 
 PROBE = textwrap.dedent("""
-    import json, os, sys
+    import json, os, sys, weakref
+    inherited_finalizers = sum(f.atexit for f in weakref.finalize._registry)
+
+    class Resource:
+        pass
+
+    resource = Resource()  # alive until exit: its finalizer is one the child made, and must run
+    weakref.finalize(resource, lambda: open("own-finalizer-ran", "w").close())
     report = {
         "argv": sys.argv[1:],
         "cwd": os.getcwd(),
@@ -30,6 +42,7 @@ PROBE = textwrap.dedent("""
                                 or m in ("stages.common", "stages.registry")),
         "cmdline": open("/proc/self/cmdline", "rb").read().rstrip(b"\\0").decode(),
         "name": __name__,
+        "inherited_finalizers_at_exit": inherited_finalizers,
     }
     print(json.dumps(report))
     print("on stderr", file=sys.stderr)
@@ -91,10 +104,76 @@ def test_a_forked_stage_runs_like_python_dash_m(server: forkserver.ForkServer, p
     assert report["probe"] == "yes"
     assert report["name"] == "__main__"
     assert report["cmdline"] == f"{sys.executable} -m probe_stage 7 --root /data/x"
-    # The point of the server: the heavy libraries are imported already; rlpipe's own code is not.
+    # The point of the server: the heavy libraries are imported already. rlpipe's own modules are too, but
+    # this request comes from another directory and environment, so the child imports them afresh.
     assert report["preloaded"] == ["torch", "great_expectations", "pyarrow"]
     assert report["rlpipe_loaded"] == []
     assert "on stderr" in stderr
+    # Its own finalizers ran at exit; the server's (vLLM's torch op libraries among them) did not.
+    assert report["inherited_finalizers_at_exit"] == 0
+    assert (probe_dir / "own-finalizer-ran").exists()
+
+
+REUSE_PROBE = textwrap.dedent("""
+    import json, sys
+    preloaded = "stages.common" in sys.modules
+    import storage.layout
+    print(json.dumps({"preloaded": preloaded, "marker": getattr(storage.layout, "PROBE_MARKER", None)}))
+""")
+
+
+@contextlib.contextmanager
+def output_to(stdout: Path, stderr: Path) -> Iterator[None]:
+    """This process's fd 1 and 2 on these files (appended) for the block."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = os.dup(1), os.dup(2)
+    with open(stdout, "ab") as out, open(stderr, "ab") as err:
+        os.dup2(out.fileno(), 1)
+        os.dup2(err.fileno(), 2)
+        try:
+            yield
+        finally:
+            os.dup2(saved[0], 1)
+            os.dup2(saved[1], 2)
+            os.close(saved[0])
+            os.close(saved[1])
+
+
+def test_preloaded_rlpipe_code_is_reused_only_while_current(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The server imports rlpipe's stage modules once. A child keeps them when its directory, environment,
+    stdout/stderr and every source file are as the server saw them; when any differs it imports afresh, so a
+    stage always runs the code on disk. Run on a copy of the tree, whose source is then edited."""
+    repo = Path(__file__).resolve().parents[2]
+    project = tmp_path / "project"
+    for package in ("stages", "schemas", "storage", "reports"):
+        shutil.copytree(repo / package, project / package, ignore=shutil.ignore_patterns("__pycache__"))
+    (project / "reuse_probe.py").write_text(REUSE_PROBE)
+    monkeypatch.chdir(project)
+    out, err = tmp_path / "stdout", tmp_path / "stderr"
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    command = [sys.executable, "-m", "reuse_probe"]
+
+    def probe(request_env: dict[str, str], stdout: Path = out) -> dict:
+        with output_to(stdout, err):
+            assert server.run(command, request_env) == 0
+        return json.loads(stdout.read_text().strip().splitlines()[-1])
+
+    with output_to(out, err):
+        server = forkserver.ForkServer(env)
+    try:
+        server.wait_ready()
+        assert probe(env) == {"preloaded": True, "marker": None}
+        assert probe(dict(env, OTHER="1"))["preloaded"] is False  # another environment
+        assert probe(env, stdout=tmp_path / "elsewhere")["preloaded"] is False  # another stdout
+        assert probe(env)["preloaded"] is True  # the server's copy is untouched by those
+        layout = project / "storage" / "layout.py"
+        layout.write_text(layout.read_text() + "\nPROBE_MARKER = 2\n")
+        assert probe(env) == {"preloaded": False, "marker": 2}  # the code on disk, not the server's
+    finally:
+        server.close()
 
 
 def test_exit_statuses_match_subprocess(server: forkserver.ForkServer, probe_dir: Path) -> None:
