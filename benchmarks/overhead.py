@@ -113,6 +113,7 @@ def stage_times(root: str, run_id: str, outcomes: list) -> list[StageTime]:  # n
 def main() -> None:
     from flows.cli import start_run
     from flows.execute import run_stage_process, stage_environment
+    from flows.prefect_env import configure_prefect
     from schemas.config import load_config
     from stages import forkserver
     from stages.registry import RUN_STAGES
@@ -130,6 +131,7 @@ def main() -> None:
     layout = start_run(config, root)
     # Once per run, as `rlpipe run` does before Prefect starts: the stage server (stages/forkserver.py) imports
     # torch, Great Expectations and vLLM once; every stage after it is a fork. Timed apart like Prefect's start.
+    configure_prefect()  # as `rlpipe run` does: the stage server gets the environment every stage gets
     server = forkserver.start(stage_environment(config))
     server_start = server.wait_ready() if server is not None else 0.0
     # The run-level stages (prompts, base model, the base model's evaluation) run once per run, not per

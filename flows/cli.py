@@ -67,6 +67,7 @@ def start_run(config: RunConfig, root: str, replace_config: bool = False) -> Run
 
 def _drive(root: str, run_id: str) -> int:
     from flows.execute import StageFailed, resolve_dispatch, stage_environment
+    from flows.prefect_env import configure_prefect
     from flows.status import status_table
     from stages import forkserver
     from stages.common import read_run_config
@@ -75,7 +76,10 @@ def _drive(root: str, run_id: str) -> int:
     layout = RunLayout.create(root, run_id)
     if resolve_dispatch(None) == "local":
         # Started before Prefect is imported and its temporary server comes up, so that the stage server's
-        # imports (torch, Great Expectations, vLLM: ~10 s) overlap them; the loop flow reuses it.
+        # imports (torch, Great Expectations, vLLM: ~10 s) overlap them; the loop flow reuses it. Prefect's
+        # variables are set first: the server's environment is the one every stage gets, so its libraries
+        # load as the stages' would, and its preloaded rlpipe modules are reused (stages/forkserver.py).
+        configure_prefect()
         forkserver.start(stage_environment(read_run_config(layout)))
     try:
         with run_lock(layout):
