@@ -28,20 +28,29 @@ Run: `.venv/bin/python -m benchmarks.overhead` (the default run config with iter
 `--set section.field=value`, `--root DIR` to keep the run).
 
 Measured on the 2-core CPU box (2026-11-23, default config: 4 prompts x 4 samples x 128 tokens, 8 held-out
-prompts x (1 greedy + 4 sampled), vLLM fp32 eager, the CPU default; load 1.3 -> 1.5, nothing else running):
-iteration wall 140.2 s, engine start 12.9 s (generate 5.8, evaluate 7.1); once per run, before it, Prefect's
-import and temporary server 11.4 s and the stage server's imports 14.8 s (they run at the same time under
-`rlpipe run`). Of the remaining 127.3 s: model/sandbox work 120.1 s (94.3%), process start + harness 2.3 s
-(1.8%), Parquet I/O + validation 3.2 s (2.5%), orchestration 1.6 s (1.3%): overhead 7.2 s = 5.7%, target NOT
-met. What is left: Great Expectations' own per-suite cost, ~0.3-0.4 s per validated table even with GX
-imported (its metric-graph building, for tables of 1-64 rows), 1.7 s in all; writing the 1.6 GB checkpoint,
-1.4 s; 0.3-0.6 s per stage between fork and the stage body (rlpipe imports, lease, input manifests) and after
-it (output manifests); Prefect's task runs, artifacts and the report, 1.6 s. (GX's data-docs page compiled 17
-Jinja templates in every stage process, ~0.3 s; they are now cached per machine: 6.1% -> 5.7%.)
-Before the stage fork server (stages/forkserver.py) every stage was a fresh interpreter: overhead 38.5 s =
-22.2%, of which `import great_expectations` (3.5-4 s per stage) and interpreter + torch imports (1.7-4.4 s per
-stage); and the loop ran each iteration as a Prefect subflow (~1.3 s each, mostly joining its heartbeat
-thread). (Earlier still, with vLLM bf16 compiled: wall 443.0 s, engine start 141.1 s, overhead 16.8%.)
+prompts x (1 greedy + 4 sampled), vLLM fp32 eager, the CPU default; load 1.5 -> 2.2, nothing else running):
+iteration wall 129.2 s, engine start 10.9 s (generate 5.3, evaluate 5.6); once per run, before it, Prefect's
+import and temporary server 10.5 s and the stage server's imports 14.1 s (they run at the same time under
+`rlpipe run`). Of the remaining 118.3 s: model/sandbox work 113.3 s (95.8%), process start + harness 1.1 s
+(1.0%), Parquet I/O + validation 2.7 s (2.3%), orchestration 1.2 s (1.0%): overhead 5.0 s = 4.2%, target met.
+A second run (load 1.6 -> 2.0, a slower machine that time: wall 154.3 s, work 134.7 s): 5.4 s = 3.8%.
+What is left: Great Expectations, 0.2-0.4 s per validated table (its metric-graph building, for tables of
+1-64 rows); hashing the 1.6 GB checkpoint, 0.9 s (sha256 at ~1.1 GB/s a core, its files in parallel);
+0.1-0.4 s per stage around the body (fork, lease, manifests, process exit); Prefect's task
+runs, done-checks, artifacts and the report, 1.2 s.
+
+How it got here, each step measured with this script:
+  22.2%  every stage a fresh interpreter: overhead 38.5 s, of which `import great_expectations` (3.5-4 s per
+         stage) and interpreter + torch imports (1.7-4.4 s per stage); a Prefect subflow per iteration
+         (~1.3 s, mostly joining its heartbeat thread);
+   8.1%  stages forked from a stage server that has imported the heavy libraries (stages/forkserver.py);
+   6.1%  the loop runs iterations inline, not as subflows;
+   5.7%  GX's data-docs templates compiled once per machine (~0.3 s a stage);
+   4.2%  the server preloads rlpipe's stage modules too (~0.15 s a stage) and its children skip the server's
+         finalizers at exit (vLLM's torch op libraries, ~45 ms a stage); checkpoint files hashed in parallel
+         (1.4 -> 0.9 s); contracts validated with GX's BASIC result format, SUMMARY only for a table that
+         fails (~0.07 s a table); config YAML read by libyaml (14 -> 2 ms a read, ~10 reads).
+(Earlier still, with vLLM bf16 compiled: wall 443.0 s, engine start 141.1 s, overhead 16.8%.)
 """
 
 from __future__ import annotations
