@@ -81,7 +81,6 @@ class ForkServer:
 
     def __init__(self, env: dict[str, str]) -> None:
         self.env = dict(env)
-        self.cwd = os.getcwd()  # the server's: rlpipe's modules it imports are found from here
         self._dir = tempfile.mkdtemp(prefix="rlpipe-forkserver-")
         self.socket_path = os.path.join(self._dir, "socket")
         # The listening socket is made here and handed over, so a request can be sent at once: it waits in
