@@ -1,7 +1,9 @@
 """Isolation layers for one scoring worker, and the choice among them on this machine.
 
 A worker runs one job at a time; each job's processes start from the worker's fork server (zygote.py)
-or, under bubblewrap, by fork+exec. Layers, from the always-available ones up:
+or, under bubblewrap, by fork+exec. An exec'd job runs a read-only copy of the runner put in its own
+directory (`place_runner`), so that a checkout under /tmp, hidden by the job's own /tmp, still works.
+Layers, from the always-available ones up:
 
 - `rlimits`: address space, CPU seconds, file size, open files, no core dumps, and RLIMIT_NPROC. The
   kernel counts RLIMIT_NPROC per real uid over the whole machine, threads and zombies included, and
@@ -49,6 +51,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 from schemas.config import ScoreConfig
 
@@ -56,6 +59,10 @@ from . import _runner
 from .zygote import Zygote, ZygoteError
 
 RUNNER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_runner.py")
+# An exec'd job runs a copy of the runner placed in its own directory: its /tmp (a tmpfs in native mode, the
+# job directory in bwrap) hides a checkout that lives under /tmp, and the project may not be readable by the
+# job's uid anyway. The fork server reads RUNNER itself, before any job's /tmp exists.
+JOB_RUNNER_NAME = ".rlpipe_runner.py"
 
 # A job's fixed environment: nothing from the parent (tokens, cloud credentials) reaches it.
 CLEAN_ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": "/tmp", "PYTHONHASHSEED": "0"}
@@ -291,6 +298,7 @@ class Isolation:
         self.workdir: str | None = None
         self.zygote: Zygote | None = None
         self.finished: dict[int, int] = {}  # exit codes of reaped job processes, until end_job
+        self.runner_source = Path(RUNNER).read_bytes()  # read while the project is in view (JOB_RUNNER_NAME)
 
     # -- what the sandbox reports at start -------------------------------------------------------
     def layers(self) -> dict[str, str]:
@@ -357,12 +365,23 @@ class Isolation:
             os.chown(self.workdir, self.uid, self.uid)
         return self.workdir
 
-    def interpreter_argv(self, mode: str) -> list[str]:
+    def interpreter_argv(self, mode: str, runner: str = RUNNER) -> list[str]:
         flags = ["-I"] if self.cfg.site_packages else ["-I", "-S"]
-        return [self.python, *flags, RUNNER, mode]
+        return [self.python, *flags, runner, mode]
+
+    def job_view(self, workdir: str) -> str:
+        """The job's directory as the job sees it (bubblewrap shows it as /tmp)."""
+        return workdir
 
     def argv(self, mode: str, workdir: str) -> list[str]:
-        return self.interpreter_argv(mode)
+        return self.interpreter_argv(mode, os.path.join(self.job_view(workdir), JOB_RUNNER_NAME))
+
+    def place_runner(self, workdir: str) -> None:
+        """Put the exec'd job's read-only copy of the runner in its directory (see JOB_RUNNER_NAME)."""
+        path = os.path.join(workdir, JOB_RUNNER_NAME)
+        with open(path, "wb") as handle:
+            handle.write(self.runner_source)
+        os.chmod(path, 0o444)
 
     def spawn(self, mode: str, fds: list[int], cpu_budget_s: float, workdir: str, exec_: bool = False) -> int:
         """Start the job's process with `fds` as its 0..n; returns its pid. Raises SpawnError."""
@@ -376,6 +395,7 @@ class Isolation:
                 self.start_zygote()
                 assert self.zygote is not None
                 return self.zygote.fork(mode, fds, cpu_budget_s, workdir)
+        self.place_runner(workdir)
         return fork_exec(self, mode, fds, cpu_budget_s, workdir)
 
     def wait_exit(self, pid: int, deadline: float) -> int | None:
@@ -813,6 +833,9 @@ class BwrapIsolation(Isolation):
 
     # begin_job/discard_job are the base class's: a host temporary directory, which bubblewrap binds
     # as the job's /tmp (so that /run_code's input and output files can be passed through it).
+
+    def job_view(self, workdir: str) -> str:
+        return "/tmp"
 
     def argv(self, mode: str, workdir: str) -> list[str]:
         # --die-with-parent: if the worker dies, so does the job; --new-session: no terminal injection.
