@@ -65,20 +65,20 @@ def directory_files(local_dir: Path) -> dict[str, dict[str, Any]]:
             files[relative] = {"bytes": stat.st_size, "sha256": cached["sha256"]}
         else:
             to_hash[relative] = (path, stat)
+    if not to_hash:  # all cached: no threads to start
+        return files
     # Largest first, one thread per core: the directory takes about as long as its largest file.
     order = sorted(to_hash, key=lambda relative: -to_hash[relative][1].st_size)
-    with ThreadPoolExecutor(max_workers=max(1, min(len(order), os.cpu_count() or 1))) as pool:
+    with ThreadPoolExecutor(max_workers=min(len(order), os.cpu_count() or 1)) as pool:
         digests = dict(zip(order, pool.map(lambda name: sha256_local_file(to_hash[name][0]), order), strict=True))
     for relative, (_, stat) in to_hash.items():
         files[relative] = {"bytes": stat.st_size, "sha256": digests[relative]}
         cache[relative] = {**files[relative], "mtime_ns": stat.st_mtime_ns}
-    files = dict(sorted(files.items()))
-    if to_hash:
-        try:
-            cache_path.write_text(json.dumps(cache))
-        except OSError:
-            pass  # a read-only model directory is fine: we just hash again next time
-    return files
+    try:
+        cache_path.write_text(json.dumps(cache))
+    except OSError:
+        pass  # a read-only model directory is fine: we just hash again next time
+    return dict(sorted(files.items()))
 
 
 def is_policy_file(relative: str) -> bool:
