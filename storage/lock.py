@@ -120,17 +120,35 @@ def _mark_held(path: str, held: bool) -> None:
 # Local: flock
 
 
-def _try_flock(path: str) -> tuple[Any, str | None]:
-    """(open handle, None) when locked, or (None, holder text) when someone else holds it."""
+def _read_flock_holder(path: str, settle_s: float = 2.0) -> str:
+    """Who holds the flock on `path`, as `describe` words it.
+
+    The holder writes its record just after taking the lock (truncate, then write), so a refusal that looks
+    in between finds an empty or half-written file. Read again until the record parses, for up to
+    `settle_s`: a busy machine can pause the holder between its two steps for a while. A holder that could
+    not write its record at all (a full disk) is named as unknown.
+    """
+    deadline = time.monotonic() + settle_s
+    while True:
+        with open(path) as handle:
+            text = handle.read().strip()
+        try:
+            return describe(json.loads(text))
+        except (json.JSONDecodeError, AttributeError):
+            if time.monotonic() >= deadline:
+                return text or describe(None)
+        time.sleep(0.02)
+
+
+def _try_flock(path: str) -> Any | None:
+    """The open, locked handle; None when someone else holds the lock."""
     os.makedirs(os.path.dirname(path), exist_ok=True)
     handle = open(path, "a+")
     try:
         fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
-        handle.seek(0)
-        holder = handle.read().strip() or "unknown"
         handle.close()
-        return None, holder
+        return None
     try:
         handle.seek(0)
         handle.truncate()
@@ -140,18 +158,16 @@ def _try_flock(path: str) -> tuple[Any, str | None]:
         # The lock is held (flock needs no content); the holder's name is only for refusals. On a full disk
         # the work that follows fails with a message naming what it could not write.
         log.warning("lock %s is held but its holder could not be recorded: %s", path, error)
-    return handle, None
+    return handle
 
 
 @contextmanager
 def _local_lock(path: str, wait_s: float, poll_s: float, refuse: Callable[[str], RunLocked]) -> Iterator[None]:
     deadline = time.monotonic() + wait_s
-    while True:
-        handle, holder = _try_flock(path)
-        if handle is not None:
-            break
+    while (handle := _try_flock(path)) is None:
         if time.monotonic() >= deadline:
-            raise refuse(f"another process ({holder}); lock file {path}")
+            # Named only now, when refusing: while waiting there is no one to tell.
+            raise refuse(f"another process ({_read_flock_holder(path)}); lock file {path}")
         time.sleep(poll_s)
     try:
         yield

@@ -8,10 +8,13 @@ new holder's lease), and several processes race for a free or an expired lease (
 
 from __future__ import annotations
 
+import fcntl
+import json
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -154,6 +157,30 @@ def test_second_driver_is_refused_with_the_holder_named(root: str, processes: li
     # Another run, or a stage lock of this run, is not blocked by it.
     with run_lock(RunLayout.create(root, "other"), ttl_s=30), stage_lock(layout, "generate", 0, ttl_s=30):
         pass
+
+
+def test_a_holder_caught_before_it_records_itself_is_still_named(tmp_path: Path) -> None:
+    """Proves: a refusal that looks at the lock file between the holder's flock and its record (truncated,
+    not yet written: a busy machine can pause the holder there) waits for the record and names the holder;
+    a holder that never records itself is named as unknown. CI once saw "another process (unknown)" here."""
+    layout = RunLayout.create(str(tmp_path / "root"), "r")
+    path = layout.lock_path()
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "a+") as held:  # a second open file description: flock conflicts even in this process
+        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        held.truncate(0)
+        record = json.dumps({"host": "node-7", "pid": 4242, "since": "2026-11-23T00:00:00+00:00"})
+        writer = threading.Timer(0.5, lambda: (held.write(record), held.flush()))
+        writer.start()
+        with pytest.raises(RunLocked, match=r"driven by another process \(node-7:4242 since 2026-11-23"):
+            with run_lock(layout):
+                pass
+        writer.join()
+        held.truncate(0)
+        held.flush()
+        with pytest.raises(RunLocked, match=r"another process \(an unknown holder\)"):
+            with run_lock(layout):
+                pass
 
 
 def test_one_process_may_nest_its_own_lock(root: str, processes: list) -> None:
