@@ -88,7 +88,7 @@ def rlpipe_side(root: str, run_id: str) -> tuple[Side, Any, list[dict]]:
     its manifests and tables."""
     import pyarrow.parquet as pq
 
-    from stages.common import read_run_config
+    from schemas.config import read_run_config
     from stages.registry import STAGES, is_scheduled, stage_state
     from storage.layout import BASE, RunLayout
     from storage.manifest import read_manifest

@@ -69,8 +69,8 @@ def _drive(root: str, run_id: str) -> int:
     from flows.execute import StageFailed, resolve_dispatch, stage_environment
     from flows.prefect_env import configure_prefect
     from flows.status import status_table
+    from schemas.config import read_run_config
     from stages import forkserver
-    from stages.common import read_run_config
     from storage.lock import RunLocked, run_lock
 
     layout = RunLayout.create(root, run_id)
@@ -108,7 +108,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_resume(args: argparse.Namespace) -> int:
-    from stages.common import read_run_config
+    from schemas.config import read_run_config
 
     root = _root(args)
     layout = RunLayout.create(root, args.run)
@@ -123,7 +123,7 @@ def cmd_resume(args: argparse.Namespace) -> int:
 
 def cmd_status(args: argparse.Namespace) -> int:
     from flows.status import status_table
-    from stages.common import read_run_config
+    from schemas.config import read_run_config
 
     layout = RunLayout.create(_root(args), args.run)
     console.print(status_table(layout, read_run_config(layout)))

@@ -46,8 +46,7 @@ from flows.execute import (  # noqa: E402
     run_stage_process,
     stage_environment,
 )
-from schemas.config import ConfigError, RunConfig, load_config, parse_config  # noqa: E402
-from stages.common import read_run_config  # noqa: E402
+from schemas.config import ConfigError, RunConfig, load_config, parse_config, read_run_config  # noqa: E402
 from stages.forkserver import stage_server  # noqa: E402
 from stages.registry import RUN_STAGES, STAGES, is_done_now, iteration_stages  # noqa: E402
 from storage.fs import filesystem, is_remote  # noqa: E402

@@ -19,10 +19,8 @@ from datetime import UTC, datetime
 from html import escape
 from typing import Any
 
-import yaml
-
 from reports.svg import STATUS_COLOURS, Series, line_chart, stacked_bar_chart
-from schemas.config import ConfigError, RunConfig, parse_config, read_yaml
+from schemas.config import ConfigError, RunConfig, read_run_config
 from storage.catalog import Catalog
 from storage.fs import atomic_write_bytes, join
 from storage.layout import RunLayout
@@ -62,9 +60,10 @@ class ReportData:
 
 
 def read_config(layout: RunLayout) -> RunConfig | None:
+    """The run's config, or None when it has none that parses (the report then leaves out what needs it)."""
     try:
-        return parse_config(read_yaml(layout.fs.cat_file(layout.config_path)) or {}, layout.config_path)
-    except (FileNotFoundError, ConfigError, yaml.YAMLError):
+        return read_run_config(layout)
+    except ConfigError:
         return None
 
 

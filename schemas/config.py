@@ -19,7 +19,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from storage.layout import check_run_id
+from storage.layout import RunLayout, check_run_id
 
 
 class Section(BaseModel):
@@ -343,6 +343,17 @@ def parse_config(values: dict[str, Any], source: str = "<dict>") -> RunConfig:
         raise ConfigError(_format_validation_error(error, source)) from None
 
 
+def _yaml_mapping(text: str | bytes, source: str) -> dict[str, Any]:
+    """The mapping a config file holds (empty for an empty file); a ConfigError naming `source` otherwise."""
+    try:
+        loaded = read_yaml(text)
+    except yaml.YAMLError as error:
+        raise ConfigError(f"config file {source} is not valid YAML: {error}") from None
+    if loaded is not None and not isinstance(loaded, dict):
+        raise ConfigError(f"config file {source} must hold a mapping at the top level")
+    return loaded or {}
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> RunConfig:
     """Read a YAML config (or the defaults when `path` is None) and apply `section.field=value` overrides."""
     values: dict[str, Any] = {}
@@ -350,18 +361,25 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     if path is not None:
         source = str(path)
         try:
-            loaded = read_yaml(Path(path).read_text())
+            text = Path(path).read_text()
         except FileNotFoundError:
             raise ConfigError(f"config file {path} does not exist") from None
-        except yaml.YAMLError as error:
-            raise ConfigError(f"config file {path} is not valid YAML: {error}") from None
-        if loaded is not None and not isinstance(loaded, dict):
-            raise ConfigError(f"config file {path} must hold a mapping at the top level")
-        values = loaded or {}
+        values = _yaml_mapping(text, source)
     values = apply_overrides(values, overrides or [])
     if overrides:
         source += " with overrides " + " ".join(overrides)
     return parse_config(values, source)
+
+
+def read_run_config(layout: RunLayout) -> RunConfig:
+    """The config a run was started with (`runs/<run_id>/config.yaml`, local or on S3)."""
+    try:
+        text = layout.fs.cat_file(layout.config_path)
+    except FileNotFoundError:
+        raise ConfigError(
+            f"run {layout.run_id} has no config at {layout.config_path}: start it with `rlpipe run`"
+        ) from None
+    return parse_config(_yaml_mapping(text, layout.config_path), layout.config_path)
 
 
 def dump_config(config: RunConfig) -> str:

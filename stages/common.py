@@ -30,7 +30,7 @@ from typing import Any
 import pyarrow as pa
 from rich.console import Console
 
-from schemas.config import ConfigError, RunConfig, parse_config, read_yaml
+from schemas.config import ConfigError, RunConfig, read_run_config
 from schemas.contracts import ContractViolation, rejected_path, validate_table, validation_path
 from schemas.tables import TABLES, SchemaMismatch, conform
 from stages.registry import (
@@ -54,16 +54,6 @@ console = Console(stderr=True)
 
 class StageInputError(ValueError):
     """Bad input data: the stage fails with exit code 2 and this message, naming file, row or field."""
-
-
-def read_run_config(layout: RunLayout) -> RunConfig:
-    try:
-        text = layout.fs.cat_file(layout.config_path).decode()
-    except FileNotFoundError:
-        raise ConfigError(
-            f"run {layout.run_id} has no config at {layout.config_path}: start it with `rlpipe run`"
-        ) from None
-    return parse_config(read_yaml(text) or {}, layout.config_path)
 
 
 @dataclass

@@ -24,9 +24,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Literal
 
-import yaml
-
-from schemas.config import read_yaml
+from schemas.config import ConfigError, read_run_config
 from storage.catalog import CatalogEntry, list_outputs
 from storage.checkpoints import digest_of_files, verify_checkpoint
 from storage.fs import filesystem, join, normalize_root
@@ -142,12 +140,11 @@ def trace(root: str, run_id: str, iteration: int) -> Lineage:
 
 
 def _data_section(root: str, run_id: str) -> dict:
-    layout = RunLayout.create(root, run_id)
+    """The run's data sources as its config names them; empty when it has no config that parses."""
     try:
-        config = read_yaml(layout.fs.cat_file(layout.config_path)) or {}
-    except (FileNotFoundError, yaml.YAMLError):
+        return read_run_config(RunLayout.create(root, run_id)).data.model_dump(mode="json")
+    except ConfigError:
         return {}
-    return dict(config.get("data") or {})
 
 
 def _check_table(node: Node, mode: Verify) -> None:

@@ -7,8 +7,7 @@ from pathlib import Path
 import pytest
 
 from flows.pipeline import next_iteration, start_from_config
-from schemas.config import ConfigError
-from stages.common import read_run_config
+from schemas.config import ConfigError, read_run_config
 
 CONFIG = Path(__file__).with_name("tiny.yaml")
 

@@ -26,7 +26,7 @@ import httpx
 import pytest
 
 from flows.deploy import REPO_ROOT, deployment_pools, free_port, load_spec, stop_processes
-from stages.common import read_run_config
+from schemas.config import read_run_config
 from stages.registry import ITERATION_STAGES, RUN_STAGES, STAGES, stage_state
 from storage.layout import BASE, RunLayout
 

@@ -347,7 +347,7 @@ def assert_exact_keys(layout: RunLayout, tables: Iterable[str] = ("rollouts", "s
 
 
 def assert_run_done(layout: RunLayout) -> None:
-    from stages.common import read_run_config
+    from schemas.config import read_run_config
 
     config = read_run_config(layout)
     layout.fs.invalidate_cache()
@@ -386,7 +386,7 @@ def command_for(layout: RunLayout, stage: str) -> list[str]:
 def ensure_upstream_done(layout: RunLayout, stage: str) -> None:
     """Redo, in this process, every stage before `stage` that is not done (an earlier drill may have changed
     an upstream table's bytes, e.g. score's timing column)."""
-    from stages.common import read_run_config
+    from schemas.config import read_run_config
 
     config = read_run_config(layout)
     for name in [*RUN_STAGES, *ITERATION_STAGES]:
@@ -400,7 +400,7 @@ def ensure_upstream_done(layout: RunLayout, stage: str) -> None:
 
 def ensure_done(layout: RunLayout, stage: str) -> None:
     """`stage` and everything before it done (redone in this process where an earlier drill changed them)."""
-    from stages.common import read_run_config
+    from schemas.config import read_run_config
 
     ensure_upstream_done(layout, stage)
     iteration = BASE if STAGES[stage].run_level else 0

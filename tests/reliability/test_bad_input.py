@@ -156,7 +156,7 @@ def test_a_stage_that_finds_bad_input_keeps_its_previous_output_valid(run: RunLa
     """Proves: when a finished stage is run again by hand (`rlpipe stage prompts`) and finds its source broken in
     the meantime, it exits 2 naming the file and line, and its previous table stays valid: the run still
     reads its prompts from the run's own table (the reason that table exists) and a resume redoes nothing."""
-    from stages.common import read_run_config
+    from schemas.config import read_run_config
 
     source = Path(read_run_config(run).data.train)
     good = source.read_text()

@@ -18,8 +18,8 @@ from flows.artifacts import iteration_metrics
 from flows.cli import start_run
 from flows.execute import StageOutcome, dynamic_sampling_rounds
 from flows.status import extra_rounds
-from schemas.config import load_config
-from stages.common import StageContext, StageInputError, read_run_config, run_stage
+from schemas.config import load_config, read_run_config
+from stages.common import StageContext, StageInputError, run_stage
 from stages.data import code_messages, code_tests_spec, prompt_id_of
 from stages.generate import select_round_prompts
 from stages.registry import STAGES, round_inputs, stage_state

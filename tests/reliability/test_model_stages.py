@@ -19,7 +19,8 @@ from pathlib import Path
 import pyarrow as pa
 import pytest
 
-from stages.common import StageContext, read_run_config, run_stage
+from schemas.config import read_run_config
+from stages.common import StageContext, run_stage
 from stages.registry import STAGES, stage_state
 from storage.checkpoints import verify_checkpoint
 from storage.layout import BASE, RunLayout

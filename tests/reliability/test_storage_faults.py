@@ -18,7 +18,7 @@ from urllib.parse import unquote
 
 import pytest
 
-from stages.common import read_run_config
+from schemas.config import read_run_config
 from stages.registry import STAGES, stage_state
 from storage.layout import RunLayout
 

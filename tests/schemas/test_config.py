@@ -4,7 +4,8 @@ from pathlib import Path
 
 import pytest
 
-from schemas.config import ConfigError, RunConfig, load_config
+from schemas.config import ConfigError, RunConfig, dump_config, load_config, read_run_config
+from storage.layout import RunLayout
 
 
 def test_defaults_validate_and_every_section_has_defaults() -> None:
@@ -29,6 +30,24 @@ def test_unknown_key_names_file_and_field(tmp_path: Path) -> None:
     with pytest.raises(ConfigError) as error:
         load_config(path)
     assert str(path) in str(error.value) and "train.lrr" in str(error.value)
+
+
+def test_a_runs_stored_config_reads_back_or_names_its_file(tmp_path: Path) -> None:
+    """Proves: the config a run stored reads back equal to the one written; a run with no config, with a
+    config that is not YAML, or one that is not a mapping, is a ConfigError naming the run's config file."""
+    layout = RunLayout.create(str(tmp_path), "r")
+    with pytest.raises(ConfigError, match=rf"run r has no config at {layout.config_path}: start it with"):
+        read_run_config(layout)
+    config = load_config(None, ["run_id=r", "train.lr=1e-5"])
+    Path(layout.config_path).parent.mkdir(parents=True)
+    Path(layout.config_path).write_text(dump_config(config))
+    assert read_run_config(layout) == config
+    Path(layout.config_path).write_text("train: [1,\n")
+    with pytest.raises(ConfigError, match=rf"(?s)config file {layout.config_path} is not valid YAML: .*line 2"):
+        read_run_config(layout)
+    Path(layout.config_path).write_text("- a list\n")
+    with pytest.raises(ConfigError, match=rf"config file {layout.config_path} must hold a mapping"):
+        read_run_config(layout)
 
 
 def test_wrong_type_names_field() -> None:

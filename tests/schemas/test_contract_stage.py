@@ -42,8 +42,9 @@ import yaml
 from rich.console import Console
 
 import stages.common as common
+from schemas.config import read_run_config
 from schemas.contracts import rejected_path, validation_path
-from stages.common import StageContext, read_run_config
+from stages.common import StageContext
 from stages.registry import STAGES, stage_state
 from storage.layout import RunLayout
 from storage.manifest import Manifest, read_manifest, sha256_file
