@@ -19,6 +19,13 @@ the engine, so ZeRO-3's parameter gathering works), and trains with `DeepSpeedSt
 Rank 0 writes the HF checkpoint (under ZeRO-3 inside `GatheredParameters`) and the metrics rows; the
 optimizer state is DeepSpeed's own checkpoint in `<checkpoint>/deepspeed/`, resumed by the next iteration
 when its world size and ZeRO stage match (otherwise a fresh optimizer, recorded as optimizer_resumed=False).
+
+The launcher's processes never outlive the train stage that started them. DeepSpeed's own launcher stops
+every rank when one fails, but nothing stops the ranks when the *stage* dies: a stage killed alone (the
+OOM killer, `kill -9` of its pid) would leave ranks training without the stage's lease, beside the retry
+that lease lets in. So every rank watches the stage process (its pid and start time, `RLPIPE_DS_STAGE`)
+and kills itself within a second of the stage's end; and `launch` kills the launcher's whole process
+tree on its way out whenever the job did not finish (a timeout, an exception, a signal).
 """
 
 from __future__ import annotations
@@ -28,13 +35,16 @@ import contextlib
 import json
 import math
 import os
+import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
 
+import psutil
 import torch
 
 from schemas.config import TrainConfig
@@ -46,6 +56,8 @@ from stages.rl.trainer import PolicyTrainer, make_adamw
 DS_DIR = "deepspeed"
 DS_TAG = "optimizer"
 DS_META = "deepspeed_meta.json"
+READY = "rlpipe deepspeed rank ready:"  # each rank prints it to the launcher log once its engine is built
+STAGE_ENV = "RLPIPE_DS_STAGE"  # "<pid>:<start time>" of the train stage that launched the ranks
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -153,6 +165,7 @@ def worker(job_path: Path) -> None:
     state = read_state(policy_dir)
     ref = load_reference(Path(job.reference_dir)) if cfg.kl_coef > 0 and job.reference_dir else None
     loaded = time.monotonic()
+    print(f"{READY} {rank}/{world} in {loaded - started:.1f}s (optimizer resumed: {resumed})", flush=True)
     trainer = PolicyTrainer(
         model,
         cfg,
@@ -185,13 +198,59 @@ class DeepSpeedLaunchError(RuntimeError):
     pass
 
 
+def _tail(log_path: Path, chars: int = 4000) -> str:
+    return log_path.read_text(errors="replace")[-chars:]
+
+
+def _kill_tree(launcher: subprocess.Popen) -> int:
+    """SIGKILL the launcher and every process below it, and wait for them; how many there were."""
+    try:
+        root = psutil.Process(launcher.pid)
+        tree = [*root.children(recursive=True), root]
+    except psutil.NoSuchProcess:
+        return 0
+    for process in tree:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            process.kill()
+    psutil.wait_procs(tree, timeout=10)
+    launcher.wait()
+    return len(tree)
+
+
+def _watch_stage(stage: str, poll_s: float = 1.0) -> None:
+    """In a rank: kill this process once the train stage that launched it (`pid:start time`) has ended.
+
+    The start time tells the stage from a later process given the same pid; a zombie counts as ended.
+    """
+    pid, started = stage.split(":")
+
+    def stage_alive() -> bool:
+        try:
+            process = psutil.Process(int(pid))
+            return process.create_time() == float(started) and process.status() != psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return False
+
+    def watch() -> None:
+        while stage_alive():
+            time.sleep(poll_s)
+        os.kill(os.getpid(), signal.SIGKILL)  # no cleanup: the stage that would use this rank's work is gone
+
+    threading.Thread(target=watch, daemon=True, name="rlpipe stage watch").start()
+
+
 def launch(
     job: TrainJob, job_path: Path, processes: int, timeout_s: float | None = None
 ) -> tuple[list[dict], dict]:
-    """Run `job` under the DeepSpeed launcher with `processes` ranks; returns rank 0's (rows, metrics)."""
+    """Run `job` under the DeepSpeed launcher with `processes` ranks; returns rank 0's (rows, metrics).
+
+    The launcher's output goes to `<job_path>.log`; its tail is in the error when the job fails. With
+    `timeout_s`, a job still running after that long is killed, launcher and ranks, and raises.
+    """
     job.dump(job_path)
     result_path = Path(str(job_path) + ".result.json")
     result_path.unlink(missing_ok=True)
+    log_path = Path(str(job_path) + ".log")
     command = [
         sys.executable,
         "-m",
@@ -205,14 +264,28 @@ def launch(
         "--job",
         str(job_path),
     ]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")])}
+    me = psutil.Process()
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")]),
+        STAGE_ENV: f"{me.pid}:{me.create_time()}",
+    }
     env.setdefault("OMP_NUM_THREADS", str(max(1, job.threads // processes)))
-    completed = subprocess.run(
-        command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=timeout_s
-    )
-    if completed.returncode != 0 or not result_path.is_file():
-        tail = (completed.stdout + completed.stderr)[-4000:]
-        raise DeepSpeedLaunchError(f"deepspeed launcher exited with {completed.returncode}:\n{tail}")
+    with open(log_path, "w") as log:
+        launcher = subprocess.Popen(command, cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        returncode = launcher.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        killed = _kill_tree(launcher)
+        raise DeepSpeedLaunchError(
+            f"deepspeed job {job_path} did not finish in {timeout_s:g}s: killed its {killed} processes "
+            f"(launcher and ranks); its output ended:\n{_tail(log_path)}"
+        ) from None
+    except BaseException:  # an exception or a signal while waiting: the job's work is not wanted any more
+        _kill_tree(launcher)
+        raise
+    if returncode != 0 or not result_path.is_file():
+        raise DeepSpeedLaunchError(f"deepspeed launcher exited with {returncode}:\n{_tail(log_path)}")
     result = json.loads(result_path.read_text())
     return result["rows"], result["metrics"]
 
@@ -222,6 +295,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--job", required=True, type=Path)
     parser.add_argument("--local_rank", type=int, default=None)  # passed by some launcher versions
     args, _ = parser.parse_known_args(argv)
+    if stage := os.environ.get(STAGE_ENV):
+        _watch_stage(stage)
     worker(args.job)
 
 

@@ -9,17 +9,24 @@ two processes write the torch backend's checkpoint format with the torch backend
 from __future__ import annotations
 
 import math
+import os
+import re
+import subprocess
+import sys
+import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
+import psutil
 import pyarrow.parquet as pq
 import pytest
 import torch
 from safetensors.torch import load_file
 
 from schemas.config import TrainConfig
-from stages.rl.deepspeed_backend import launch
+from stages.rl.deepspeed_backend import READY, REPO_ROOT, DeepSpeedLaunchError, launch
 from stages.rl.session import TrainJob, run_job
 from storage.layout import RunLayout
 
@@ -163,3 +170,98 @@ def test_train_stage_with_two_deepspeed_processes_matches_the_torch_backend(
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-4, abs=1e-6)
         assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-3)
         assert (b["tokens"], b["loss_tokens"], b["sequences"]) == (a["tokens"], a["loss_tokens"], a["sequences"])
+
+
+# The two drills below kill ranks, so they wait for the ranks' "ready" line first: a rank killed while it
+# loads DeepSpeed's shm op holds torch's extension build lock, and a lock left behind stalls every later
+# launch on the machine (torch waits for it forever). They also come after the tests above, which build it.
+
+# A train stage in a process of its own: it only launches the job (its pid is what the ranks watch).
+STAGE = """
+import sys
+from pathlib import Path
+from stages.rl.deepspeed_backend import launch
+from stages.rl.session import TrainJob
+job_path = Path(sys.argv[1])
+launch(TrainJob.load(job_path), job_path, processes=2)
+"""
+
+
+def _job_processes(job_path: Path) -> list[psutil.Process]:
+    """The launcher, DeepSpeed's per-node launcher and the ranks of one job (all name its job file); zombies
+    (dead, waiting for a parent to reap them) are not counted."""
+    found = []
+    for process in psutil.process_iter(["cmdline", "status"]):
+        if str(job_path) in " ".join(process.info["cmdline"] or []) and process.info["status"] != "zombie":
+            found.append(process)
+    return found
+
+
+def _wait_until(condition: Callable[[], bool], timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out after {timeout_s}s waiting for {what}"
+        time.sleep(0.2)
+
+
+def _ranks_ready(log_path: Path, world: int = 2) -> bool:
+    return log_path.is_file() and log_path.read_text(errors="replace").count(READY) >= world
+
+
+@pytest.mark.timeout(600)
+def test_ranks_end_when_the_train_stage_is_killed_alone(tmp_path: Path) -> None:
+    """Proves: when the process that launched a DeepSpeed job is SIGKILLed alone (the OOM killer, `kill -9`
+    of its pid), the launcher and both ranks, left running without the stage's lease, end within seconds."""
+    policy = save_tiny_model(tmp_path / "policy")
+    job_path = tmp_path / "job.json"
+    make_job(tmp_path, "ds", policy, backend="deepspeed", processes=2).dump(job_path)
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+    stage = subprocess.Popen([sys.executable, "-c", STAGE, str(job_path)], cwd=REPO_ROOT, env=env)
+    try:
+        _wait_until(lambda: _ranks_ready(Path(f"{job_path}.log")) or stage.poll() is not None, 300, "the ranks")
+        assert stage.poll() is None, Path(f"{job_path}.log").read_text()[-3000:]
+        launched = [p for p in _job_processes(job_path) if p.pid != stage.pid]
+        assert len(launched) == 4, [p.info["cmdline"] for p in launched]  # runner, launch, rank 0, rank 1
+        stage.kill()
+        stage.wait()
+        _wait_until(lambda: not _job_processes(job_path), 30, "the launcher and ranks to end")
+    finally:
+        stage.kill()
+        for process in _job_processes(job_path):
+            process.kill()
+
+
+@pytest.mark.timeout(600)
+def test_a_hung_job_is_killed_at_its_timeout_launcher_and_ranks(tmp_path: Path) -> None:
+    """Proves: a job that stops making progress (one rank frozen with SIGSTOP: the launcher waits for it, and
+    the other rank too if it is still in a collective) ends at `launch`'s timeout with DeepSpeedLaunchError
+    naming the timeout and the processes it killed, and no process of the job is left."""
+    policy = save_tiny_model(tmp_path / "policy")
+    job_path = tmp_path / "job.json"
+    job = make_job(tmp_path, "ds", policy, backend="deepspeed", processes=2)
+    timeout_s = 60.0
+    outcome: dict[str, BaseException] = {}
+
+    def run() -> None:
+        try:
+            launch(job, job_path, processes=2, timeout_s=timeout_s)
+        except BaseException as error:  # noqa: BLE001 - handed to the test thread
+            outcome["error"] = error
+
+    launching = threading.Thread(target=run)
+    started = time.monotonic()
+    launching.start()
+    _wait_until(lambda: _ranks_ready(Path(f"{job_path}.log")) or not launching.is_alive(), 300, "the ranks")
+    ranks = [p for p in _job_processes(job_path) if "--local_rank=1" in " ".join(p.info["cmdline"])]
+    assert len(ranks) == 1, Path(f"{job_path}.log").read_text()[-3000:]
+    ranks[0].suspend()  # SIGSTOP: rank 1 hangs, rank 0 blocks on it
+    launching.join(timeout=timeout_s + 120)
+    assert not launching.is_alive()
+    error = outcome.get("error")
+    assert isinstance(error, DeepSpeedLaunchError), error
+    assert time.monotonic() - started >= timeout_s
+    # The launcher, DeepSpeed's per-node launcher and the frozen rank; rank 0 too if it still waited.
+    killed = re.search(rf"did not finish in {timeout_s:g}s: killed its (\d) processes \(launcher and ranks\)",
+                       str(error))
+    assert killed and int(killed.group(1)) in (3, 4), str(error)[:300]
+    assert _job_processes(job_path) == []
