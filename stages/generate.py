@@ -20,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import time
 from pathlib import Path
+from typing import Any
 
 import pyarrow as pa
 
@@ -136,7 +137,7 @@ def run(ctx: StageContext) -> None:
 
 def sampler_trainer_mismatch(
     ctx: StageContext, model_dir: Path, requests: list[GenerationRequest], samples: list[Sample]
-) -> dict[str, float] | None:
+) -> dict[str, Any] | None:
     """|sampler - trainer| logprob per token over the first `generate.mismatch_samples` samples, recomputed
     after the engine is closed (so the two models are never in memory at once)."""
     checked = min(ctx.config.generate.mismatch_samples, len(samples))

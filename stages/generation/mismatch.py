@@ -11,18 +11,56 @@ rollouts manifest report it as a run health figure.
 A token the sampler drew that falls outside the recomputed top-k / top-p set has a recomputed logprob of
 -inf; such tokens are counted (`outside_filter`) and left out of the absolute-difference statistics,
 which would otherwise be infinite and say nothing.
+
+That figure isolates numerics (precision, kernels). It is not all the trainer sees: the trainer recomputes
+logprobs under temperature alone, never top-k / top-p, so with a filter on, every sampled token's stored
+logprob exceeds the trainer's by -log(the filtered set's probability mass) at that step, a systematic
+gap that importance ratios and their truncation act on. When the sampling filters, the summary therefore
+also holds `as_trained`: the same statistics against the temperature-only logprobs of the same forward
+pass (its `mean_signed` is that gap).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from stages.generation.base import GenerationRequest, Sample, SamplingSpec
 from stages.generation.hf_backend import TORCH_THREADS, left_pad, processed_logprobs
+
+
+def _response_logits(
+    model: torch.nn.Module, requests: Sequence[GenerationRequest], samples: Sequence[Sample], batch_size: int,
+    pad_id: int,
+) -> Iterator[tuple[Sample, torch.Tensor]]:
+    """Each sample with the logits that predicted its tokens (one row per token), from one forward pass over
+    prompt + response[:-1] per batch.
+
+    Sequences are left-padded so that every row's response ends in the last column; only the logits of the
+    last `max response length` positions are materialised (`logits_to_keep`), never the prompt's.
+    """
+    for start in range(0, len(requests), batch_size):
+        chunk = list(zip(requests[start:start + batch_size], samples[start:start + batch_size], strict=True))
+        sequences = [list(r.prompt_token_ids) + list(s.token_ids[:-1]) for r, s in chunk]
+        input_ids, mask = left_pad(sequences, pad_id)
+        positions = (mask.cumsum(dim=-1) - 1).clamp(min=0)
+        keep = max(len(s.token_ids) for _, s in chunk)
+        logits = model(input_ids=input_ids, attention_mask=mask, position_ids=positions,
+                       logits_to_keep=keep).logits
+        for row, (_, sample) in enumerate(chunk):
+            yield sample, logits[row, keep - len(sample.token_ids):]
+
+
+def _token_logprobs(logits_T: torch.Tensor, token_ids: Sequence[int], sampling: SamplingSpec) -> list[float]:
+    if not token_ids:
+        return []
+    logprobs_TV = processed_logprobs(logits_T, sampling.temperature, sampling.top_k, sampling.top_p)
+    return logprobs_TV.gather(-1, torch.tensor(token_ids, dtype=torch.long).view(-1, 1)).view(-1).tolist()
 
 
 @torch.inference_mode()
@@ -34,30 +72,9 @@ def recompute_logprobs(
     batch_size: int = 4,
     pad_id: int = 0,
 ) -> list[list[float]]:
-    """Processed logprob of each sampled token, from one forward pass over prompt + response[:-1].
-
-    Sequences are left-padded so that every row's response ends in the last column; only the logits of the
-    last `max response length` positions are materialised (`logits_to_keep`), never the prompt's.
-    """
-    result: list[list[float]] = []
-    for start in range(0, len(requests), batch_size):
-        chunk = list(zip(requests[start:start + batch_size], samples[start:start + batch_size], strict=True))
-        sequences = [list(r.prompt_token_ids) + list(s.token_ids[:-1]) for r, s in chunk]
-        input_ids, mask = left_pad(sequences, pad_id)
-        positions = (mask.cumsum(dim=-1) - 1).clamp(min=0)
-        keep = max(len(s.token_ids) for _, s in chunk)
-        logits = model(input_ids=input_ids, attention_mask=mask, position_ids=positions,
-                       logits_to_keep=keep).logits
-        for row, (_, sample) in enumerate(chunk):
-            n = len(sample.token_ids)
-            if n == 0:
-                result.append([])
-                continue
-            logprobs = processed_logprobs(logits[row, keep - n:], sampling.temperature, sampling.top_k,
-                                          sampling.top_p)
-            targets = torch.tensor(sample.token_ids, dtype=torch.long).view(-1, 1)
-            result.append(logprobs.gather(-1, targets).view(-1).tolist())
-    return result
+    """Processed logprob of each sampled token, from one forward pass over prompt + response[:-1]."""
+    return [_token_logprobs(logits_T, sample.token_ids, sampling)
+            for sample, logits_T in _response_logits(model, requests, samples, batch_size, pad_id)]
 
 
 def summarize(sampler: Sequence[Sequence[float]], recomputed: Sequence[Sequence[float]]) -> dict[str, float]:
@@ -93,12 +110,25 @@ def logprob_mismatch(
     sampling: SamplingSpec,
     dtype: str = "float32",
     batch_size: int = 4,
-) -> dict[str, float]:
-    """Load `model_dir` with Hugging Face, recompute the samples' logprobs, and compare (see `summarize`)."""
+) -> dict[str, Any]:
+    """Load `model_dir` with Hugging Face, recompute the samples' logprobs, and compare (see `summarize`);
+    with a top-k / top-p filter, also against the trainer's temperature-only logprobs (`as_trained`)."""
     from stages.models import load_model, load_tokenizer
 
     torch.set_num_threads(TORCH_THREADS)
     model = load_model(model_dir, dtype)
-    pad = load_tokenizer(model_dir).pad_token_id
-    recomputed = recompute_logprobs(model, requests, samples, sampling, batch_size, int(pad or 0))
-    return summarize([s.logprobs for s in samples], recomputed)
+    pad = int(load_tokenizer(model_dir).pad_token_id or 0)
+    as_trained = replace(sampling, top_k=-1, top_p=1.0)  # what the trainer computes: temperature alone
+    filtered = as_trained != sampling
+    recomputed: list[list[float]] = []
+    trainer: list[list[float]] = []
+    with torch.inference_mode():
+        for sample, logits_T in _response_logits(model, requests, samples, batch_size, pad):
+            recomputed.append(_token_logprobs(logits_T, sample.token_ids, sampling))
+            if filtered:
+                trainer.append(_token_logprobs(logits_T, sample.token_ids, as_trained))
+    sampler = [s.logprobs for s in samples]
+    stats: dict[str, Any] = summarize(sampler, recomputed)
+    if filtered:
+        stats["as_trained"] = summarize(sampler, trainer)
+    return stats

@@ -111,6 +111,40 @@ def test_logprobs_are_the_processed_distribution(backend: HFBackend, prompt_ids:
     assert stats["max_abs"] < 1e-4, stats
 
 
+def test_mismatch_also_reports_the_gap_the_trainer_sees_under_top_k_top_p(
+    backend: HFBackend, model_dir: Path, prompt_ids: list[list[int]]
+) -> None:
+    """Proves: with top-k / top-p sampling, the mismatch figure keeps isolating numerics (same processing:
+    < 1e-4) and adds `as_trained`, the gap against the logprobs the trainer itself computes (temperature
+    alone, `stages.rl.logprobs.response_logprobs`): token for token the sampler's logprob is higher by
+    -log(filtered mass), so its signed mean equals its absolute mean and is the mean of sampler - trainer.
+    Without a filter there is nothing more to report."""
+    from stages.generation.mismatch import logprob_mismatch
+    from stages.rl.logprobs import build_micro_batch, response_logprobs
+
+    requests = requests_for(prompt_ids[:2], [1, 2])
+    samples = backend.generate(requests, SAMPLED)
+    stats = logprob_mismatch(model_dir, requests, samples, SAMPLED)
+    assert stats["max_abs"] < 1e-4 and stats["outside_filter"] == 0, stats
+
+    micro = build_micro_batch(list(range(len(samples))), [r.prompt_token_ids for r in requests],
+                              [s.token_ids for s in samples], pad_id=backend.pad_id)
+    with torch.inference_mode():
+        trainer_BT, _ = response_logprobs(backend.model, micro, temperature=SAMPLED.temperature)
+    gaps = [a - trainer_BT[row, column].item() for row, sample in enumerate(samples)
+            for column, a in enumerate(sample.logprobs)]
+    trained = stats["as_trained"]
+    assert trained["tokens"] == len(gaps) and trained["outside_filter"] == 0
+    assert min(gaps) > -1e-4  # renormalising over a subset only raises a token's logprob
+    assert trained["mean_signed"] == pytest.approx(sum(gaps) / len(gaps), abs=1e-4)
+    assert trained["mean_abs"] == pytest.approx(trained["mean_signed"], abs=1e-4)
+    assert trained["max_abs"] == pytest.approx(max(gaps), abs=1e-4) and trained["max_abs"] > 100 * stats["max_abs"]
+
+    unfiltered = SamplingSpec(temperature=0.7, max_new_tokens=16)
+    plain = backend.generate(requests, unfiltered)
+    assert "as_trained" not in logprob_mismatch(model_dir, requests, plain, unfiltered)
+
+
 def test_stop_string_trims_text_and_tokens(backend: HFBackend, prompt_ids: list[list[int]]) -> None:
     spec = SamplingSpec(temperature=0.0, max_new_tokens=24, stop=["\n"])
     stopped = backend.generate([GenerationRequest(prompt_ids[0], 0)], spec)[0]
