@@ -28,8 +28,10 @@ Layers, from the always-available ones up:
   root and counts zombies), a memory limit covering the job's tmpfs too, and a freezer so that the
   end-of-job kill sees a process tree that can no longer fork.
 - bubblewrap ("bwrap" mode): each job runs under bubblewrap, which Debian's bubblewrap can do
-  unprivileged, with namespaces of its own per job: `netns` (empty network namespace), `mountns` (/
-  bound read-only, the job directory bound writable as /tmp, its own /proc and read-only /dev),
+  unprivileged, with namespaces of its own per job: `netns` (empty network namespace), `mountns` (only
+  the system's directories and the interpreter's, read-only: not the home directories, the checkout, the
+  storage root or anything else the uid can read, see `job_file_system`; the job directory bound
+  writable as /tmp, its own /proc and read-only /dev),
   `pidns` (when the job's main process or the worker ends, bubblewrap's init dies and the kernel kills
   every process in the namespace), `ipc_uts_ns`, and `userns` (no capabilities). There are no cgroups unprivileged:
   what bounds a fork bomb is RLIMIT_NPROC (above); the pid namespace only guarantees that nothing of
@@ -43,9 +45,12 @@ mode named explicitly in the config that cannot be had is an error, never a sile
 from __future__ import annotations
 
 import ctypes
+import functools
+import json
 import os
 import shutil
 import signal
+import subprocess
 import sys
 import tempfile
 import time
@@ -801,10 +806,54 @@ class NativeIsolation(Isolation):
         return in_groups + len(uid_processes(self.uid))
 
 
+# What a bubblewrap job sees of the host besides its interpreter: the operating system's own directories.
+# A job under bubblewrap runs as the sandbox's uid, which can read that user's keys and credentials (~/.ssh,
+# ~/.aws), the checkout and the storage root; binding all of / read-only would show it all of them.
+SYSTEM_DIRS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc")
+_INTERPRETER_PATHS = "import json, sys; print(json.dumps([sys.prefix, sys.base_prefix, sys.executable, *sys.path]))"
+
+
+@functools.lru_cache(maxsize=8)
+def interpreter_dirs(argv: tuple[str, ...]) -> tuple[str, ...]:
+    """The directories the interpreter `argv` (with its flags) runs and imports from, outside SYSTEM_DIRS:
+    its prefixes, its real executable's directory and its sys.path, as it reports them once."""
+    done = subprocess.run([*argv, "-c", _INTERPRETER_PATHS], env=CLEAN_ENV, capture_output=True, text=True,
+                          timeout=120)
+    if done.returncode != 0:
+        raise OSError(f"the sandbox's interpreter {argv[0]} could not start: {done.stderr.strip()[-500:]}")
+    prefix, base_prefix, executable, *path = json.loads(done.stdout)
+    wanted = {prefix, base_prefix, os.path.dirname(executable), os.path.dirname(os.path.realpath(executable))}
+    wanted |= {entry for entry in path if entry}
+    dirs: list[str] = []
+    for entry in sorted(os.path.abspath(entry) for entry in wanted):
+        if not os.path.exists(entry) or entry == "/":
+            continue
+        entry = entry if os.path.isdir(entry) else os.path.dirname(entry)  # a zip on sys.path: its directory
+        if any(entry == kept or entry.startswith(kept.rstrip("/") + "/") for kept in (*SYSTEM_DIRS, *dirs)):
+            continue  # already visible
+        dirs.append(entry)
+    return tuple(dirs)
+
+
+def job_file_system(python_argv: list[str]) -> list[str]:
+    """bubblewrap arguments for a job's view of the host: SYSTEM_DIRS (symbolic links kept as links, as on
+    merged-/usr systems) and the interpreter's directories, read-only, and nothing else."""
+    args: list[str] = []
+    for path in SYSTEM_DIRS:
+        if os.path.islink(path):
+            args += ["--symlink", os.readlink(path), path]
+        elif os.path.isdir(path):
+            args += ["--ro-bind", path, path]
+    for path in interpreter_dirs(tuple(python_argv)):
+        args += ["--ro-bind", path, path]
+    return args
+
+
 class BwrapIsolation(Isolation):
-    """Each job under bubblewrap: user, pid, network, IPC, UTS and cgroup namespaces, the root file
-    system read-only, the job directory as /tmp, its own /proc and read-only /dev. Works without root. When the
-    job's main process ends, bubblewrap's pid namespace takes every other process of the job with it."""
+    """Each job under bubblewrap: user, pid, network, IPC, UTS and cgroup namespaces, of the host's files only
+    the system's and the interpreter's directories, read-only (`job_file_system`), the job directory as /tmp,
+    its own /proc and read-only /dev. Works without root. When the job's main process ends, bubblewrap's pid
+    namespace takes every other process of the job with it."""
 
     name = "bwrap"
     use_zygote = False  # a new bubblewrap per job is the point; there is nothing warm to fork
@@ -822,7 +871,10 @@ class BwrapIsolation(Isolation):
         layers = super().layers()
         layers["workdir"] = "fresh temporary directory per job, seen as /tmp"
         layers["netns"] = "empty network namespace per job (bubblewrap)"
-        layers["mountns"] = "/ bound read-only, job directory bound writable as /tmp, own /proc, own read-only /dev"
+        layers["mountns"] = (
+            "only the system's and the interpreter's directories, read-only (no home, checkout or storage "
+            "root); job directory bound writable as /tmp, own /proc, own read-only /dev"
+        )
         layers["pidns"] = (
             "pid namespace per job: every process of the job dies with its main process or the worker "
             "(bubblewrap --die-with-parent), checked by a /proc scan after each job; not a count limit"
@@ -838,7 +890,9 @@ class BwrapIsolation(Isolation):
         return "/tmp"
 
     def argv(self, mode: str, workdir: str) -> list[str]:
-        # --die-with-parent: if the worker dies, so does the job; --new-session: no terminal injection.
+        # --die-with-parent: if the worker dies, so does the job; --new-session: no terminal injection. The
+        # interpreter's directories are bound after /tmp, so one under /tmp is still seen (a mount point in
+        # the job directory).
         return [
             self.bwrap,
             "--unshare-all",
@@ -846,12 +900,10 @@ class BwrapIsolation(Isolation):
             "--new-session",
             "--cap-drop",
             "ALL",
-            "--ro-bind",
-            "/",
-            "/",
             "--bind",
             workdir,
             "/tmp",
+            *job_file_system(self.interpreter_argv(mode)[:-2]),
             "--proc",
             "/proc",
             "--dev",
@@ -859,6 +911,9 @@ class BwrapIsolation(Isolation):
             # bubblewrap's own /dev is a writable tmpfs (its /dev/shm too); nothing outside /tmp may be.
             "--remount-ro",
             "/dev",
+            # The root itself is bubblewrap's tmpfs (only the binds above are in it): read-only too.
+            "--remount-ro",
+            "/",
             "--chdir",
             "/tmp",
             "--",

@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import resource
 import socket
+import tempfile
 import time
 from dataclasses import dataclass
 
@@ -435,3 +436,46 @@ def test_sysv_ipc_cannot_carry_data_between_jobs(sandbox: Sandbox):
     body = "import ctypes\nlibc = ctypes.CDLL(None)\nprint(libc.shmget(4242, 4096, 0o1666), libc.msgget(4242, 0o1666))"
     result = run_contained(sandbox, Attack(body, expected="never\n"))
     assert result.tests[0]["message"] == "expected 'never\\n', got '-1 -1\\n'"
+
+
+# Run in a bubblewrap job: what of the host it can see. Filled in with the paths the job must not see (each
+# readable by the job's uid outside the sandbox) and the exact top-level entries its root may have.
+SEES_ONLY = """
+import os, decimal, fractions  # the interpreter's standard library works
+seen = [path for path in {hidden!r} if os.path.exists(path)]
+extra = sorted(set(os.listdir("/")) - set({allowed!r}))
+try:
+    open("/planted", "w")
+    seen.append("/ is writable")
+except OSError:
+    pass
+print("contained" if not seen and not extra else f"saw {{seen}} extra {{extra}}")
+"""
+
+
+@pytest.mark.skipif(not os.path.exists("/usr/bin/bwrap"), reason="bubblewrap is not installed")
+def test_a_bwrap_job_sees_the_system_and_its_interpreter_only() -> None:
+    """Proves: a bubblewrap job (which, run by a non-root user, has that user's uid and could read their keys,
+    credentials, checkout and storage root) sees nothing of the host but the system's directories and its
+    interpreter's: not the checkout, not a world-readable file elsewhere, not /home; its root holds exactly
+    the top-level entries of those directories plus /tmp, /proc and /dev, and is read-only; and the job's
+    interpreter still runs its standard library."""
+    cfg = ScoreConfig(workers=1, timeout_s=10.0, isolation="bwrap")
+    isolation = BwrapIsolation(cfg, Limits.from_config(cfg), 0, os.getpid())
+    interpreter = isolation_module.interpreter_dirs(tuple(isolation.interpreter_argv("run")[:-2]))
+    assert interpreter and all(os.path.isdir(path) for path in interpreter)
+    tops = {path.split("/")[1] for path in (*isolation_module.SYSTEM_DIRS, *interpreter)}
+    allowed = sorted({top for top in tops if os.path.lexists("/" + top)} | {"tmp", "proc", "dev"})
+    fd, readable = tempfile.mkstemp(prefix="rlpipe-readable-", dir="/var/tmp")
+    os.close(fd)
+    os.chmod(readable, 0o644)  # any uid could read it, outside the sandbox
+    hidden = [readable, os.path.join(PROJECT_ROOT, "README.md"), os.path.join(PROJECT_ROOT, "stages"), "/home"]
+    hidden = [path for path in hidden if not any(path.startswith(kept + "/") for kept in interpreter)]
+    try:
+        with Sandbox.from_config(cfg) as sandbox:
+            spec = {"kind": "code_stdio", "inputs": [""], "outputs": ["contained\n"]}
+            (result,) = sandbox.score([ScoreJob(fenced(SEES_ONLY.format(hidden=hidden, allowed=allowed)), spec)])
+    finally:
+        os.unlink(readable)
+    assert result.status == "ok", result.tests
+    assert len(hidden) >= 3  # the readable file, and the checkout unless the interpreter lives in it
