@@ -20,7 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from schemas.config import read_run_config, run_stage
+from schemas.config import read_run_config
+from stages.common import run_stage
 from stages.registry import ITERATION_STAGES, RUN_STAGES, STAGES, MissingInput, expected_key, stage_state
 from storage.layout import BASE, RunLayout
 from storage.lock import StageLocked, stage_lock
