@@ -370,9 +370,12 @@ class Isolation:
             os.chown(self.workdir, self.uid, self.uid)
         return self.workdir
 
+    def interpreter(self) -> list[str]:
+        """The jobs' interpreter with its flags: isolated mode, and no site-packages unless configured."""
+        return [self.python, "-I"] if self.cfg.site_packages else [self.python, "-I", "-S"]
+
     def interpreter_argv(self, mode: str, runner: str = RUNNER) -> list[str]:
-        flags = ["-I"] if self.cfg.site_packages else ["-I", "-S"]
-        return [self.python, *flags, runner, mode]
+        return [*self.interpreter(), runner, mode]
 
     def job_view(self, workdir: str) -> str:
         """The job's directory as the job sees it (bubblewrap shows it as /tmp)."""
@@ -903,7 +906,7 @@ class BwrapIsolation(Isolation):
             "--bind",
             workdir,
             "/tmp",
-            *job_file_system(self.interpreter_argv(mode)[:-2]),
+            *job_file_system(self.interpreter()),  # of the interpreter in use: the probe may change it
             "--proc",
             "/proc",
             "--dev",

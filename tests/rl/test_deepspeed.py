@@ -29,6 +29,7 @@ from schemas.config import TrainConfig
 from stages.rl.deepspeed_backend import READY, REPO_ROOT, DeepSpeedLaunchError, launch
 from stages.rl.session import TrainJob, run_job
 from storage.layout import RunLayout
+from tests.reliability import helpers as h
 
 from .pipeline_helpers import run_iteration, save_tiny_model
 
@@ -197,13 +198,6 @@ def _job_processes(job_path: Path) -> list[psutil.Process]:
     return found
 
 
-def _wait_until(condition: Callable[[], bool], timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out after {timeout_s}s waiting for {what}"
-        time.sleep(0.2)
-
-
 def _ranks_ready(log_path: Path, world: int = 2) -> bool:
     return log_path.is_file() and log_path.read_text(errors="replace").count(READY) >= world
 
@@ -218,13 +212,13 @@ def test_ranks_end_when_the_train_stage_is_killed_alone(tmp_path: Path) -> None:
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
     stage = subprocess.Popen([sys.executable, "-c", STAGE, str(job_path)], cwd=REPO_ROOT, env=env)
     try:
-        _wait_until(lambda: _ranks_ready(Path(f"{job_path}.log")) or stage.poll() is not None, 300, "the ranks")
+        h.wait_for(lambda: _ranks_ready(Path(f"{job_path}.log")) or stage.poll() is not None, 300, what="the ranks")
         assert stage.poll() is None, Path(f"{job_path}.log").read_text()[-3000:]
         launched = [p for p in _job_processes(job_path) if p.pid != stage.pid]
         assert len(launched) == 4, [p.info["cmdline"] for p in launched]  # runner, launch, rank 0, rank 1
         stage.kill()
         stage.wait()
-        _wait_until(lambda: not _job_processes(job_path), 30, "the launcher and ranks to end")
+        h.wait_for(lambda: not _job_processes(job_path), 30, what="the launcher and ranks to end")
     finally:
         stage.kill()
         for process in _job_processes(job_path):
@@ -251,7 +245,7 @@ def test_a_hung_job_is_killed_at_its_timeout_launcher_and_ranks(tmp_path: Path) 
     launching = threading.Thread(target=run)
     started = time.monotonic()
     launching.start()
-    _wait_until(lambda: _ranks_ready(Path(f"{job_path}.log")) or not launching.is_alive(), 300, "the ranks")
+    h.wait_for(lambda: _ranks_ready(Path(f"{job_path}.log")) or not launching.is_alive(), 300, what="the ranks")
     ranks = [p for p in _job_processes(job_path) if "--local_rank=1" in " ".join(p.info["cmdline"])]
     assert len(ranks) == 1, Path(f"{job_path}.log").read_text()[-3000:]
     ranks[0].suspend()  # SIGSTOP: rank 1 hangs, rank 0 blocks on it

@@ -462,7 +462,7 @@ def test_a_bwrap_job_sees_the_system_and_its_interpreter_only() -> None:
     interpreter still runs its standard library."""
     cfg = ScoreConfig(workers=1, timeout_s=10.0, isolation="bwrap")
     isolation = BwrapIsolation(cfg, Limits.from_config(cfg), 0, os.getpid())
-    interpreter = isolation_module.interpreter_dirs(tuple(isolation.interpreter_argv("run")[:-2]))
+    interpreter = isolation_module.interpreter_dirs(tuple(isolation.interpreter()))
     assert interpreter and all(os.path.isdir(path) for path in interpreter)
     tops = {path.split("/")[1] for path in (*isolation_module.SYSTEM_DIRS, *interpreter)}
     allowed = sorted({top for top in tops if os.path.lexists("/" + top)} | {"tmp", "proc", "dev"})
