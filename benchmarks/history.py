@@ -1,7 +1,7 @@
 """Benchmark: questions about a run's history, through the catalog vs pandas over JSONL dumps.
 
 Writes `--rows` synthetic rollout rows (default 1,000,000) in the real run layout (rollouts, scores and batch
-tables with manifests, via reports/synthetic.py), and the same samples as one JSONL file per iteration, the
+tables with manifests, via tests/support/synthetic_runs.py), and the same samples as one JSONL file per iteration, the
 format other trainers dump (verl's `rollout_data_dir`, OpenRLHF/TRL logs: one JSON object per sample with
 step, input, output, score). Then it answers three typical questions both ways:
 
@@ -54,8 +54,8 @@ import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 import pyarrow as pa  # noqa: E402
 
-from reports.synthetic import SyntheticRun, SyntheticSpec  # noqa: E402
 from storage.catalog import Catalog  # noqa: E402
+from tests.support.synthetic_runs import SyntheticRun, SyntheticSpec  # noqa: E402
 
 QUERIES = {
     "reward by iteration": """

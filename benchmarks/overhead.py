@@ -43,7 +43,7 @@ How it got here, each step measured with this script:
   22.2%  every stage a fresh interpreter: overhead 38.5 s, of which `import great_expectations` (3.5-4 s per
          stage) and interpreter + torch imports (1.7-4.4 s per stage); a Prefect subflow per iteration
          (~1.3 s, mostly joining its heartbeat thread);
-   8.1%  stages forked from a stage server that has imported the heavy libraries (stages/forkserver.py);
+   8.1%  stages forked from a stage server that has imported the heavy libraries (flows/runner/forkserver.py);
    6.1%  the loop runs iterations inline, not as subflows;
    5.7%  GX's data-docs templates compiled once per machine (~0.3 s a stage);
    4.2%  the server preloads rlpipe's stage modules too (~0.15 s a stage) and its children skip the server's
@@ -121,10 +121,10 @@ def stage_times(root: str, run_id: str, outcomes: list) -> list[StageTime]:  # n
 
 def main() -> None:
     from flows.cli import start_run
-    from flows.execute import run_stage_process, stage_environment
     from flows.prefect_env import configure_prefect
+    from flows.runner import forkserver
+    from flows.runner.process import run_stage_process, stage_environment
     from schemas.config import load_config
-    from stages import forkserver
     from stages.registry import RUN_STAGES
     from storage.layout import BASE
 
@@ -138,7 +138,7 @@ def main() -> None:
     root = args.root or str(scratch / "root")
     config = load_config(args.config, ["run_id=overhead", "iterations=1", *args.set])
     layout = start_run(config, root)
-    # Once per run, as `rlpipe run` does before Prefect starts: the stage server (stages/forkserver.py) imports
+    # Once per run, as `rlpipe run` does before Prefect starts: the stage server (flows/runner/forkserver.py) imports
     # torch, Great Expectations and vLLM once; every stage after it is a fork. Timed apart like Prefect's start.
     configure_prefect()  # as `rlpipe run` does: the stage server gets the environment every stage gets
     server = forkserver.start(stage_environment(config))

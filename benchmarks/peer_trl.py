@@ -51,6 +51,9 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from stages.registry import instance
+from storage.run import Run
+
 LOSS_TYPES = {"token-mean": "dapo", "seq-mean-token-mean": "grpo", "seq-mean-token-sum-norm": "dr_grpo"}
 SCALE_REWARDS = {"grpo": "group", "dr_grpo": "none", "mean_centered": "none"}
 
@@ -88,10 +91,10 @@ def rlpipe_side(root: str, run_id: str) -> tuple[Side, Any, list[dict]]:
     its manifests and tables."""
     import pyarrow.parquet as pq
 
-    from schemas.config import read_run_config
-    from stages.registry import STAGES, is_scheduled, stage_state
+    from stages.registry import is_scheduled, stage_state
     from storage.layout import BASE, RunLayout
     from storage.manifest import read_manifest
+    from storage.run import read_run_config
 
     layout = RunLayout.create(root, run_id)
     config = read_run_config(layout)
@@ -99,7 +102,7 @@ def rlpipe_side(root: str, run_id: str) -> tuple[Side, Any, list[dict]]:
     last = config.iterations - 1
     for k in range(config.iterations):
         for stage in ("generate", "score", "train", "evaluate"):
-            if is_scheduled(config, stage, k) and not stage_state(fs, layout, config, STAGES[stage], k).done:
+            if is_scheduled(config, stage, k) and not stage_state(Run(layout, config), instance(stage, k)).done:
                 raise SystemExit(f"run {run_id}: stage {stage} of iteration {k} is not done; finish the run first")
     side = Side("rlpipe")
     first = read_manifest(fs, layout.table_path("rollouts", 0) + ".manifest.json")
@@ -122,7 +125,7 @@ def run_clusters(root: str, run_id: str) -> dict[str, str]:
     """prompt_id -> the family the bootstrap resamples it with (stages/eval_metrics.clusters_of)."""
     import pyarrow.parquet as pq
 
-    from stages.eval_metrics import clusters_of
+    from stages.evaluation.metrics import clusters_of
     from storage.layout import RunLayout
 
     return clusters_of(pq.read_table(RunLayout.create(root, run_id).prompts_path).to_pylist())
@@ -135,7 +138,7 @@ def train_with_trl(config: Any, root: str, run_id: str, budget_s: float, out_dir
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from stages.models import resolve_model
+    from stages.generation.models import resolve_model
     from stages.sandbox import Sandbox, ScoreJob
     from storage.layout import RunLayout
 
@@ -216,7 +219,7 @@ def evaluate_with_rlpipe(config: Any, root: str, model_dir: Path, run_id: str) -
     """The held-out evaluation rlpipe gives its own checkpoints, given to `model_dir` (a run of its own):
     (dataset -> summary, eval table rows)."""
     from flows.cli import start_run
-    from flows.execute import run_stage_process
+    from flows.runner.process import run_stage_process
     from stages.registry import RUN_STAGES
     from storage.layout import BASE
     from storage.manifest import read_manifest
@@ -233,7 +236,7 @@ def evaluate_with_rlpipe(config: Any, root: str, model_dir: Path, run_id: str) -
 
 def held_out_gains(side: Side, base_rows: list[dict], clusters: dict[str, str]) -> dict[str, dict]:
     """dataset (and "all held out" with several) -> paired gains of the side's final model over the base model."""
-    from flows.status import checkpoint_gains
+    from flows.cli.status import checkpoint_gains
 
     by_dataset = {dataset: [r for r in base_rows if r["dataset"] == dataset] for dataset in side.after}
     return dict(checkpoint_gains(by_dataset, side.after_rows, clusters))

@@ -163,7 +163,7 @@ def main() -> None:
 
     if args.model is None:
         from schemas.config import ModelConfig
-        from stages.models import resolve_model
+        from stages.generation.models import resolve_model
 
         args.model = str(resolve_model(ModelConfig()))
     from transformers import AutoConfig

@@ -24,11 +24,10 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from schemas.config import RunConfig
 from schemas.tables import TABLES
-from stages.registry import STAGES, iteration_stages, round_inputs, stage_state
+from stages.registry import instance, iteration_stages, round_inputs, stage_state
 from storage.fs import is_remote
-from storage.layout import RunLayout
+from storage.run import Run
 from storage.tables import read_table
 
 log = logging.getLogger(__name__)
@@ -57,15 +56,15 @@ def _flatten(prefix: str, value: Any, depth: int = 0) -> list[tuple[str, float]]
     return []
 
 
-def _table_paths(layout: RunLayout, config: RunConfig, table: str, iteration: int) -> list[str]:
+def _table_paths(run: Run, table: str, iteration: int) -> list[str]:
     """Where `table` of `iteration` lives: one file, or, for the per-round tables (rollouts, scores), round 0
     and every complete dynamic-sampling round (the rounds the batch is built from)."""
-    extra = round_inputs(layout.fs, layout, config, STAGES["advantage"], iteration)
+    extra = round_inputs(run, "advantage", iteration)
     rounds = [output.round_idx for output in extra.values() if output.name == table]
-    return [layout.table_path(table, iteration, r) for r in [0, *rounds]]
+    return [run.layout.table_path(table, iteration, r) for r in [0, *rounds]]
 
 
-def _table_summaries(layout: RunLayout, config: RunConfig, iteration: int) -> list[tuple[str, str, float]]:
+def _table_summaries(run: Run, iteration: int) -> list[tuple[str, str, float]]:
     """A few numbers read from the tables themselves: mean reward (over every generation round), kept rows,
     last loss."""
 
@@ -82,8 +81,8 @@ def _table_summaries(layout: RunLayout, config: RunConfig, iteration: int) -> li
     rows = []
     for stage, table, name, compute in wanted:
         try:
-            paths = _table_paths(layout, config, table, iteration)
-            value = compute(pa.concat_tables(read_table(layout.fs, path, TABLES[table]) for path in paths))
+            paths = _table_paths(run, table, iteration)
+            value = compute(pa.concat_tables(read_table(run.fs, path, TABLES[table]) for path in paths))
         except Exception as error:  # noqa: BLE001 - a summary that cannot be computed is left out, not fatal
             log.info("metric %s.%s left out: %s", stage, name, error)
             continue
@@ -92,11 +91,9 @@ def _table_summaries(layout: RunLayout, config: RunConfig, iteration: int) -> li
     return rows
 
 
-def iteration_metrics(layout: RunLayout, config: RunConfig, iteration: int) -> list[dict[str, Any]]:
+def iteration_metrics(run: Run, iteration: int) -> list[dict[str, Any]]:
     """Rows of {stage, metric, value} for one iteration: status, seconds, rows, host, and stage metrics."""
-    fs = layout.fs
-    states = {stage: stage_state(fs, layout, config, STAGES[stage], iteration)
-              for stage in iteration_stages(config, iteration)}
+    states = {stage: stage_state(run, instance(stage, iteration)) for stage in iteration_stages(run.config, iteration)}
     # Every stage's status comes first, so the row limit can only ever cut details.
     status = [{"stage": stage, "metric": "status", "value": state.reason} for stage, state in states.items()]
     rows: list[dict[str, Any]] = []
@@ -108,19 +105,19 @@ def iteration_metrics(layout: RunLayout, config: RunConfig, iteration: int) -> l
                 rows.append({"stage": stage, "metric": f"{Path(manifest.path).name}.rows", "value": manifest.rows})
             for name, value in _flatten("", manifest.metrics):
                 rows.append({"stage": stage, "metric": name.lstrip("."), "value": round(value, 6)})
-    for stage, name, value in _table_summaries(layout, config, iteration):
+    for stage, name, value in _table_summaries(run, iteration):
         rows.append({"stage": stage, "metric": name, "value": round(value, 6)})
     return status + rows[: MAX_METRIC_ROWS - len(status)]
 
 
-def report_link(root: str, run_id: str) -> tuple[str | None, str]:
+def report_link(run: Run) -> tuple[str | None, str]:
     """(link to the run's HTML report, or None) and why: built, or the reason it was skipped."""
     try:
         from reports.html import write_report
     except ImportError as error:
         return None, f"report skipped: reports.html.write_report is not available ({error})"
     try:
-        location = write_report(root, run_id)
+        location = write_report(run.layout)
     except Exception as error:  # noqa: BLE001 - the report is a view of the run; its failure must not fail it
         return None, f"report skipped: write_report failed: {type(error).__name__}: {error}"
     if not is_remote(location) and not location.startswith(("http://", "https://", "file://")):
@@ -128,18 +125,18 @@ def report_link(root: str, run_id: str) -> tuple[str | None, str]:
     return location, f"report written to {location}"
 
 
-def publish_iteration_artifacts(layout: RunLayout, config: RunConfig, iteration: int) -> dict[str, Any]:
+def publish_iteration_artifacts(run: Run, iteration: int) -> dict[str, Any]:
     """Create the metrics table artifact and the report link artifact; returns what was published."""
     from prefect.artifacts import create_link_artifact, create_table_artifact
     from prefect.logging import get_run_logger
 
-    rows = iteration_metrics(layout, config, iteration)
-    description = f"run `{layout.run_id}` iteration {iteration} of {config.iterations} ({layout.run_dir})"
-    create_table_artifact(table=rows, key=artifact_key(layout.run_id, "metrics"), description=description)
-    link, why = report_link(layout.root, layout.run_id)
+    rows = iteration_metrics(run, iteration)
+    description = f"run `{run.run_id}` iteration {iteration} of {run.config.iterations} ({run.layout.run_dir})"
+    create_table_artifact(table=rows, key=artifact_key(run.run_id, "metrics"), description=description)
+    link, why = report_link(run)
     if link is not None:
         create_link_artifact(
-            link=link, link_text=f"{layout.run_id} report", key=artifact_key(layout.run_id, "report"),
+            link=link, link_text=f"{run.run_id} report", key=artifact_key(run.run_id, "report"),
             description=f"HTML report after iteration {iteration}",
         )
     else:

@@ -20,11 +20,12 @@ from html import escape
 from typing import Any
 
 from reports.svg import STATUS_COLOURS, Series, line_chart, stacked_bar_chart
-from schemas.config import ConfigError, RunConfig, read_run_config
+from schemas.config import ConfigError, RunConfig
 from storage.catalog import Catalog
 from storage.fs import atomic_write_bytes, join
 from storage.layout import RunLayout
 from storage.manifest import code_version
+from storage.run import read_run_config
 
 STAGES = ("generate", "score", "advantage", "train", "evaluate")
 RUN_STAGES = ("prompts", "base_model", "evaluate_base")
@@ -33,7 +34,7 @@ SAMPLE_COLUMNS = ("prompt_id", "sample_idx", "round", "reward", "passed", "total
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
-    """Unbiased pass@k (Chen et al. 2021): 1 - C(n-c, k) / C(n, k); the same estimator as stages/eval_metrics.py,
+    """Unbiased pass@k (Chen et al. 2021): 1 - C(n-c, k) / C(n, k); the same estimator as stages/evaluation/metrics.py,
     repeated here because reports may import storage only (not the stage code and its model stack)."""
     if n - c < k:
         return 1.0
@@ -374,20 +375,18 @@ def render(data: ReportData) -> str:
 """
 
 
-def report_path(root: str, run_id: str) -> str:
-    return join(RunLayout.create(root, run_id).run_dir, "report.html")
+def report_path(layout: RunLayout) -> str:
+    return join(layout.run_dir, "report.html")
 
 
-def build_report(root: str, run_id: str) -> str:
-    """The report's HTML for one run under `root`."""
-    layout = RunLayout.create(root, run_id)
-    with Catalog(layout.root, [run_id]) as catalog:
-        return render(collect(catalog, run_id, read_config(layout)))
+def build_report(layout: RunLayout) -> str:
+    """The report's HTML for one run."""
+    with Catalog(layout.root, [layout.run_id]) as catalog:
+        return render(collect(catalog, layout.run_id, read_config(layout)))
 
 
-def write_report(root: str, run_id: str) -> str:
+def write_report(layout: RunLayout) -> str:
     """Write `runs/<run_id>/report.html` (atomically; local or S3) and return its path."""
-    layout = RunLayout.create(root, run_id)
-    path = report_path(layout.root, run_id)
-    atomic_write_bytes(layout.fs, path, build_report(layout.root, run_id).encode())
+    path = report_path(layout)
+    atomic_write_bytes(layout.fs, path, build_report(layout).encode())
     return path

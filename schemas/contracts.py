@@ -41,8 +41,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from schemas.config import RunConfig, ScoreConfig
+from schemas.settings import cache_dir
 from schemas.tables import TABLES
-from storage.fs import local_cache_dir
 
 FINITE_BOUND = 1e300  # |x| <= this  <=>  x is finite, for float64 (GX sees NaN as +inf: see to_frame)
 SAMPLE_ROWS = 5
@@ -525,7 +525,7 @@ def _page_view() -> Any:
         from jinja2 import FileSystemBytecodeCache
 
         view = DefaultJinjaPageView()
-        cache = local_cache_dir() / "jinja2"
+        cache = cache_dir() / "jinja2"
         try:
             cache.mkdir(parents=True, exist_ok=True)
             view.env.bytecode_cache = FileSystemBytecodeCache(str(cache))

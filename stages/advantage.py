@@ -30,7 +30,7 @@ import pyarrow as pa
 
 from schemas.config import AdvantageConfig
 from schemas.tables import ROLLOUT_KEY
-from stages.common import StageContext, StageInputError, exit_with
+from stages.harness import StageContext, StageInputError, exit_with
 from stages.rl.advantages import compute_advantages, group_index
 from stages.rl.filters import (
     DROP_OVER_TARGET,

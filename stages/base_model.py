@@ -7,8 +7,8 @@ the content hash differs, so a run can never silently continue from a different 
 
 from __future__ import annotations
 
-from stages.common import StageContext, exit_with
-from stages.models import resolve_model
+from stages.generation.models import resolve_model
+from stages.harness import StageContext, exit_with
 from storage.checkpoints import checkpoint_digest
 
 

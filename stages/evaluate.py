@@ -6,7 +6,7 @@ Chen et al. 2021). `evaluate_base` is the same stage on the base model, run once
 iteration -1 in `base/eval.parquet`. A sample is correct when every test passed (status "ok").
 
 The manifest's metrics hold one summary per dataset (keyed by dataset name; its intervals resample whole
-problem families where the prompts name one, see stages/eval_metrics.py) beside the engine figures the
+problem families where the prompts name one, see stages/evaluation/metrics.py) beside the engine figures the
 generate stage also records: backend, `deterministic`, `engine_start_seconds` apart from
 `generation_seconds`, tokens/s, and the overlong-prompt counts.
 """
@@ -17,12 +17,12 @@ import json
 
 import pyarrow as pa
 
-from stages.common import StageContext, StageInputError, exit_with
-from stages.eval_metrics import aggregate, clusters_of
+from stages.evaluation.metrics import aggregate, clusters_of
 from stages.generation import make_backend
 from stages.generation.base import GenerationRequest, SamplingSpec, sample_seed
-from stages.models import load_tokenizer
-from stages.sampling import encode_prompts, generate_with_progress
+from stages.generation.models import load_tokenizer
+from stages.generation.sampling import encode_prompts, generate_with_progress
+from stages.harness import StageContext, StageInputError, exit_with
 from stages.sandbox import ScoreJob
 from stages.score import score_with_progress
 

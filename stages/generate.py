@@ -24,11 +24,11 @@ from typing import Any
 
 import pyarrow as pa
 
-from stages.common import StageContext, StageInputError, exit_with, stage_label
 from stages.generation import make_backend
 from stages.generation.base import GenerationRequest, Sample, SamplingSpec, sample_seed
-from stages.models import load_tokenizer
-from stages.sampling import encode_prompts, generate_with_progress
+from stages.generation.models import load_tokenizer
+from stages.generation.sampling import encode_prompts, generate_with_progress
+from stages.harness import StageContext, StageInputError, exit_with
 
 
 def select_prompts(train_prompt_ids: list[str], run_seed: int, iteration: int, per_iteration: int) -> list[str]:
@@ -103,7 +103,7 @@ def run(ctx: StageContext) -> None:
 
     backend = make_backend(cfg.backend, model_dir, cfg)
     try:
-        label = stage_label("generate", ctx.iteration, round_idx)
+        label = ctx.instance.label
         result = generate_with_progress(backend, requests, sampling_spec(ctx), label)
     finally:
         backend.close()

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import pyarrow as pa
 
-from stages.common import StageContext, StageInputError, exit_with
-from stages.data import DataError, load_splits
+from stages.data.sources import DataError, load_splits
+from stages.harness import StageContext, StageInputError, exit_with
 
 
 def run(ctx: StageContext) -> None:

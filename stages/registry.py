@@ -31,11 +31,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import fsspec
-
 from schemas.config import RunConfig
-from storage.layout import BASE, RunLayout, manifest_path_for, round_name
-from storage.manifest import Manifest, config_hash, output_damage, output_intact, read_manifest, stage_key
+from storage.layout import BASE, RunLayout, StageInstance, manifest_path_for, round_name
+from storage.manifest import Manifest, output_damage, output_intact, read_manifest, stage_key
+from storage.run import Run
 
 
 @dataclass(frozen=True)
@@ -178,21 +177,31 @@ class MissingInput(RuntimeError):
     pass
 
 
-def round_inputs(
-    fs: fsspec.AbstractFileSystem, layout: RunLayout, config: RunConfig, spec: StageSpec, iteration: int
-) -> dict[str, Output]:
+def instance(stage: str, iteration: int = BASE, round_idx: int = 0) -> StageInstance:
+    """The instance of `stage` in `iteration` and generation round: run-level stages have BASE, whatever asked."""
+    if stage not in STAGES:
+        raise KeyError(f"unknown stage {stage!r}; stages are {', '.join(STAGES)}")
+    return StageInstance(stage, BASE if STAGES[stage].run_level else iteration, round_idx)
+
+
+def outputs_of(target: StageInstance) -> list[Output]:
+    return STAGES[target.stage].outputs(target.iteration, target.round_idx)
+
+
+def round_inputs(run: Run, stage: str, iteration: int) -> dict[str, Output]:
     """The extra-round inputs of a stage that reads every round: `<table>@round=RR` for r = 1, 2, ... while
     round r is complete, i.e. both of its per-round stages (`generate` and `score`) are done for the current
     config and policy. A round made by another policy is stale and ends the sequence, so it is never mixed
     in; a round whose score did not finish (a crash between the two) is not an input yet, so the stages
     downstream still run on the rounds before it and the flow's dynamic-sampling loop finishes that round."""
+    spec, config = STAGES[stage], run.config
     extra: dict[str, Output] = {}
     if not spec.reads_rounds or config.advantage.target_groups is None:  # rounds are dynamic sampling's only
         return extra
-    per_round = [s for s in STAGES.values() if s.per_round]
+    per_round = [s.name for s in STAGES.values() if s.per_round]
     round_idx = 1
     while round_idx < config.advantage.max_generation_rounds and all(
-        stage_state(fs, layout, config, s, iteration, round_idx).done for s in per_round
+        stage_state(run, StageInstance(name, iteration, round_idx)).done for name in per_round
     ):
         for table in spec.reads_rounds:
             extra[f"{table}@{round_name(round_idx)}"] = Output(table, iteration, round_idx)
@@ -200,48 +209,37 @@ def round_inputs(
     return extra
 
 
-def stage_inputs(
-    fs: fsspec.AbstractFileSystem, layout: RunLayout, config: RunConfig, spec: StageSpec, iteration: int,
-    round_idx: int = 0,
-) -> dict[str, Output]:
-    """Every input of one stage instance: the fixed ones, then those of the extra generation rounds."""
-    return {**spec.inputs(iteration, round_idx), **round_inputs(fs, layout, config, spec, iteration)}
+@dataclass(frozen=True)
+class ResolvedInputs:
+    """A stage instance's inputs, resolved once: where each lives, its manifest, and the stage key they give."""
+
+    sources: dict[str, Output]
+    manifests: dict[str, Manifest]
+    key: str
 
 
-def input_manifests(
-    fs: fsspec.AbstractFileSystem, layout: RunLayout, config: RunConfig, spec: StageSpec, iteration: int,
-    round_idx: int = 0,
-) -> dict[str, Manifest]:
+def resolve_inputs(run: Run, target: StageInstance) -> ResolvedInputs:
+    """Every input of one stage instance (the fixed ones, then those of the extra generation rounds) with a
+    valid, intact manifest, and the key the instance's outputs must carry; raises MissingInput."""
+    spec = STAGES[target.stage]
+    sources = {**spec.inputs(target.iteration, target.round_idx), **round_inputs(run, target.stage, target.iteration)}
+    where = f"iteration {target.iteration}" + (f", round {target.round_idx}" if target.round_idx else "")
     manifests: dict[str, Manifest] = {}
-    where = f"iteration {iteration}" + (f", round {round_idx}" if round_idx else "")
-    for name, output in stage_inputs(fs, layout, config, spec, iteration, round_idx).items():
-        manifest = read_manifest(fs, output.manifest_path(layout))
+    for name, output in sources.items():
+        manifest = read_manifest(run.fs, output.manifest_path(run.layout))
         if manifest is None:
             raise MissingInput(
-                f"stage {spec.name} ({where}) needs {name} at {output.path(layout)}, "
+                f"stage {spec.name} ({where}) needs {name} at {output.path(run.layout)}, "
                 "which has no valid manifest: run the upstream stage first"
             )
-        if (damage := output_damage(fs, manifest)) is not None:
+        if (damage := output_damage(run.fs, manifest)) is not None:
             raise MissingInput(
-                f"stage {spec.name} ({where}) needs {name} at {output.path(layout)}, which is "
+                f"stage {spec.name} ({where}) needs {name} at {output.path(run.layout)}, which is "
                 f"damaged: {damage}; rerun stage {manifest.stage} to rebuild it"
             )
         manifests[name] = manifest
-    return manifests
-
-
-def expected_key(
-    fs: fsspec.AbstractFileSystem, layout: RunLayout, config: RunConfig, spec: StageSpec, iteration: int,
-    round_idx: int = 0,
-) -> tuple[str, dict[str, str]]:
-    """The key the stage's outputs must carry, and its input hashes; raises MissingInput."""
-    manifests = input_manifests(fs, layout, config, spec, iteration, round_idx)
-    input_hashes = {name: m.sha256 for name, m in manifests.items()}
-    return stage_key(spec.name, spec.config_payload(config), input_hashes), input_hashes
-
-
-def stage_config_hash(config: RunConfig, spec: StageSpec) -> str:
-    return config_hash(spec.config_payload(config))
+    key = stage_key(spec.name, spec.config_payload(run.config), {name: m.sha256 for name, m in manifests.items()})
+    return ResolvedInputs(sources, manifests, key)
 
 
 @dataclass(frozen=True)
@@ -251,27 +249,24 @@ class StageState:
     manifests: list[Manifest]
 
 
-def stage_state(
-    fs: fsspec.AbstractFileSystem, layout: RunLayout, config: RunConfig, spec: StageSpec, iteration: int,
-    round_idx: int = 0,
-) -> StageState:
-    manifests = [read_manifest(fs, output.manifest_path(layout)) for output in spec.outputs(iteration, round_idx)]
+def stage_state(run: Run, target: StageInstance) -> StageState:
+    manifests = [read_manifest(run.fs, output.manifest_path(run.layout)) for output in outputs_of(target)]
     present = [m for m in manifests if m is not None]
     if len(present) < len(manifests):
         return StageState(False, "missing", present)
     try:
-        key, _ = expected_key(fs, layout, config, spec, iteration, round_idx)
+        key = resolve_inputs(run, target).key
     except MissingInput:
         return StageState(False, "inputs missing", present)
     if any(m.key != key for m in present):
         return StageState(False, "stale key", present)
-    if not all(output_intact(fs, m) for m in present):
+    if not all(output_intact(run.fs, m) for m in present):
         return StageState(False, "output changed", present)
     return StageState(True, "done", present)
 
 
-def is_done_now(layout: RunLayout, config: RunConfig, stage: str, iteration: int, round_idx: int = 0) -> bool:
-    """Whether `stage` is done, asked of the storage itself: its outputs are written by other processes (other
-    machines), so a listing cached earlier is never trusted."""
-    layout.fs.invalidate_cache()
-    return stage_state(layout.fs, layout, config, STAGES[stage], iteration, round_idx).done
+def is_done_now(run: Run, target: StageInstance) -> bool:
+    """Whether the instance is done, asked of the storage itself: its outputs are written by other processes
+    (other machines), so a listing cached earlier is never trusted."""
+    run.fs.invalidate_cache()
+    return stage_state(run, target).done

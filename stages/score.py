@@ -14,7 +14,7 @@ from collections import Counter
 import pyarrow as pa
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from stages.common import StageContext, StageInputError, exit_with, stage_label
+from stages.harness import StageContext, StageInputError, exit_with
 from stages.sandbox import Sandbox, ScoreJob, ScoreResult
 
 
@@ -39,7 +39,7 @@ def run(ctx: StageContext) -> None:
         jobs.append(ScoreJob(response_text=row["response_text"], reward_spec=json.loads(prompt["reward_spec"])))
 
     started = time.monotonic()
-    results = score_with_progress(ctx, jobs, stage_label("score", ctx.iteration, ctx.round_idx))
+    results = score_with_progress(ctx, jobs, ctx.instance.label)
     seconds = time.monotonic() - started
 
     key_columns = ("run_id", "iteration", "round", "prompt_id", "sample_idx")

@@ -24,10 +24,10 @@ from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
-import torch  # noqa: F401 - imported first so the harness sets torch's thread count (stages/common.py)
+import torch  # noqa: F401 - imported first so the harness sets torch's thread count (stages/harness.py)
 
 from schemas.tables import ROLLOUT_KEY
-from stages.common import StageContext, StageInputError, exit_with
+from stages.harness import StageContext, StageInputError, exit_with
 from stages.rl.checkpoint import TrainerState, copy_policy, read_state
 from stages.rl.filters import is_skip_step
 from stages.rl.session import TrainJob, peak_rss_mb, run_job

@@ -22,11 +22,7 @@ from pathlib import Path
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
-
-def local_cache_dir() -> Path:
-    """This machine's cache root (`$RLPIPE_CACHE`, default ~/.cache/rlpipe): fetched checkpoints, stage
-    scratch, compiled templates. Never part of a run: deleting it costs only time."""
-    return Path(os.environ.get("RLPIPE_CACHE", "~/.cache/rlpipe")).expanduser()
+from schemas import settings
 
 
 def is_remote(root: str) -> bool:
@@ -45,7 +41,7 @@ def _s3_filesystem(endpoint_url: str | None) -> fsspec.AbstractFileSystem:
 
 def filesystem(root: str) -> fsspec.AbstractFileSystem:
     if root.startswith("s3://"):
-        return _s3_filesystem(os.environ.get("RLPIPE_S3_ENDPOINT_URL"))
+        return _s3_filesystem(settings.S3_ENDPOINT_URL.get())
     if is_remote(root):
         return fsspec.filesystem(root.split("://", 1)[0])
     return LocalFileSystem(auto_mkdir=True)

@@ -16,31 +16,14 @@ Every output's manifest sits beside it (`<file>.manifest.json`, or `manifest.jso
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 
 import fsspec
 
+from schemas.config import check_run_id
 from storage.fs import filesystem, join, normalize_root
 
 BASE = -1  # the "iteration" of the base model: its checkpoint and its evaluation
-# A run id is one path segment: `../x` or `a/b` would put a run outside `<root>/runs/`.
-RUN_ID_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
-
-
-class InvalidRunId(ValueError):
-    pass
-
-
-def check_run_id(run_id: str) -> str:
-    if not RUN_ID_PATTERN.match(run_id):
-        raise InvalidRunId(
-            f"run_id {run_id!r} must be letters, digits, '.', '_' or '-' (no path separators), "
-            "at most 128 characters"
-        )
-    return run_id
-
-
 def iteration_name(iteration: int) -> str:
     return "base" if iteration == BASE else f"iter={iteration:04d}"
 
@@ -53,6 +36,33 @@ def instance_name(iteration: int, round_idx: int = 0) -> str:
     """`base`, `iter=0003`, or `iter=0003/round=01`: where a stage instance writes, and how logs name it."""
     name = iteration_name(iteration)
     return f"{name}/{round_name(round_idx)}" if round_idx > 0 else name
+
+
+@dataclass(frozen=True)
+class StageInstance:
+    """One run of one stage: the stage, its iteration (BASE for run-level stages) and its generation round.
+    The one value that names it everywhere: paths (`where`), logs and errors (`label`), leases and flow runs
+    (`slug`)."""
+
+    stage: str
+    iteration: int = BASE
+    round_idx: int = 0
+
+    @property
+    def where(self) -> str:
+        return instance_name(self.iteration, self.round_idx)
+
+    @property
+    def label(self) -> str:
+        """`prompts`, `generate iter=3`, `generate iter=3 round=1`."""
+        if self.iteration == BASE:
+            return self.stage
+        return f"{self.stage} iter={self.iteration}" + (f" round={self.round_idx}" if self.round_idx else "")
+
+    @property
+    def slug(self) -> str:
+        """`prompts@base`, `generate@iter=0003`, `generate@iter=0003.round=01`: a file or flow-run name."""
+        return f"{self.stage}@{self.where.replace('/', '.')}"
 
 
 @dataclass(frozen=True)

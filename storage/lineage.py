@@ -24,12 +24,13 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Literal
 
-from schemas.config import ConfigError, read_run_config
+from schemas.config import ConfigError
 from storage.catalog import CatalogEntry, list_outputs
 from storage.checkpoints import digest_of_files, verify_checkpoint
 from storage.fs import filesystem, join, normalize_root
 from storage.layout import BASE, RunLayout
 from storage.manifest import Manifest, sha256_file
+from storage.run import read_run_config
 
 # Display order of stages within an iteration (run-level first).
 STAGE_ORDER = ("prompts", "base_model", "evaluate_base", "generate", "score", "advantage", "train", "evaluate")

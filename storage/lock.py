@@ -46,8 +46,9 @@ from email.utils import parsedate_to_datetime
 from functools import lru_cache
 from typing import Any, TypeVar
 
+from schemas import settings
 from storage.fs import is_remote, join
-from storage.layout import RunLayout, instance_name
+from storage.layout import RunLayout, StageInstance
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -67,8 +68,8 @@ class LeaseLost(RuntimeError):
     """Our S3 lease was taken over while we held it (we stopped renewing for longer than its ttl)."""
 
 
-def stage_lock_path(layout: RunLayout, stage: str, iteration: int, round_idx: int = 0) -> str:
-    return join(layout.run_dir, "locks", f"{stage}@{instance_name(iteration, round_idx).replace('/', '.')}.lock")
+def stage_lock_path(layout: RunLayout, target: StageInstance) -> str:
+    return join(layout.run_dir, "locks", f"{target.slug}.lock")
 
 
 def _holder(ttl_s: float | None = None) -> dict[str, Any]:
@@ -229,7 +230,7 @@ class S3Lease:
 
     def __post_init__(self) -> None:
         self.me = self.me or _holder(self.ttl_s)
-        self.client = _s3_client(os.environ.get("RLPIPE_S3_ENDPOINT_URL"))
+        self.client = _s3_client(settings.S3_ENDPOINT_URL.get())
         self.bucket, self.key = _bucket_key(self.url)
 
     def _body(self) -> bytes:
@@ -414,16 +415,14 @@ def run_lock(layout: RunLayout, ttl_s: float = DEFAULT_TTL_S, wait_s: float = 0.
 
 @contextmanager
 def stage_lock(
-    layout: RunLayout, stage: str, iteration: int, ttl_s: float = DEFAULT_TTL_S, wait_s: float = 0.0,
-    round_idx: int = 0,
+    layout: RunLayout, target: StageInstance, ttl_s: float = DEFAULT_TTL_S, wait_s: float = 0.0
 ) -> Iterator[None]:
     """One process per (stage, iteration, round) of a run; raises StageLocked naming the holder after `wait_s`."""
-    where = instance_name(iteration, round_idx)
 
     def refuse(holder: str) -> RunLocked:
-        return StageLocked(f"stage {stage} ({where}) of run {layout.run_id} is run by {holder}")
+        return StageLocked(f"stage {target.stage} ({target.where}) of run {layout.run_id} is run by {holder}")
 
-    path = stage_lock_path(layout, stage, iteration, round_idx)
+    path = stage_lock_path(layout, target)
     with lease(layout.root, path, ttl_s=ttl_s, wait_s=wait_s, refuse=refuse):
         yield
 

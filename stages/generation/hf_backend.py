@@ -119,7 +119,7 @@ class HFBackend:
     deterministic = True
 
     def __init__(self, model_dir: Path, dtype: str = "float32", batch_size: int = 16) -> None:
-        from stages.models import load_model, load_tokenizer
+        from stages.generation.models import load_model, load_tokenizer
 
         started = time.monotonic()
         torch.set_num_threads(TORCH_THREADS)

@@ -113,7 +113,7 @@ def logprob_mismatch(
 ) -> dict[str, Any]:
     """Load `model_dir` with Hugging Face, recompute the samples' logprobs, and compare (see `summarize`);
     with a top-k / top-p filter, also against the trainer's temperature-only logprobs (`as_trained`)."""
-    from stages.models import load_model, load_tokenizer
+    from stages.generation.models import load_model, load_tokenizer
 
     torch.set_num_threads(TORCH_THREADS)
     model = load_model(model_dir, dtype)

@@ -11,9 +11,11 @@ from pathlib import Path
 import pytest
 
 from flows.artifacts import _flatten, artifact_key, iteration_metrics, report_link
-from flows.cli import start_run
 from schemas.config import load_config
 from stages.registry import ITERATION_STAGES
+from storage.layout import RunLayout
+from storage.run import Run
+from tests.support.stages import start_run
 
 
 def test_artifact_keys_fit_prefects_rules() -> None:
@@ -28,32 +30,32 @@ def test_only_numbers_are_flattened_and_bookkeeping_is_left_out() -> None:
 def test_metrics_of_an_iteration_that_has_not_run_say_so(tmp_path: Path) -> None:
     config = load_config(None, ["run_id=r"])
     layout = start_run(config, str(tmp_path))
-    rows = iteration_metrics(layout, config, 0)
+    rows = iteration_metrics(Run(layout, config), 0)
     assert rows == [{"stage": stage, "metric": "status", "value": "missing"} for stage in ITERATION_STAGES]
 
 
 def test_report_link_is_skipped_with_a_reason_when_the_builder_is_absent(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "reports.html", None)  # the builder not installed (yet)
-    link, why = report_link("/data", "r")
+    link, why = report_link(Run(RunLayout.create("/data", "r"), load_config(None, ["run_id=r"])))
     assert link is None and why.startswith("report skipped: reports.html.write_report is not available")
 
 
 def test_report_link_is_skipped_when_the_builder_fails(monkeypatch: pytest.MonkeyPatch) -> None:
     broken = types.ModuleType("reports.html")
 
-    def write_report(root: str, run_id: str) -> str:
+    def write_report(layout: RunLayout) -> str:
         raise OSError("disk full")
 
     broken.write_report = write_report
     monkeypatch.setitem(sys.modules, "reports.html", broken)
-    assert report_link("/data", "r") == (None, "report skipped: write_report failed: OSError: disk full")
+    run = Run(RunLayout.create("/data", "r"), load_config(None, ["run_id=r"]))
+    assert report_link(run) == (None, "report skipped: write_report failed: OSError: disk full")
 
 
 def test_report_link_points_at_the_written_report(tmp_path: Path) -> None:
     pytest.importorskip("reports.html", reason="reports/html.py is not there yet")
     config = load_config(None, ["run_id=r"])
-    start_run(config, str(tmp_path))
-    link, why = report_link(str(tmp_path), "r")
+    link, why = report_link(Run.start(config, str(tmp_path)))
     if link is None:
         pytest.skip(f"the report builder cannot report an empty run: {why}")
     assert link.startswith("file://") and Path(link.removeprefix("file://")).exists()
@@ -65,7 +67,7 @@ def test_the_row_limit_cuts_details_never_a_stage_status(tmp_path: Path, monkeyp
     config = load_config(None, ["run_id=r"])
     layout = start_run(config, str(tmp_path))
     many = [("train", f"m{i}", float(i)) for i in range(500)]
-    monkeypatch.setattr(flows.artifacts, "_table_summaries", lambda layout, config, iteration: many)
-    rows = iteration_metrics(layout, config, 0)
+    monkeypatch.setattr(flows.artifacts, "_table_summaries", lambda run, iteration: many)
+    rows = iteration_metrics(Run(layout, config), 0)
     assert len(rows) == flows.artifacts.MAX_METRIC_ROWS
     assert [row["stage"] for row in rows if row["metric"] == "status"] == list(ITERATION_STAGES)

@@ -26,9 +26,9 @@ import httpx
 import pytest
 
 from flows.deploy import REPO_ROOT, deployment_pools, free_port, load_spec, stop_processes
-from schemas.config import read_run_config
-from stages.registry import ITERATION_STAGES, RUN_STAGES, STAGES, stage_state
+from stages.registry import ITERATION_STAGES, RUN_STAGES, STAGES, instance, stage_state
 from storage.layout import BASE, RunLayout
+from storage.run import Run, read_run_config
 
 pytestmark = pytest.mark.slow
 
@@ -250,14 +250,14 @@ def test_two_pools_s3_root_overlapping_triggers_then_resume(cluster: Cluster) ->
     fs.invalidate_cache()
     for k, names in ((BASE, RUN_STAGES), (0, ITERATION_STAGES)):
         for stage in names:
-            assert stage_state(fs, layout, config, STAGES[stage], k).done, (stage, k)
+            assert stage_state(Run(layout, config), instance(stage, k)).done, (stage, k)
     for table in ("rollouts", "scores", "batch", "train_metrics", "eval"):
         path = layout.table_path(table, 0)
         assert fs.exists(path) and fs.exists(path + ".manifest.json"), path
     assert fs.exists(layout.table_path("prompts", BASE) + ".manifest.json")
     checkpoint = json.loads(fs.cat_file(f"{layout.checkpoint_dir(0)}/manifest.json"))
     assert checkpoint["path"].startswith("s3://") and "model.safetensors" in checkpoint["files"]
-    assert not stage_state(fs, layout, config, STAGES["generate"], 1).done
+    assert not stage_state(Run(layout, config), instance("generate", 1)).done
 
     # The iteration published its metrics to the Prefect UI.
     artifacts = api_post(api, "/artifacts/filter", {"artifacts": {"key": {"any_": [f"rlpipe-{RUN_ID}-metrics"]}}})
@@ -282,4 +282,4 @@ def test_two_pools_s3_root_overlapping_triggers_then_resume(cluster: Cluster) ->
     assert not describe_failures(api, later), describe_failures(api, later)
     fs.invalidate_cache()
     for stage in ITERATION_STAGES:
-        assert stage_state(fs, layout, config, STAGES[stage], 1).done, stage
+        assert stage_state(Run(layout, config), instance(stage, 1)).done, stage

@@ -53,8 +53,8 @@ def test_status_of_unknown_run_is_a_clear_error(tmp_path: Path) -> None:
 
 
 def test_existing_run_with_other_config_is_not_silently_changed(tmp_path: Path) -> None:
-    from flows.cli import start_run
     from schemas.config import load_config
+    from tests.support.stages import start_run
 
     start_run(load_config(None, ["run_id=r"]), str(tmp_path))
     result = rlpipe(tmp_path, "run", "--run-id", "r", "--set", "train.lr=0.5")
@@ -64,8 +64,9 @@ def test_existing_run_with_other_config_is_not_silently_changed(tmp_path: Path) 
 def test_stage_command_uses_the_default_root_like_run_and_status(tmp_path: Path) -> None:
     """`rlpipe stage` with neither --root nor $RLPIPE_ROOT finds the run where `rlpipe run` put it
     (./rlpipe-data), as the README's example does after `make run`."""
-    from flows.cli import DEFAULT_ROOT, start_run
     from schemas.config import load_config
+    from schemas.settings import DEFAULT_ROOT
+    from tests.support.stages import start_run
 
     start_run(load_config(None, ["run_id=here"]), str(tmp_path / DEFAULT_ROOT))
     env = {k: v for k, v in os.environ.items() if k != "RLPIPE_ROOT"}

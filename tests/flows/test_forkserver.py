@@ -1,4 +1,4 @@
-"""The stage fork server (stages/forkserver.py): a forked stage behaves like `subprocess.run([python, "-m", ...])`
+"""The stage fork server (flows/runner/forkserver.py): a forked stage behaves like `subprocess.run([python, "-m", ...])`
 (exit status, signals, the caller's descriptors, directory, environment and command line), starts with the
 heavy libraries imported, keeps rlpipe's preloaded code only while it is what a fresh import would give, runs
 its own finalizers but not the server's, and the server ends when its caller does."""
@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from stages import forkserver
+from flows.runner import forkserver
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the fork server is Linux-only")
 
@@ -39,7 +39,7 @@ PROBE = textwrap.dedent("""
         "probe": os.environ.get("PROBE"),
         "preloaded": [m for m in ("torch", "great_expectations", "pyarrow") if m in sys.modules],
         "rlpipe_loaded": sorted(m for m in sys.modules if m.split(".")[0] in ("storage", "schemas", "flows")
-                                or m in ("stages.common", "stages.registry")),
+                                or m in ("stages.harness", "stages.registry")),
         "cmdline": open("/proc/self/cmdline", "rb").read().rstrip(b"\\0").decode(),
         "name": __name__,
         "inherited_finalizers_at_exit": inherited_finalizers,
@@ -116,7 +116,7 @@ def test_a_forked_stage_runs_like_python_dash_m(server: forkserver.ForkServer, p
 
 REUSE_PROBE = textwrap.dedent("""
     import json, sys
-    preloaded = "stages.common" in sys.modules
+    preloaded = "stages.harness" in sys.modules
     import storage.layout
     print(json.dumps({"preloaded": preloaded, "marker": getattr(storage.layout, "PROBE_MARKER", None)}))
 """)
@@ -212,7 +212,7 @@ def test_the_server_ends_when_its_caller_is_killed(tmp_path: Path) -> None:
     caller = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
         import os, sys, time
         sys.path.insert(0, {str(Path(__file__).resolve().parents[2])!r})
-        from stages import forkserver
+        from flows.runner import forkserver
         server = forkserver.start(dict(os.environ))
         open({str(pid_file)!r}, "w").write(str(server.process.pid))
         time.sleep(600)

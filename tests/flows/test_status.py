@@ -7,22 +7,23 @@ from pathlib import Path
 
 from rich.console import Console
 
-from flows.cli import start_run
-from flows.status import stage_states, status_table
+from flows.cli.status import stage_states, status_table
 from schemas.config import load_config
+from storage.run import Run
+from tests.support.stages import start_run
 
 
 def test_unscheduled_evaluations_read_not_scheduled(tmp_path: Path) -> None:
     config = load_config(None, ["run_id=t", "iterations=3", "evaluate.every=2"])
     layout = start_run(config, str(tmp_path))
     console = Console(width=200, record=True)
-    console.print(status_table(layout, config))
+    console.print(status_table(Run(layout, config)))
     rows = {line.split("│")[1].strip(): line for line in console.export_text().splitlines()
             if line.count("│") > 5 and line.split("│")[1].strip() in {"0", "1", "2"}}
     assert rows["0"].split("│")[-2].strip() == "not scheduled"
     assert rows["1"].split("│")[-2].strip() == "missing"
     assert rows["2"].split("│")[-2].strip() == "missing"  # the last iteration is always evaluated
-    states = stage_states(layout, config)
+    states = stage_states(Run(layout, config))
     assert ("evaluate", 0) not in states and ("evaluate", 1) in states and ("train", 0) in states
 
 
@@ -37,7 +38,7 @@ def _eval_rows(dataset: str, solved: dict[str, int], samples: int = 4) -> list[d
 
 def test_gains_pool_every_held_out_problem_when_there_are_several_datasets() -> None:
     """Per dataset, then "all held out": pass@1 gain 0.5 on 2 problems and 0 on 6 pool to 2/8 * 0.5 = 0.125."""
-    from flows.status import checkpoint_gains
+    from flows.cli.status import checkpoint_gains
 
     base = {"a": _eval_rows("a", {"a1": 0, "a2": 0}), "b": _eval_rows("b", {f"b{i}": 2 for i in range(6)})}
     after = _eval_rows("a", {"a1": 2, "a2": 2}) + _eval_rows("b", {f"b{i}": 2 for i in range(6)})

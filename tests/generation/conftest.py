@@ -18,14 +18,14 @@ PROMPTS = [
 
 @pytest.fixture(scope="session")
 def model_dir() -> Path:
-    from stages.models import resolve_model
+    from stages.generation.models import resolve_model
 
     return resolve_model(ModelConfig())
 
 
 @pytest.fixture(scope="session")
 def tokenizer(model_dir: Path):  # noqa: ANN201 - a transformers tokenizer
-    from stages.models import load_tokenizer
+    from stages.generation.models import load_tokenizer
 
     return load_tokenizer(model_dir)
 

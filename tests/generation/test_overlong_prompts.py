@@ -1,4 +1,4 @@
-"""`stages.sampling.encode_prompts`: prompts longer than `max_prompt_tokens` are skipped or cut, and counted.
+"""`stages.generation.sampling.encode_prompts`: prompts longer than `max_prompt_tokens` are skipped or cut, and counted.
 
 Pure logic, so a fake tokenizer stands in for the model's: its chat template turns a prompt into token ids
 0..n-1 (n from the message), which makes "which end was kept" visible in the ids.
@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 import pytest
 
-from stages.sampling import encode_prompts
+from stages.generation.sampling import encode_prompts
 
 
 class FakeTokenizer:

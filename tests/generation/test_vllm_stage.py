@@ -28,6 +28,7 @@ import pytest
 from storage.layout import BASE, RunLayout
 from storage.manifest import Manifest, read_manifest
 from tests.reliability import helpers as h
+from tests.support.stages import run_stage_at
 
 pytestmark = [
     pytest.mark.slow,
@@ -47,11 +48,10 @@ MISMATCH_MAX_BOUND = 0.05
 
 @pytest.fixture(scope="module")
 def vllm_run(tmp_path_factory: pytest.TempPathFactory) -> RunLayout:
-    from flows.cli import start_run
     from schemas.config import load_config
     from stages import base_model, prompts
-    from stages.common import run_stage
     from stages.generation.vllm_backend import vllm_available
+    from tests.support.stages import start_run
 
     if not vllm_available():
         pytest.skip("vllm does not import (see ENVIRONMENT.md: remove torchvision/torchaudio/torchcodec)")
@@ -64,8 +64,8 @@ def vllm_run(tmp_path_factory: pytest.TempPathFactory) -> RunLayout:
         f"evaluate.max_new_tokens={MAX_NEW_TOKENS}", "score.workers=1",
     )
     layout = start_run(load_config(None, overrides), str(base / "root"))
-    run_stage("prompts", layout, BASE, prompts.run)
-    run_stage("base_model", layout, BASE, base_model.run)
+    run_stage_at("prompts", layout, BASE, prompts.run)
+    run_stage_at("base_model", layout, BASE, base_model.run)
     return layout
 
 

@@ -25,12 +25,14 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from schemas.config import load_config
-from stages.common import StageContext, run_stage
-from stages.data import code_messages, code_tests_spec, prompt_id_of
-from stages.registry import ITERATION_STAGES, RUN_STAGES, STAGES, stage_state
+from stages.data.sources import code_messages, code_tests_spec, prompt_id_of
+from stages.harness import StageContext
+from stages.registry import ITERATION_STAGES, RUN_STAGES, STAGES, instance, stage_state
 from storage.checkpoints import verify_checkpoint
 from storage.layout import BASE, RunLayout
 from storage.manifest import Manifest, read_manifest, sha256_file
+from storage.run import Run
+from tests.support.stages import run_stage_at
 
 REPO = Path(__file__).resolve().parents[2]
 PYTHON = sys.executable
@@ -87,7 +89,7 @@ def run_overrides(sources: Path, *extra: str) -> list[str]:
 
 
 def start(root: str, sources: Path, *extra: str) -> RunLayout:
-    from flows.cli import start_run
+    from tests.support.stages import start_run
 
     return start_run(load_config(None, run_overrides(sources, *extra)), root)
 
@@ -200,7 +202,7 @@ def build_run(layout: RunLayout, upto: str | None = None) -> None:
         if stage == upto:
             return
         work = real_stage(stage) if stage in REAL else STANDINS[stage]
-        run_stage(stage, layout, BASE if STAGES[stage].run_level else 0, work)
+        run_stage_at(stage, layout, BASE if STAGES[stage].run_level else 0, work)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -347,13 +349,13 @@ def assert_exact_keys(layout: RunLayout, tables: Iterable[str] = ("rollouts", "s
 
 
 def assert_run_done(layout: RunLayout) -> None:
-    from schemas.config import read_run_config
+    from storage.run import read_run_config
 
     config = read_run_config(layout)
     layout.fs.invalidate_cache()
     for stage in [*RUN_STAGES, *ITERATION_STAGES]:
         iteration = BASE if STAGES[stage].run_level else 0
-        state = stage_state(layout.fs, layout, config, STAGES[stage], iteration)
+        state = stage_state(Run(layout, config), instance(stage, iteration))
         assert state.done, f"{stage}: {state.reason}"
 
 
@@ -370,9 +372,9 @@ def snapshot(directory: Path) -> dict[str, str]:
 
 
 def standin_command(layout: RunLayout, stage: str, iteration: int = 0) -> list[str]:
-    """The stand-in work of `stage` run through the real stage entry point (`stages.common.main`)."""
+    """The stand-in work of `stage` run through the real stage entry point (`stages.harness.main`)."""
     code = (
-        "import sys; from stages.common import main; from tests.reliability.helpers import STANDINS; "
+        "import sys; from stages.harness import main; from tests.reliability.helpers import STANDINS; "
         f"sys.exit(main({stage!r}, STANDINS[{stage!r}], sys.argv[1:]))"
     )
     return [PYTHON, "-c", code, "--root", layout.root, "--run", layout.run_id, "--iter", str(iteration)]
@@ -386,7 +388,7 @@ def command_for(layout: RunLayout, stage: str) -> list[str]:
 def ensure_upstream_done(layout: RunLayout, stage: str) -> None:
     """Redo, in this process, every stage before `stage` that is not done (an earlier drill may have changed
     an upstream table's bytes, e.g. score's timing column)."""
-    from schemas.config import read_run_config
+    from storage.run import read_run_config
 
     config = read_run_config(layout)
     for name in [*RUN_STAGES, *ITERATION_STAGES]:
@@ -394,19 +396,19 @@ def ensure_upstream_done(layout: RunLayout, stage: str) -> None:
             return
         iteration = BASE if STAGES[name].run_level else 0
         layout.fs.invalidate_cache()
-        if not stage_state(layout.fs, layout, config, STAGES[name], iteration).done:
-            run_stage(name, layout, iteration, real_stage(name) if name in REAL else STANDINS[name])
+        if not stage_state(Run(layout, config), instance(name, iteration)).done:
+            run_stage_at(name, layout, iteration, real_stage(name) if name in REAL else STANDINS[name])
 
 
 def ensure_done(layout: RunLayout, stage: str) -> None:
     """`stage` and everything before it done (redone in this process where an earlier drill changed them)."""
-    from schemas.config import read_run_config
+    from storage.run import read_run_config
 
     ensure_upstream_done(layout, stage)
     iteration = BASE if STAGES[stage].run_level else 0
     layout.fs.invalidate_cache()
-    if not stage_state(layout.fs, layout, read_run_config(layout), STAGES[stage], iteration).done:
-        run_stage(stage, layout, iteration, work_for(stage))
+    if not stage_state(Run(layout, read_run_config(layout)), instance(stage, iteration)).done:
+        run_stage_at(stage, layout, iteration, work_for(stage))
 
 
 def job_uid_processes(owner_pid: int) -> list[int]:
@@ -451,7 +453,7 @@ def output_contents(layout: RunLayout, stage: str) -> dict[str, object]:
 
 @dataclass
 class Forked:
-    """A stage process forked from the test process: `stages.common.main(stage, work, argv)`, exactly what
+    """A stage process forked from the test process: `stages.harness.main(stage, work, argv)`, exactly what
     `python -m stages.<name>` runs, minus the interpreter start and imports (GX alone costs seconds of CPU per
     process), so that a drill can start dozens of them. It leads a session of its own (its sandbox workers
     die with it when the group is killed) and writes its output to `log`."""
@@ -488,7 +490,7 @@ class Forked:
 
 
 def fork_stage(layout: RunLayout, stage: str, work, log: Path, **env: str) -> Forked:  # noqa: ANN001
-    from stages.common import main
+    from stages.harness import main
 
     iteration = BASE if STAGES[stage].run_level else 0
     argv = ["--root", layout.root, "--run", layout.run_id, "--iter", str(iteration)]

@@ -18,12 +18,13 @@ import pyarrow.parquet as pq
 import pytest
 
 from schemas.tables import ROLLOUT_KEY, TABLES
-from stages.common import StageContext, run_stage
+from stages.harness import StageContext
 from stages.registry import Output
 from storage.fs import atomic_write_bytes
 from storage.layout import RunLayout
 from storage.manifest import Manifest, config_hash
 from storage.tables import SCHEMA_METADATA_KEY
+from tests.support.stages import run_stage_at
 
 from . import helpers as h
 
@@ -156,7 +157,7 @@ def test_a_stage_that_finds_bad_input_keeps_its_previous_output_valid(run: RunLa
     """Proves: when a finished stage is run again by hand (`rlpipe stage prompts`) and finds its source broken in
     the meantime, it exits 2 naming the file and line, and its previous table stays valid: the run still
     reads its prompts from the run's own table (the reason that table exists) and a resume redoes nothing."""
-    from schemas.config import read_run_config
+    from storage.run import read_run_config
 
     source = Path(read_run_config(run).data.train)
     good = source.read_text()
@@ -182,7 +183,7 @@ def test_table_with_an_old_schema_version_is_refused(run: RunLayout) -> None:
     def old_generate(ctx: StageContext) -> None:
         write_raw(ctx, "rollouts", rollouts_table(ctx), "rollouts/v0")  # same columns, older tag
 
-    run_stage("generate", run, 0, old_generate)
+    run_stage_at("generate", run, 0, old_generate)
     before = h.snapshot(Path(run.run_dir))
     refused(h.run(h.stage_command(run, "score"), run.root), run.table_path("rollouts", 0), "rollouts/v0",
             "rollouts/v1")
@@ -198,7 +199,7 @@ def test_table_with_a_wrong_schema_is_refused(run: RunLayout) -> None:
         def bad_generate(ctx: StageContext, broken=broken) -> None:  # noqa: ANN001
             write_raw(ctx, "rollouts", broken(rollouts_table(ctx)), "rollouts/v1", cast=False)
 
-        run_stage("generate", run, 0, bad_generate)
+        run_stage_at("generate", run, 0, bad_generate)
         before = h.snapshot(Path(run.run_dir))
         refused(h.run(h.stage_command(run, "score"), run.root), run.table_path("rollouts", 0), column)
         unchanged(run, before, stale_manifest="iter=0000/scores.parquet.manifest.json")
@@ -218,7 +219,7 @@ def test_non_finite_reward_is_refused(run: RunLayout, reward: float) -> None:
         # Past the contract check (which would refuse it at write time): a table from elsewhere.
         write_raw(ctx, "scores", pa.Table.from_pylist(rows, schema=TABLES["scores"].schema), "scores/v1")
 
-    run_stage("score", run, 0, bad_score)
+    run_stage_at("score", run, 0, bad_score)
     before = h.snapshot(Path(run.run_dir))
     refused(h.run(h.stage_command(run, "advantage"), run.root), run.table_path("scores", 0), "reward",
             victim["prompt_id"], "'sample_idx': 2")
@@ -241,8 +242,8 @@ def test_group_smaller_than_n_samples_is_refused(run: RunLayout) -> None:
         write_raw(ctx, "scores", pa.Table.from_pylist(rows, schema=TABLES["scores"].schema), "scores/v1")
 
     # Past the contract checks (which refuse short groups at write time): tables from elsewhere.
-    run_stage("generate", run, 0, short_generate)
-    run_stage("score", run, 0, short_score)
+    run_stage_at("generate", run, 0, short_generate)
+    run_stage_at("score", run, 0, short_score)
     before = h.snapshot(Path(run.run_dir))
     result = h.run(h.stage_command(run, "advantage"), run.root)
     assert run.table_path("rollouts", 0) in result.stderr.replace("\n", "") or \

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from stages.registry import instance
 from storage.layout import RunLayout
 from storage.lock import stage_lock
 
@@ -30,7 +31,7 @@ def test_rlpipe_stage_beside_a_running_stage_waits_or_names_the_holder(run: RunL
     with a message naming the holder, or waits until the lease is free. Score's outputs are untouched while
     the lease is held."""
     before = h.snapshot(Path(run.run_dir))
-    with stage_lock(run, "score", 0):
+    with stage_lock(run, instance("score", 0)):
         started = time.monotonic()
         process = h.spawn(h.rlpipe_command("stage", "score", "--run", run.run_id, "--iter", "0"), run.root,
                           tmp_path / "stage.log")

@@ -1,7 +1,7 @@
 """Crash drills: SIGKILL of a stage process, and of the flow process, at random points; then resume.
 
 Real processes on a real run directory. `prompts`, `score` and `advantage` run their real code; the model
-stages run stand-in work through the real stage entry point (`stages.common.main`), pausing between their
+stages run stand-in work through the real stage entry point (`stages.harness.main`), pausing between their
 steps so that a kill can land between two writes (tests/reliability/helpers.py). Stage processes are forked
 from the test process (helpers.fork_stage) so that dozens of them cost seconds, not minutes; the flow drills
 run the real `rlpipe` command, whose stages are `python -m stages.<name>` processes. The model stages' own
@@ -20,11 +20,11 @@ from pathlib import Path
 
 import pytest
 
-from schemas.config import read_run_config
-from stages.common import run_stage
-from stages.registry import ITERATION_STAGES, RUN_STAGES, STAGES, MissingInput, expected_key, stage_state
+from stages.registry import ITERATION_STAGES, RUN_STAGES, STAGES, MissingInput, instance, resolve_inputs, stage_state
 from storage.layout import BASE, RunLayout
 from storage.lock import StageLocked, stage_lock
+from storage.run import Run, read_run_config
+from tests.support.stages import run_stage_at
 
 from . import helpers as h
 
@@ -57,7 +57,7 @@ def assert_sound_after_kill(layout: RunLayout, stage: str, killed_pid: int | Non
     for consumer in consumers(stage):
         if set(unfinished) & set(STAGES[consumer].inputs(0).values()):
             with pytest.raises(MissingInput):
-                expected_key(layout.fs, layout, config, STAGES[consumer], BASE if STAGES[consumer].run_level else 0)
+                resolve_inputs(Run(layout, config), instance(consumer, 0))
     if killed_pid is not None:
         h.wait_for(lambda: not h.job_uid_processes(killed_pid), 10, what="the killed stage's sandbox jobs to end")
 
@@ -68,7 +68,7 @@ def assert_complete(layout: RunLayout, stage: str, reference: dict, old_temporar
     layout.fs.invalidate_cache()
     config = read_run_config(layout)
     iteration = BASE if STAGES[stage].run_level else 0
-    assert stage_state(layout.fs, layout, config, STAGES[stage], iteration).done
+    assert stage_state(Run(layout, config), instance(stage, iteration)).done
     assert h.output_contents(layout, stage) == reference
     h.assert_manifests_vouch_for_their_outputs(layout.fs, h.manifests_of(layout).values())
     present = [t for t in ("rollouts", "scores", "batch") if Path(layout.table_path(t, 0)).exists()]
@@ -139,7 +139,7 @@ def stage_processes(layout: RunLayout) -> list[int]:
 def flow_run(pristine_run: RunLayout, tmp_path_factory: pytest.TempPathFactory) -> RunLayout:
     layout = h.clone_run(pristine_run, tmp_path_factory.mktemp("flow") / "root")
     # Slow answers (1 s each, 8 on 2 workers) keep the score stage busy for seconds: room for the kills.
-    run_stage("generate", layout, 0, functools.partial(h.standin_generate, sleep_s=1.0))
+    run_stage_at("generate", layout, 0, functools.partial(h.standin_generate, sleep_s=1.0))
     h.ensure_upstream_done(layout, "the end")
     FLOW_BEFORE.update(h.manifests_of(layout))
     return layout
@@ -194,7 +194,7 @@ def test_sigkill_of_the_flow_process_alone_leaves_no_stage_running_unguarded(
         time.sleep(1.0)
         orphans = h.processes_matching("stages.score", layout.root)
         if orphans:  # the stage outlived its driver: it must still hold its lease
-            with pytest.raises(StageLocked), stage_lock(layout, "score", 0, wait_s=0):
+            with pytest.raises(StageLocked), stage_lock(layout, instance("score", 0), wait_s=0):
                 pass
     finally:
         h.kill_group(process)

@@ -3,7 +3,7 @@
 The model stages are stand-ins (tests/reliability/helpers.py) so that which groups have variance is chosen
 by the test: a prompt of an even-numbered problem gets a mixed group (kept), an odd one a group of wrong
 answers only (zero variance, dropped). The loop under test is the one the iteration flow runs
-(`flows.execute.dynamic_sampling_rounds`), given an in-process stage runner instead of Prefect's task.
+(`flows.runner.process.dynamic_sampling_rounds`), given an in-process stage runner instead of Prefect's task.
 """
 
 from __future__ import annotations
@@ -15,18 +15,19 @@ import pyarrow as pa
 import pytest
 
 from flows.artifacts import iteration_metrics
-from flows.cli import start_run
-from flows.execute import StageOutcome, dynamic_sampling_rounds
-from flows.status import extra_rounds
-from schemas.config import load_config, read_run_config
-from stages.common import StageContext, StageInputError, run_stage
-from stages.data import code_messages, code_tests_spec, prompt_id_of
+from flows.cli.status import extra_rounds
+from flows.runner.process import StageOutcome, dynamic_sampling_rounds
+from schemas.config import load_config
+from stages.data.sources import code_messages, code_tests_spec, prompt_id_of
 from stages.generate import select_round_prompts
-from stages.registry import STAGES, round_inputs, stage_state
+from stages.harness import StageContext, StageInputError
+from stages.registry import instance, round_inputs, stage_state
 from storage.catalog import open_catalog
-from storage.layout import BASE, RunLayout
+from storage.layout import BASE, RunLayout, StageInstance
 from storage.lineage import trace
 from storage.manifest import read_manifest
+from storage.run import Run, read_run_config
+from tests.support.stages import run_stage_at, start_run
 
 from . import helpers as h
 
@@ -85,22 +86,21 @@ def start(tmp_path: Path, *extra: str) -> RunLayout:
     ]
     layout = start_run(load_config(None, overrides), str(tmp_path / "root"))
     for stage in ("prompts", "base_model", "evaluate_base"):
-        run_stage(stage, layout, BASE, WORK[stage])
+        run_stage_at(stage, layout, BASE, WORK[stage])
     for stage in ("generate", "score", "advantage"):
-        run_stage(stage, layout, 0, WORK[stage])
+        run_stage_at(stage, layout, 0, WORK[stage])
     return layout
 
 
 def in_process(layout: RunLayout, ran: list[tuple[str, int]]):  # noqa: ANN201 - the runner the loop calls
-    def run(stage: str, round_idx: int) -> StageOutcome:
-        config = read_run_config(layout)
-        if stage_state(layout.fs, layout, config, STAGES[stage], 0, round_idx).done:
-            return StageOutcome(stage, 0, ran=False, seconds=0.0, round_idx=round_idx)
-        run_stage(stage, layout, 0, WORK[stage], round_idx)
-        ran.append((stage, round_idx))
-        return StageOutcome(stage, 0, ran=True, seconds=0.0, round_idx=round_idx)
+    def execute(target: StageInstance) -> StageOutcome:
+        if stage_state(Run(layout, read_run_config(layout)), target).done:
+            return StageOutcome(target, ran=False, seconds=0.0)
+        run_stage_at(target.stage, layout, target.iteration, WORK[target.stage], target.round_idx)
+        ran.append((target.stage, target.round_idx))
+        return StageOutcome(target, ran=True, seconds=0.0)
 
-    return run
+    return execute
 
 
 def batch_manifest(layout: RunLayout):  # noqa: ANN201 - a Manifest
@@ -133,7 +133,7 @@ def test_extra_rounds_fill_the_batch_and_nothing_is_lost(tmp_path: Path) -> None
 
     ran: list[tuple[str, int]] = []
     config = read_run_config(layout)
-    dynamic_sampling_rounds(layout, config, 0, run=in_process(layout, ran), log=lambda *a: None)
+    dynamic_sampling_rounds(Run(layout, config), 0, execute=in_process(layout, ran), log=lambda *a: None)
 
     # One generate and one score per extra round, and the batch rebuilt after each.
     assert ran == [step for r in range(1, n_rounds) for step in (("generate", r), ("score", r), ("advantage", 0))]
@@ -169,16 +169,16 @@ def test_extra_rounds_fill_the_batch_and_nothing_is_lost(tmp_path: Path) -> None
     assert extra_rounds(layout, config, 0) == list(range(1, n_rounds))
     rewards = [r["reward"] for k in range(n_rounds)
                for r in pa.parquet.read_table(layout.table_path("scores", 0, k)).to_pylist()]
-    metrics = {(m["stage"], m["metric"]): m["value"] for m in iteration_metrics(layout, config, 0)}
+    metrics = {(m["stage"], m["metric"]): m["value"] for m in iteration_metrics(Run(layout, config), 0)}
     assert metrics[("score", "reward.mean")] == pytest.approx(sum(rewards) / len(rewards), abs=1e-6)
 
     # Train reads every round's rollouts; a resumed loop has nothing to do.
-    run_stage("train", layout, 0, WORK["train"])
+    run_stage_at("train", layout, 0, WORK["train"])
     ran.clear()
-    assert dynamic_sampling_rounds(layout, config, 0, run=in_process(layout, ran), log=lambda *a: None) == []
+    assert dynamic_sampling_rounds(Run(layout, config), 0, execute=in_process(layout, ran), log=lambda *a: None) == []
     assert ran == []
     for stage in ("advantage", "train"):
-        assert stage_state(layout.fs, layout, config, STAGES[stage], 0).done, stage
+        assert stage_state(Run(layout, config), instance(stage, 0)).done, stage
 
     # Lineage names every round's tables apart, and the catalog's manifests carry their round.
     labels = [node.label for node in trace(str(tmp_path / "root"), "ds", 0).nodes]
@@ -193,13 +193,13 @@ def test_the_round_cap_fails_naming_it_and_train_refuses_a_short_batch(tmp_path:
     written stays valid, the extra round's tables are kept, and train refuses a batch that is still short."""
     layout = start(tmp_path, "advantage.max_generation_rounds=2", f"advantage.target_groups={N_PROBLEMS}")
     with pytest.raises(StageInputError, match=r"still needs \d+ kept groups"):
-        run_stage("train", layout, 0, h.real_stage("train"))
+        run_stage_at("train", layout, 0, h.real_stage("train"))
     before = batch_manifest(layout)
 
     ran: list[tuple[str, int]] = []
     config = read_run_config(layout)
     with pytest.raises(StageInputError, match=r"advantage.max_generation_rounds=2"):
-        dynamic_sampling_rounds(layout, config, 0, run=in_process(layout, ran), log=lambda *a: None)
+        dynamic_sampling_rounds(Run(layout, config), 0, execute=in_process(layout, ran), log=lambda *a: None)
     assert ran == [("generate", 1), ("score", 1)]  # the advantage over both rounds refused: the cap
     # The refused rebuild left the previous batch as it was; round 1's tables are kept for a larger cap.
     assert batch_manifest(layout).sha256 == before.sha256
@@ -210,9 +210,9 @@ def test_a_round_outside_dynamic_sampling_is_refused(tmp_path: Path) -> None:
     """Proves: a round number beyond the cap, or a round of a stage that has none, is a config error."""
     layout = start(tmp_path)
     with pytest.raises(Exception, match=r"numbered 1\.\.3"):
-        run_stage("generate", layout, 0, standin_generate, round_idx=4)
+        run_stage_at("generate", layout, 0, standin_generate, round_idx=4)
     with pytest.raises(Exception, match="no generation rounds"):
-        run_stage("advantage", layout, 0, WORK["advantage"], round_idx=1)
+        run_stage_at("advantage", layout, 0, WORK["advantage"], round_idx=1)
 
 
 def test_a_round_from_another_config_is_never_mixed_in(tmp_path: Path) -> None:
@@ -220,17 +220,16 @@ def test_a_round_from_another_config_is_never_mixed_in(tmp_path: Path) -> None:
     without dynamic sampling no round is read at all."""
     layout = start(tmp_path)
     config = read_run_config(layout)
-    dynamic_sampling_rounds(layout, config, 0, run=in_process(layout, []), log=lambda *a: None)
-    advantage = STAGES["advantage"]
-    assert "rollouts@round=01" in round_inputs(layout.fs, layout, config, advantage, 0)
+    dynamic_sampling_rounds(Run(layout, config), 0, execute=in_process(layout, []), log=lambda *a: None)
+    assert "rollouts@round=01" in round_inputs(Run(layout, config), "advantage", 0)
     # Another sampling temperature: every round on disk was made by another generate config, so none counts,
     # and the advantage stage is no longer done (its round inputs changed).
     changed = config.model_copy(update={"generate": config.generate.model_copy(update={"temperature": 0.5})})
-    assert round_inputs(layout.fs, layout, changed, advantage, 0) == {}
-    assert not stage_state(layout.fs, layout, changed, advantage, 0).done
+    assert round_inputs(Run(layout, changed), "advantage", 0) == {}
+    assert not stage_state(Run(layout, changed), instance("advantage", 0)).done
     # Without dynamic sampling the rounds are not read at all.
     plain = config.model_copy(update={"advantage": config.advantage.model_copy(update={"target_groups": None})})
-    assert round_inputs(layout.fs, layout, plain, advantage, 0) == {}
+    assert round_inputs(Run(layout, plain), "advantage", 0) == {}
 
 
 def test_a_round_whose_score_did_not_finish_is_finished_on_resume(tmp_path: Path) -> None:
@@ -239,22 +238,21 @@ def test_a_round_whose_score_did_not_finish_is_finished_on_resume(tmp_path: Path
     round (its rollouts are not generated again), and the batch comes out as it was before the crash."""
     layout = start(tmp_path)
     config = read_run_config(layout)
-    dynamic_sampling_rounds(layout, config, 0, run=in_process(layout, []), log=lambda *a: None)
+    dynamic_sampling_rounds(Run(layout, config), 0, execute=in_process(layout, []), log=lambda *a: None)
     complete = batch_manifest(layout)
     n_rounds = complete.metrics["rounds"]
     rollouts_r1 = read_manifest(layout.fs, layout.table_path("rollouts", 0, 1) + ".manifest.json")
     # The crash: round 1's score output never got its manifest (the table itself may or may not be there).
     layout.fs.rm(layout.table_path("scores", 0, 1) + ".manifest.json")
 
-    advantage = STAGES["advantage"]
-    assert "scores@round=01" not in round_inputs(layout.fs, layout, config, advantage, 0)
-    state = stage_state(layout.fs, layout, config, advantage, 0)
+    assert "scores@round=01" not in round_inputs(Run(layout, config), "advantage", 0)
+    state = stage_state(Run(layout, config), instance("advantage", 0))
     assert not state.done and state.reason != "inputs missing"
 
     ran: list[tuple[str, int]] = []
     run = in_process(layout, ran)
     run("advantage", 0)  # what the iteration flow runs first
-    dynamic_sampling_rounds(layout, config, 0, run=run, log=lambda *a: None)
+    dynamic_sampling_rounds(Run(layout, config), 0, execute=run, log=lambda *a: None)
     assert ran == [("advantage", 0), ("score", 1), ("advantage", 0)]
     after = batch_manifest(layout)
     assert after.metrics["rounds"] == n_rounds and after.metrics["groups_needed"] == 0

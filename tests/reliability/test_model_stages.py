@@ -19,12 +19,13 @@ from pathlib import Path
 import pyarrow as pa
 import pytest
 
-from schemas.config import read_run_config
-from stages.common import StageContext, run_stage
-from stages.registry import STAGES, stage_state
+from stages.harness import StageContext
+from stages.registry import STAGES, instance, stage_state
 from storage.checkpoints import verify_checkpoint
 from storage.layout import BASE, RunLayout
 from storage.manifest import read_manifest
+from storage.run import Run, read_run_config
+from tests.support.stages import run_stage_at
 
 from . import helpers as h
 
@@ -44,9 +45,9 @@ def parity_score(ctx: StageContext) -> None:
 
 @pytest.fixture(scope="module")
 def model_run(tmp_path_factory: pytest.TempPathFactory) -> RunLayout:
-    from flows.cli import start_run
     from schemas.config import load_config
     from stages import base_model, prompts
+    from tests.support.stages import start_run
 
     base = tmp_path_factory.mktemp("model")
     overrides = h.run_overrides(
@@ -54,8 +55,8 @@ def model_run(tmp_path_factory: pytest.TempPathFactory) -> RunLayout:
         "generate.n_samples=2", "generate.max_new_tokens=16", "train.micro_batch_tokens=1024",
     )
     layout = start_run(load_config(None, overrides), str(base / "root"))
-    run_stage("prompts", layout, BASE, prompts.run)
-    run_stage("base_model", layout, BASE, base_model.run)
+    run_stage_at("prompts", layout, BASE, prompts.run)
+    run_stage_at("base_model", layout, BASE, base_model.run)
     h.ensure_upstream_done(layout, "generate")  # evaluate_base: a stand-in (the model's evaluation is not drilled)
 
     return layout
@@ -63,7 +64,7 @@ def model_run(tmp_path_factory: pytest.TempPathFactory) -> RunLayout:
 
 def done(layout: RunLayout, stage: str) -> bool:
     layout.fs.invalidate_cache()
-    return stage_state(layout.fs, layout, read_run_config(layout), STAGES[stage], 0).done
+    return stage_state(Run(layout, read_run_config(layout)), instance(stage, 0)).done
 
 
 def started_work(log: Path) -> bool:
@@ -143,9 +144,9 @@ def test_train_killed_at_random_points_resumes_and_the_checkpoint_loads(model_ru
     old_temporaries = set(h.temporary_files(run_dir))
     h.ensure_upstream_done(layout, "score")
     if not done(layout, "score"):
-        run_stage("score", layout, 0, parity_score)
+        run_stage_at("score", layout, 0, parity_score)
     if not done(layout, "advantage"):
-        run_stage("advantage", layout, 0, h.real_stage("advantage"))
+        run_stage_at("advantage", layout, 0, h.real_stage("advantage"))
     reference, found = kill_and_resume(layout, "train", tmp_path)
     assert reference["train_metrics"].metrics["skipped"] is False
 

@@ -18,9 +18,9 @@ from urllib.parse import unquote
 
 import pytest
 
-from schemas.config import read_run_config
-from stages.registry import STAGES, stage_state
+from stages.registry import instance, stage_state
 from storage.layout import RunLayout
+from storage.run import Run, read_run_config
 
 from . import helpers as h
 from .conftest import BUCKET, Moto, remount, tmpfs
@@ -122,7 +122,7 @@ def test_disk_full_during_a_checkpoint_write_then_free_space_and_resume(
             + resumed.stderr[-1500:]
         )
         config = read_run_config(layout)
-        assert stage_state(layout.fs, layout, config, STAGES["train"], 0).done
+        assert stage_state(Run(layout, config), instance("train", 0)).done
         assert h.temporary_files(run_dir) == []
         assert_one_clear_line(output, "No space left on device")
 
@@ -236,7 +236,7 @@ def test_s3_server_killed_mid_write_and_restarted(
         assert again.returncode == 0, output[-1500:] + again.stderr[-1500:]
     config = read_run_config(layout)
     layout.fs.invalidate_cache()
-    assert stage_state(layout.fs, layout, config, STAGES["train"], 0).done
+    assert stage_state(Run(layout, config), instance("train", 0)).done
     assert h.output_contents(layout, "train") == reference
     h.assert_manifests_vouch_for_their_outputs(layout.fs, s3_manifests(layout))
 

@@ -7,6 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.support.stages import run_stage_at
+
 
 def make_tiny_model(vocab_size: int = 16, seed: int = 0):  # noqa: ANN201 - a transformers model
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -39,11 +41,10 @@ def tiny_model():  # noqa: ANN201
 @pytest.fixture
 def run_layout(tmp_path: Path):  # noqa: ANN201
     """make(*overrides) -> a started run with prompts and the tiny base model; and the model dir."""
-    from flows.cli import start_run
     from schemas.config import load_config
     from stages import base_model
-    from stages.common import run_stage
     from storage.layout import BASE
+    from tests.support.stages import start_run
 
     from .pipeline_helpers import save_tiny_model, write_prompts
 
@@ -59,8 +60,8 @@ def run_layout(tmp_path: Path):  # noqa: ANN201
 
     def make(*extra: str):  # noqa: ANN202 - a RunLayout
         layout = start_run(load_config(None, [*overrides, *extra]), str(tmp_path / "root"))
-        run_stage("prompts", layout, BASE, write_prompts)
-        run_stage("base_model", layout, BASE, base_model.run)
+        run_stage_at("prompts", layout, BASE, write_prompts)
+        run_stage_at("base_model", layout, BASE, base_model.run)
         return layout
 
     return make, model_dir

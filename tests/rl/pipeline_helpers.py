@@ -11,9 +11,10 @@ import pyarrow as pa
 
 from schemas.config import TrainConfig
 from stages import advantage, train
-from stages.common import StageContext, run_stage
+from stages.harness import StageContext
 from stages.rl.trainer import PolicyTrainer, TorchStepper, TrainSample, make_adamw
 from storage.layout import RunLayout
+from tests.support.stages import run_stage_at
 
 from .conftest import make_tiny_model
 
@@ -107,7 +108,7 @@ def fake_score(equal: bool):  # noqa: ANN201
 
 
 def run_iteration(layout: RunLayout, k: int, equal_rewards: bool = False) -> list:
-    run_stage("generate", layout, k, fake_generate)
-    run_stage("score", layout, k, fake_score(equal_rewards))
-    [batch_manifest] = run_stage("advantage", layout, k, advantage.run)
-    return [batch_manifest, *run_stage("train", layout, k, train.run)]
+    run_stage_at("generate", layout, k, fake_generate)
+    run_stage_at("score", layout, k, fake_score(equal_rewards))
+    [batch_manifest] = run_stage_at("advantage", layout, k, advantage.run)
+    return [batch_manifest, *run_stage_at("train", layout, k, train.run)]

@@ -8,7 +8,7 @@ import pytest
 
 from schemas.config import AdvantageConfig
 from stages.advantage import build_batch, join_scores
-from stages.common import StageInputError
+from stages.harness import StageInputError
 
 
 def sample(

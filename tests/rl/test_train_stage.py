@@ -81,7 +81,7 @@ def test_kl_lora_and_off_policy_options(run_layout):
 
 @pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
 def test_non_finite_advantage_names_the_row(bad):
-    from stages.common import StageInputError
+    from stages.harness import StageInputError
     from stages.train import training_samples
 
     def row(sample_idx: int, advantage: float) -> dict:

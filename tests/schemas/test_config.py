@@ -4,8 +4,9 @@ from pathlib import Path
 
 import pytest
 
-from schemas.config import ConfigError, RunConfig, dump_config, load_config, read_run_config
+from schemas.config import ConfigError, RunConfig, dump_config, load_config
 from storage.layout import RunLayout
+from storage.run import read_run_config
 
 
 def test_defaults_validate_and_every_section_has_defaults() -> None:
@@ -96,7 +97,7 @@ def test_bypass_with_correction_is_refused_on_assignment_too() -> None:
 @pytest.mark.parametrize("path", sorted((Path(__file__).parents[2] / "deployments" / "configs").glob("*.yaml")),
                          ids=lambda p: p.name)
 def test_shipped_configs_load_and_their_data_sources_resolve(path: Path) -> None:
-    from stages.data import validate_sources
+    from stages.data.sources import validate_sources
 
     config = load_config(str(path))
     validate_sources(config.data)

@@ -1,7 +1,7 @@
 """Data contracts on the stage path: a real stage whose output breaks its contract fails, and nothing is lost.
 
 tests/schemas/test_contracts.py checks the suites (which expectation fails on which rows); these drills check
-what the stage harness (stages/common.py: `main` -> `run_stage` -> `StageContext.write_table`) does with a
+what the stage harness (stages/harness.py: `main` -> `run_stage` -> `StageContext.write_table`) does with a
 violation, end to end, on a real one-iteration run (the reliability drills' run: tests/reliability/helpers.py):
 
 - the stage process's exit code is 1 (its own output is wrong: not 2, "bad input or config"), and the message
@@ -18,7 +18,7 @@ violation, end to end, on a real one-iteration run (the reliability drills' run:
 Choices: the bad outputs come from the real harness with real stage code where a real stage runs without a
 model (score and advantage run the real stage, their table corrupted on its way into `ctx.write_table`) and
 from the drills' generate stand-in otherwise (a model-free generate that writes a positive logprob), so a
-drill costs a GX validation or two, no model. The stage runs through `stages.common.main`, which is what
+drill costs a GX validation or two, no model. The stage runs through `stages.harness.main`, which is what
 `python -m stages.<name>` runs, in this process (a subprocess would pay seconds of imports, GX's above all,
 per run). One case reruns because its config changed (`--if-needed`, as a resume does), the others by hand
 (`rlpipe stage X` on a finished stage), the two ways a finished stage runs again.
@@ -41,13 +41,13 @@ import pytest
 import yaml
 from rich.console import Console
 
-import stages.common as common
-from schemas.config import read_run_config
+import stages.harness as common
 from schemas.contracts import rejected_path, validation_path
-from stages.common import StageContext
-from stages.registry import STAGES, stage_state
+from stages.harness import StageContext
+from stages.registry import instance, stage_state
 from storage.layout import RunLayout
 from storage.manifest import Manifest, read_manifest, sha256_file
+from storage.run import Run, read_run_config
 from tests.reliability import helpers as h
 
 Work = Callable[[StageContext], None]
@@ -214,9 +214,9 @@ def test_output_that_breaks_its_contract_fails_the_stage_and_is_kept_beside(
     assert h.temporary_files(Path(run.run_dir)) == []
     config = read_run_config(run)
     run.fs.invalidate_cache()
-    assert stage_state(run.fs, run, config, STAGES[case.stage], 0).reason == "missing"
+    assert stage_state(Run(run, config), instance(case.stage, 0)).reason == "missing"
     downstream = {"generate": "score", "score": "advantage", "advantage": "train"}[case.stage]
-    assert not stage_state(run.fs, run, config, STAGES[downstream], 0).done
+    assert not stage_state(Run(run, config), instance(downstream, 0)).done
 
     # The validation result is stored with the run: JSON (the failure and its sample rows) and GX's HTML.
     record = json.loads(Path(validation_path(output)).read_text())

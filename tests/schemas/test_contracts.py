@@ -11,7 +11,6 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pytest
 
-from reports.synthetic import SyntheticRun, SyntheticSpec
 from schemas.config import RunConfig, ScoreConfig
 from schemas.contracts import (
     ContractViolation,
@@ -22,6 +21,7 @@ from schemas.contracts import (
     validate_table,
 )
 from schemas.tables import TABLES
+from tests.support.synthetic_runs import SyntheticRun, SyntheticSpec
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""stages/data.py: HumanEval's deterministic split, the three user formats, and errors that name the spot."""
+"""stages/data/sources.py: HumanEval's deterministic split, the three user formats, and errors that name the spot."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import pytest
 
 from schemas.config import DataConfig
 from schemas.tables import PROMPTS
-from stages.data import DataError, hash_split, load_prompts, validate_sources
+from stages.data.sources import DataError, hash_split, load_prompts, validate_sources
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
 

@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 
-from stages.eval_metrics import (
+from stages.evaluation.metrics import (
     aggregate,
     answer_counts,
     bootstrap_mean_gain,

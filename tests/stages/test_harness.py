@@ -7,12 +7,13 @@ from pathlib import Path
 import pyarrow as pa
 import pytest
 
-from flows.cli import start_run
-from flows.execute import pending_stages
+from flows.runner.process import pending_stages
 from schemas.config import load_config
-from stages.common import StageContext, run_stage
-from stages.registry import ITERATION_STAGES, STAGES, is_scheduled, iteration_stages, stage_state
+from stages.harness import StageContext
+from stages.registry import ITERATION_STAGES, STAGES, instance, is_scheduled, iteration_stages, stage_state
 from storage.layout import BASE, RunLayout
+from storage.run import Run
+from tests.support.stages import run_stage_at, start_run
 
 
 def write_prompts(ctx: StageContext) -> None:
@@ -33,7 +34,7 @@ def write_prompts(ctx: StageContext) -> None:
 
 def state(layout: RunLayout, *overrides: str) -> str:
     config = load_config(None, ["run_id=t", *overrides])
-    return stage_state(layout.fs, layout, config, STAGES["prompts"], BASE).reason
+    return stage_state(Run(layout, config), instance("prompts", BASE)).reason
 
 
 @pytest.fixture
@@ -43,7 +44,7 @@ def layout(tmp_path: Path) -> RunLayout:
 
 def test_done_only_with_matching_manifest(layout: RunLayout) -> None:
     assert state(layout) == "missing"
-    [manifest] = run_stage("prompts", layout, BASE, write_prompts)
+    [manifest] = run_stage_at("prompts", layout, BASE, write_prompts)
     assert manifest.rows == 3 and manifest.schema == "prompts/v1" and manifest.seconds >= 0
     assert state(layout) == "done"
     # The prompts stage hashes the data section: another test fraction makes it stale.
@@ -53,20 +54,20 @@ def test_done_only_with_matching_manifest(layout: RunLayout) -> None:
 
 
 def test_deleted_output_is_not_done(layout: RunLayout) -> None:
-    run_stage("prompts", layout, BASE, write_prompts)
+    run_stage_at("prompts", layout, BASE, write_prompts)
     Path(layout.prompts_path).unlink()
     assert state(layout) == "output changed"
 
 
 def test_crash_after_write_before_manifest_is_not_done(layout: RunLayout) -> None:
-    run_stage("prompts", layout, BASE, write_prompts)
+    run_stage_at("prompts", layout, BASE, write_prompts)
 
     def crash(ctx: StageContext) -> None:
         write_prompts(ctx)
         raise RuntimeError("killed")
 
     with pytest.raises(RuntimeError):
-        run_stage("prompts", layout, BASE, crash)
+        run_stage_at("prompts", layout, BASE, crash)
     # The old manifest was removed before the rerun wrote anything, and the new one was never written.
     assert state(layout) == "missing"
     assert not list(Path(layout.run_dir).glob(".*tmp*"))
@@ -74,13 +75,13 @@ def test_crash_after_write_before_manifest_is_not_done(layout: RunLayout) -> Non
 
 def test_stage_that_forgets_an_output_fails(layout: RunLayout) -> None:
     with pytest.raises(RuntimeError, match="expected"):
-        run_stage("prompts", layout, BASE, lambda ctx: None)
+        run_stage_at("prompts", layout, BASE, lambda ctx: None)
     assert state(layout) == "missing"
 
 
 def test_downstream_needs_upstream(layout: RunLayout) -> None:
     config = load_config(None, ["run_id=t"])
-    assert stage_state(layout.fs, layout, config, STAGES["score"], 0).reason == "missing"
+    assert stage_state(Run(layout, config), instance("score", 0)).reason == "missing"
 
 
 def test_manifest_times_the_harness_apart_from_the_stage_work(layout: RunLayout) -> None:
@@ -88,7 +89,7 @@ def test_manifest_times_the_harness_apart_from_the_stage_work(layout: RunLayout)
     manifest, so benchmarks/overhead.py can tell it from model and sandbox work; a sleep in the stage body
     counts toward the stage's seconds and not toward the harness. (Reading is timed too: a stage with
     inputs, tests/reliability/test_dynamic_sampling.py.)"""
-    [manifest] = run_stage("prompts", layout, BASE, lambda ctx: (time.sleep(0.3), write_prompts(ctx)))
+    [manifest] = run_stage_at("prompts", layout, BASE, lambda ctx: (time.sleep(0.3), write_prompts(ctx)))
     harness = manifest.metrics["harness"]
     assert set(harness) == {"validate_seconds", "write_seconds"}
     assert all(seconds > 0 for seconds in harness.values())
@@ -140,6 +141,6 @@ def test_evaluate_every_schedules_evaluation_without_entering_any_key() -> None:
 def test_evaluate_every_leaves_unscheduled_evaluations_out_of_the_plan(tmp_path: Path) -> None:
     config = load_config(None, ["run_id=t", "iterations=3", "evaluate.every=2"])
     layout = start_run(config, str(tmp_path))
-    plan = pending_stages(layout, config)
-    assert [k for stage, k in plan if stage == "evaluate"] == [1, 2]
-    assert [k for stage, k in plan if stage == "train"] == [0, 1, 2]
+    plan = pending_stages(Run(layout, config))
+    assert [target.iteration for target in plan if target.stage == "evaluate"] == [1, 2]
+    assert [target.iteration for target in plan if target.stage == "train"] == [0, 1, 2]

@@ -1,4 +1,4 @@
-"""stages/models.py: the GGUF conversion round-trips exactly, is done once and safely.
+"""stages/generation/models.py: the GGUF conversion round-trips exactly, is done once and safely.
 
 The real conversion goes to the default cache (~/.cache/rlpipe/models), so the whole suite converts at most
 once per machine; locking and atomicity are tested on tiny stand-in directories.
@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from schemas.config import ModelConfig
-from stages import models
-from stages.models import (
+from stages.generation import models
+from stages.generation.models import (
     ModelError,
     ensure_converted,
     gguf_path,

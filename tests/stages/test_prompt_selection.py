@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from stages.generate import select_prompts, select_round_prompts
+from stages.registry import instance
 from storage.layout import RunLayout, instance_name
 from storage.lock import stage_lock_path
 
@@ -32,5 +33,5 @@ def test_rounds_have_their_own_paths_and_leases() -> None:
     assert layout.table_path("rollouts", 3) == "/data/runs/r1/iter=0003/rollouts.parquet"
     assert layout.table_path("rollouts", 3, 2) == "/data/runs/r1/iter=0003/round=02/rollouts.parquet"
     assert instance_name(3, 2) == "iter=0003/round=02" and instance_name(3) == "iter=0003"
-    assert stage_lock_path(layout, "generate", 3, 2) != stage_lock_path(layout, "generate", 3)
-    assert stage_lock_path(layout, "generate", 3, 2).endswith("locks/generate@iter=0003.round=02.lock")
+    assert stage_lock_path(layout, instance("generate", 3, 2)) != stage_lock_path(layout, instance("generate", 3))
+    assert stage_lock_path(layout, instance("generate", 3, 2)).endswith("locks/generate@iter=0003.round=02.lock")

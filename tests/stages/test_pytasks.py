@@ -1,4 +1,4 @@
-"""stages/pytasks.py: generated problems whose tests agree with their docstrings, split by family, scored for
+"""stages/data/pytasks.py: generated problems whose tests agree with their docstrings, split by family, scored for
 real by the sandbox, and loaded beside HumanEval as a list of sources."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ from collections import Counter
 import pytest
 
 from schemas.config import ConfigError, DataConfig, ScoreConfig, load_config
-from stages.data import DataError, load_prompts, load_splits
-from stages.pytasks import FAMILIES, INSTANCES_PER_FAMILY, generate_rows, instance_rng
+from stages.data.pytasks import FAMILIES, INSTANCES_PER_FAMILY, generate_rows, instance_rng
+from stages.data.sources import DataError, load_prompts, load_splits
 from stages.sandbox import Sandbox, ScoreJob
 
 

@@ -17,15 +17,15 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import pytest
 
-from flows.inspect_cli import main as inspect_main
-from flows.inspect_cli import run_query, sample_story
-from reports.synthetic import SyntheticRun, SyntheticSpec, write_synthetic_run
+from flows.cli.inspect import main as inspect_main
+from flows.cli.inspect import run_query, sample_story
 from schemas.tables import TABLES
 from storage.catalog import TABLE_VIEWS, Catalog
 from storage.fs import filesystem
 from storage.layout import RunLayout, manifest_path_for
 from storage.manifest import read_manifest, write_manifest
 from storage.tables import write_table
+from tests.support.synthetic_runs import SyntheticRun, SyntheticSpec, write_synthetic_run
 
 
 @pytest.fixture(scope="module")
@@ -257,5 +257,5 @@ def test_s3_root_reads_like_a_local_one(s3_endpoint: str, tmp_path: Path) -> Non
     # The report goes through the same catalog and lands in the run directory on S3.
     from reports.html import write_report
 
-    assert write_report(root, "s") == "s3://rlpipe-test/history/runs/s/report.html"
+    assert write_report(RunLayout.create(root, "s")) == "s3://rlpipe-test/history/runs/s/report.html"
     assert fs.cat_file("rlpipe-test/history/runs/s/report.html").startswith(b"<!DOCTYPE html>")

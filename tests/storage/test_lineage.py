@@ -10,13 +10,13 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import pytest
 
-from flows.inspect_cli import main as inspect_main
-from reports.synthetic import write_synthetic_run
+from flows.cli.inspect import main as inspect_main
 from schemas.tables import TABLES
 from storage.layout import RunLayout, manifest_path_for
 from storage.lineage import lineage, trace
 from storage.manifest import read_manifest, write_manifest
 from storage.tables import write_table
+from tests.support.synthetic_runs import write_synthetic_run
 
 
 @pytest.fixture(scope="module")

@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 
 from flows.deploy import free_port, stop_processes
+from stages.registry import instance
 from storage.layout import RunLayout
 from storage.lock import RunLocked, S3Lease, StageLocked, run_lock, run_once, stage_lock, stage_lock_path
 
@@ -30,11 +31,12 @@ BUCKET = "rlpipe-locks"
 # A process that takes a lock, says so, holds it, and reports how it ended.
 HOLDER = """
 import sys, time
+from stages.registry import instance
 from storage.layout import RunLayout
 from storage.lock import LeaseLost, run_lock, stage_lock
 root, kind, ttl, hold = sys.argv[1], sys.argv[2], float(sys.argv[3]), float(sys.argv[4])
 layout = RunLayout.create(root, "r")
-lock = run_lock(layout, ttl_s=ttl) if kind == "run" else stage_lock(layout, "generate", 0, ttl_s=ttl)
+lock = run_lock(layout, ttl_s=ttl) if kind == "run" else stage_lock(layout, instance("generate", 0), ttl_s=ttl)
 try:
     with lock:
         print("acquired", flush=True)
@@ -49,6 +51,7 @@ print("released", flush=True)
 # start/end of the work to a local file. With check_done=0 it always works, to test mutual exclusion alone.
 TRIGGER = """
 import os, sys, time
+from stages.registry import instance
 from storage.layout import RunLayout
 from storage.lock import run_once, stage_lock
 root, log_path, go, check_done, ttl = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4] == "1", float(sys.argv[5])
@@ -71,7 +74,7 @@ def work():
 print("ready", flush=True)
 while not os.path.exists(go):
     time.sleep(0.01)
-ran, _ = run_once(lambda: stage_lock(layout, "generate", 0, ttl_s=ttl, wait_s=300), is_done, work)
+ran, _ = run_once(lambda: stage_lock(layout, instance("generate", 0), ttl_s=ttl, wait_s=300), is_done, work)
 print("ran" if ran else "skipped", flush=True)
 """
 
@@ -155,7 +158,7 @@ def test_second_driver_is_refused_with_the_holder_named(root: str, processes: li
         with run_lock(layout, ttl_s=30):
             pass
     # Another run, or a stage lock of this run, is not blocked by it.
-    with run_lock(RunLayout.create(root, "other"), ttl_s=30), stage_lock(layout, "generate", 0, ttl_s=30):
+    with run_lock(RunLayout.create(root, "other"), ttl_s=30), stage_lock(layout, instance("generate", 0), ttl_s=30):
         pass
 
 
@@ -203,9 +206,9 @@ def test_waiting_for_a_stage_lock_gets_it_when_released(root: str, processes: li
     expect_line(holder, "acquired")
     layout = RunLayout.create(root, "r")
     with pytest.raises(StageLocked, match=r"stage generate \(iter=0000\) of run r is run by"):
-        with stage_lock(layout, "generate", 0, ttl_s=30):
+        with stage_lock(layout, instance("generate", 0), ttl_s=30):
             pass
-    with stage_lock(layout, "generate", 0, ttl_s=30, wait_s=120):
+    with stage_lock(layout, instance("generate", 0), ttl_s=30, wait_s=120):
         expect_line(holder, "released")  # we hold it only once the holder has let go
 
 
@@ -252,7 +255,7 @@ def test_s3_lease_is_renewed_while_held(s3_root: str, processes: list) -> None:
         if holder.poll() is not None:
             break
         with pytest.raises(StageLocked):
-            with stage_lock(layout, "generate", 0, ttl_s=ttl):
+            with stage_lock(layout, instance("generate", 0), ttl_s=ttl):
                 pass
     expect_line(holder, "released")
     assert holder.wait(timeout=60) == 0
@@ -265,9 +268,9 @@ def test_a_frozen_holder_loses_its_lease_and_leaves_the_new_one_alone(s3_root: s
     expect_line(holder, "acquired")
     os.kill(holder.pid, signal.SIGSTOP)  # a holder that stops renewing (a frozen VM, a long GC pause)
     layout = RunLayout.create(s3_root, "r")
-    url = stage_lock_path(layout, "generate", 0)
+    url = stage_lock_path(layout, instance("generate", 0))
     try:
-        with stage_lock(layout, "generate", 0, ttl_s=60, wait_s=60):
+        with stage_lock(layout, instance("generate", 0), ttl_s=60, wait_s=60):
             mine = S3Lease(url, 60).read()
             os.kill(holder.pid, signal.SIGCONT)
             # It wakes, its next renewal fails, and leaving its block it reports the loss...
@@ -337,5 +340,6 @@ def test_run_once_checks_again_after_taking_the_lock(tmp_path: Path) -> None:
     layout = RunLayout.create(str(tmp_path), "r")
     calls: list[str] = []
     answers = iter([False, True])  # not done before the lock; done once we hold it (someone just finished)
-    ran, result = run_once(lambda: stage_lock(layout, "score", 0), lambda: next(answers), lambda: calls.append("x"))
+    score = instance("score", 0)
+    ran, result = run_once(lambda: stage_lock(layout, score), lambda: next(answers), lambda: calls.append("x"))
     assert (ran, result, calls) == (False, None, [])

@@ -20,13 +20,11 @@ from pathlib import Path
 import pyarrow as pa
 import pytest
 
-from flows.cli import start_run
 from flows.deploy import free_port, stop_processes
 from schemas.config import load_config
 from schemas.tables import PROMPTS
 from stages import prompts
-from stages.common import run_stage
-from stages.registry import STAGES, stage_state
+from stages.registry import STAGES, instance, stage_state
 from storage.checkpoints import (
     CheckpointIntegrityError,
     checkpoint_digest,
@@ -37,7 +35,9 @@ from storage.checkpoints import (
 from storage.fs import atomic_write_bytes, filesystem
 from storage.layout import BASE
 from storage.manifest import Manifest, output_intact, read_manifest, write_manifest
+from storage.run import Run
 from storage.tables import read_table, write_table
+from tests.support.stages import run_stage_at, start_run
 
 BUCKET = "rlpipe-test"
 
@@ -118,17 +118,17 @@ def test_a_real_stage_on_s3_is_done_only_through_its_manifest(s3_root: str) -> N
     layout = start_run(config, s3_root)
     assert layout.root == s3_root and layout.fs.exists(layout.config_path)
     spec = STAGES["prompts"]
-    assert stage_state(layout.fs, layout, config, spec, BASE).reason == "missing"
+    assert stage_state(Run(layout, config), instance("prompts")).reason == "missing"
 
-    [manifest] = run_stage("prompts", layout, BASE, prompts.run)
+    [manifest] = run_stage_at("prompts", layout, BASE, prompts.run)
     assert manifest.path == f"{s3_root}/runs/s3run/prompts.parquet" and manifest.rows > 0
-    assert stage_state(layout.fs, layout, config, spec, BASE).done
+    assert stage_state(Run(layout, config), instance("prompts")).done
     assert read_table(layout.fs, manifest.path, PROMPTS).num_rows == manifest.rows
 
     # A stage that died after writing its table but before its manifest: the table alone is not trusted.
     layout.fs.rm_file(spec.outputs(BASE)[0].manifest_path(layout))
     assert layout.fs.exists(manifest.path)
-    assert stage_state(layout.fs, layout, config, spec, BASE).reason == "missing"
+    assert stage_state(Run(layout, config), instance("prompts")).reason == "missing"
 
 
 def fake_model_dir(path: Path) -> Path:

@@ -115,7 +115,8 @@ def test_a_failed_local_write_names_its_destination_and_leaves_nothing(tmp_path:
 
 @pytest.mark.parametrize("run_id", ["../outside", "a/b", "", ".hidden", "x" * 129])
 def test_run_layout_refuses_a_run_id_that_is_not_one_path_segment(run_id: str) -> None:
-    from storage.layout import InvalidRunId, RunLayout
+    from schemas.config import InvalidRunId
+    from storage.layout import RunLayout
 
     with pytest.raises(InvalidRunId, match="run_id"):
         RunLayout.create("/data", run_id)

@@ -53,6 +53,8 @@ import weakref
 from collections.abc import Iterator
 from typing import Any
 
+from schemas import settings
+
 # Loaded once by the server; each is skipped when it is not installed (vLLM is an extra).
 PRELOAD = (
     "pyarrow", "pyarrow.parquet", "pyarrow.compute", "numpy", "pydantic", "yaml", "rich", "fsspec", "s3fs",
@@ -69,7 +71,7 @@ MAX_REQUEST_BYTES = 1 << 20
 def fork_enabled() -> bool:
     """Stages fork from a warm server unless `RLPIPE_STAGE_FORK=0`; only on Linux (macOS forbids fork after
     some system libraries load, and Windows has no fork)."""
-    return sys.platform.startswith("linux") and os.environ.get("RLPIPE_STAGE_FORK", "1") != "0"
+    return sys.platform.startswith("linux") and settings.stage_fork_enabled()
 
 
 class ForkServerDied(RuntimeError):
@@ -92,7 +94,7 @@ class ForkServer:
         # stdin is a pipe that only the server reads: when this process ends (even killed), it sees EOF and
         # leaves once its running children are done.
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "stages.forkserver", str(listener.fileno())],
+            [sys.executable, "-m", "flows.runner.forkserver", str(listener.fileno())],
             stdin=subprocess.PIPE, pass_fds=(listener.fileno(),), env=self.env,
         )
         listener.close()
@@ -205,7 +207,7 @@ def _preload() -> None:
     with contextlib.suppress(ImportError):
         import setproctitle  # set up here, while the environment is the original one (children rename)
 
-        setproctitle.setproctitle(f"{sys.executable} -m stages.forkserver (rlpipe stage server)")
+        setproctitle.setproctitle(f"{sys.executable} -m flows.runner.forkserver (rlpipe stage server)")
     environment = dict(os.environ)  # as the caller gave it, before any library sets its own variables
     for module in PRELOAD:
         with contextlib.suppress(ImportError):

@@ -25,19 +25,15 @@ from pathlib import Path
 
 from rich.console import Console
 
-from schemas.config import ConfigError, RunConfig, apply_overrides, dump_config, load_config, parse_config, read_yaml
-from storage.layout import InvalidRunId, RunLayout
+from schemas import settings
+from schemas.config import ConfigError, InvalidRunId, RunConfig, apply_overrides, load_config, parse_config
+from storage.run import Run, resolve_root
 
 console = Console()
-DEFAULT_ROOT = "./rlpipe-data"
-
-
-def _root(args: argparse.Namespace, config: RunConfig | None = None) -> str:
-    return args.root or os.environ.get("RLPIPE_ROOT") or (config.root if config else DEFAULT_ROOT)
 
 
 def _validate_data(config: RunConfig) -> None:
-    from stages.data import DataError, validate_sources
+    from stages.data.sources import DataError, validate_sources
 
     try:
         validate_sources(config.data)
@@ -45,54 +41,32 @@ def _validate_data(config: RunConfig) -> None:
         raise ConfigError(str(error)) from None
 
 
-def start_run(config: RunConfig, root: str, replace_config: bool = False) -> RunLayout:
-    """Write the run's config.yaml, or check that the existing one is the same run."""
-    from storage.fs import atomic_write_bytes
-
-    layout = RunLayout.create(root, config.run_id)
-    fs = layout.fs
-    text = dump_config(config)
-    if fs.exists(layout.config_path) and not replace_config:
-        existing = fs.cat_file(layout.config_path).decode()
-        if read_yaml(existing) != read_yaml(text):
-            raise ConfigError(
-                f"run {config.run_id} already exists at {layout.run_dir} with a different config; "
-                f"use `rlpipe resume {config.run_id} --set section.field=value` to change it deliberately "
-                "(changed stages and everything downstream of them are redone)"
-            )
-        return layout
-    atomic_write_bytes(fs, layout.config_path, text.encode())
-    return layout
-
-
-def _drive(root: str, run_id: str) -> int:
-    from flows.execute import StageFailed, resolve_dispatch, stage_environment
+def _drive(run: Run) -> int:
+    from flows.cli.status import status_table
     from flows.prefect_env import configure_prefect
-    from flows.status import status_table
-    from schemas.config import read_run_config
-    from stages import forkserver
+    from flows.runner import forkserver
+    from flows.runner.process import StageFailed, resolve_dispatch, stage_environment
     from storage.lock import RunLocked, run_lock
 
-    layout = RunLayout.create(root, run_id)
     if resolve_dispatch(None) == "local":
         # Started before Prefect is imported and its temporary server comes up, so that the stage server's
         # imports (torch, Great Expectations, vLLM: ~10 s) overlap them; the loop flow reuses it. Prefect's
         # variables are set first: the server's environment is the one every stage gets, so its libraries
-        # load as the stages' would, and its preloaded rlpipe modules are reused (stages/forkserver.py).
+        # load as the stages' would, and its preloaded rlpipe modules are reused (flows/runner/forkserver.py).
         configure_prefect()
-        forkserver.start(stage_environment(read_run_config(layout)))
+        forkserver.start(stage_environment(run.config))
     try:
-        with run_lock(layout):
+        with run_lock(run.layout):
             from flows.pipeline import loop_flow
 
-            loop_flow(layout.root, run_id)
+            loop_flow(run.root, run.run_id)  # the Prefect boundary: a run travels as (root, run_id)
     except RunLocked as error:
         console.print(f"[red]{error}[/]")
         return 3
     except StageFailed as error:
-        console.print(f"[red]{error}[/]; fix it and run `rlpipe resume {run_id}` to go on from there")
+        console.print(f"[red]{error}[/]; fix it and run `rlpipe resume {run.run_id}` to go on from there")
         return 1
-    console.print(status_table(layout, read_run_config(layout)))
+    console.print(status_table(run))
     return 0
 
 
@@ -102,46 +76,36 @@ def cmd_run(args: argparse.Namespace) -> int:
     values = config.model_dump(mode="json") | {k: v for k, v in overrides.items() if v is not None}
     config = parse_config(values, args.config or "<defaults>")
     _validate_data(config)
-    root = _root(args, config)
-    start_run(config, root, replace_config=False)
-    return _drive(root, config.run_id)
+    return _drive(Run.start(config, args.root))
 
 
 def cmd_resume(args: argparse.Namespace) -> int:
-    from schemas.config import read_run_config
-
-    root = _root(args)
-    layout = RunLayout.create(root, args.run)
-    config = read_run_config(layout)
+    run = Run.open(args.root, args.run)
     if args.set:
-        values = apply_overrides(config.model_dump(mode="json"), args.set)
-        config = parse_config(values, f"{layout.config_path} with overrides {' '.join(args.set)}")
+        values = apply_overrides(run.config.model_dump(mode="json"), args.set)
+        config = parse_config(values, f"{run.layout.config_path} with overrides {' '.join(args.set)}")
         _validate_data(config)
-        start_run(config, root, replace_config=True)
-    return _drive(root, args.run)
+        run = Run.start(config, run.root, replace_config=True)
+    return _drive(run)
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    from flows.status import status_table
-    from schemas.config import read_run_config
+    from flows.cli.status import status_table
 
-    layout = RunLayout.create(_root(args), args.run)
-    console.print(status_table(layout, read_run_config(layout)))
+    console.print(status_table(Run.open(args.root, args.run)))
     return 0
 
 
 def cmd_stage(args: argparse.Namespace) -> int:
     import importlib
 
+    from stages.harness import main as stage_main
     from stages.registry import STAGES
 
     if args.name not in STAGES:
         raise ConfigError(f"unknown stage {args.name!r}; stages are {', '.join(STAGES)}")
     module = importlib.import_module(f"stages.{args.name}")
-    from stages.common import main as stage_main
-
-    argv = ["--run", args.run, "--iter", str(args.iter), "--round", str(args.round)]
-    argv += ["--root", _root(args)]  # the same default root as run, resume and status
+    argv = ["--run", args.run, "--iter", str(args.iter), "--round", str(args.round), "--root", resolve_root(args.root)]
     return stage_main(args.name, module.run, argv)
 
 
@@ -173,7 +137,7 @@ def cmd_server(args: argparse.Namespace) -> int:
         deploy.ensure_work_pools(pools, "process")
         wanted = pools if args.workers == "all" else [p for p in args.workers.split(",") if p and p != "none"]
         # Workers run flows from this checkout; GPU stages one at a time (a process pool's resource is its machine).
-        env = deploy.client_environment(api_url, extra={"RLPIPE_HOME": str(deploy.REPO_ROOT)})
+        env = deploy.client_environment(api_url, extra={settings.HOME.name: str(deploy.REPO_ROOT)})
         for pool in wanted:
             limit = args.gpu_limit if pool == "gpu" else None
             processes.append(deploy.start_worker(pool, env, log_path=home / f"worker-{pool}.log", limit=limit))
@@ -202,7 +166,7 @@ def cmd_deploy(args: argparse.Namespace) -> int:
     api_url = args.api_url or os.environ.get("PREFECT_API_URL")
     if not api_url:
         raise ConfigError("no Prefect server: start one with `rlpipe server`, or pass --api-url / set PREFECT_API_URL")
-    root = args.root or os.environ.get("RLPIPE_ROOT")
+    root = args.root or settings.ROOT.get()
     root = normalize_root(root) if root else None
     spec = deploy.render_spec(deploy.load_spec(args.prefect_file), args.run_id, root, args.every)
     if args.config:  # register the run in the storage root now, checked, so that the first trigger can run it
@@ -211,7 +175,7 @@ def cmd_deploy(args: argparse.Namespace) -> int:
         config = load_config(args.config, args.set)
         config = parse_config(config.model_dump(mode="json") | {"run_id": args.run_id}, str(args.config))
         _validate_data(config)
-        start_run(config, root)
+        Run.start(config, root)
     try:
         names = deploy.deploy(api_url, spec, args.pool_type)
     except deploy.DeployError as error:
@@ -230,7 +194,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     def common(p: argparse.ArgumentParser) -> None:
         p.add_argument(
-            "--root", help=f"storage root: a folder or s3://bucket/prefix (default $RLPIPE_ROOT or {DEFAULT_ROOT})"
+            "--root",
+            help=f"storage root: a folder or s3://bucket/prefix (default $RLPIPE_ROOT, the config's root: or "
+                 f"{settings.DEFAULT_ROOT})",
         )
 
     run = commands.add_parser("run", help="start (or continue) a run")
@@ -294,7 +260,7 @@ def build_parser() -> argparse.ArgumentParser:
     deploy.add_argument("--pool-type", default="process", help="worker type of pools that do not exist yet")
     deploy.add_argument("--root", help="storage root of the --run-id run (default $RLPIPE_ROOT): s3://... for a team")
     deploy.set_defaults(func=cmd_deploy)
-    from flows.inspect_cli import add_inspect_commands
+    from flows.cli.inspect import add_inspect_commands
 
     add_inspect_commands(commands, common)
     return parser

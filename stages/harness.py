@@ -27,26 +27,30 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+import fsspec
 import pyarrow as pa
 from rich.console import Console
 
-from schemas.config import ConfigError, RunConfig, read_run_config
+from schemas.config import ConfigError, InvalidRunId, RunConfig
 from schemas.contracts import ContractViolation, rejected_path, validate_table, validation_path
+from schemas.settings import cache_dir
 from schemas.tables import TABLES, SchemaMismatch, conform
 from stages.registry import (
     STAGES,
     MissingInput,
     Output,
+    ResolvedInputs,
     StageSpec,
-    expected_key,
-    input_manifests,
+    instance,
     is_done_now,
-    stage_inputs,
+    outputs_of,
+    resolve_inputs,
 )
 from storage.checkpoints import checkpoint_digest, fetch_checkpoint, publish_checkpoint
-from storage.fs import atomic_write_bytes, describe_os_error, is_remote, local_cache_dir, temporary_prefix
-from storage.layout import BASE, InvalidRunId, RunLayout
+from storage.fs import atomic_write_bytes, describe_os_error, is_remote, temporary_prefix
+from storage.layout import BASE, RunLayout, StageInstance
 from storage.manifest import Manifest, config_hash, output_damage, read_manifest, write_manifest
+from storage.run import Run, read_run_config, resolve_root
 from storage.tables import TableVersionError, read_table, write_table
 
 console = Console(stderr=True)
@@ -58,14 +62,12 @@ class StageInputError(ValueError):
 
 @dataclass
 class StageContext:
-    spec: StageSpec
-    config: RunConfig
-    layout: RunLayout
-    iteration: int
-    key: str
-    inputs: dict[str, Manifest]
-    sources: dict[str, Output]  # where each input lives (its table name, iteration and round)
-    round_idx: int = 0  # the generation round of a per-round stage (generate, score); 0 for the others
+    """What a stage's `run(ctx)` works with: the run, which instance of the stage this is, its inputs
+    (resolved once, when the stage starts) and what it has written so far."""
+
+    run: Run
+    instance: StageInstance
+    resolved: ResolvedInputs
     started_at: str = field(default_factory=lambda: datetime.now(UTC).isoformat())
     started_monotonic: float = field(default_factory=time.monotonic)
     metrics: dict[str, Any] = field(default_factory=dict)
@@ -74,12 +76,46 @@ class StageContext:
     claimed: bool = False
 
     @property
-    def fs(self):  # noqa: ANN201 - fsspec has no precise type to name here
-        return self.layout.fs
+    def spec(self) -> StageSpec:
+        return STAGES[self.instance.stage]
+
+    @property
+    def config(self) -> RunConfig:
+        return self.run.config
+
+    @property
+    def layout(self) -> RunLayout:
+        return self.run.layout
+
+    @property
+    def fs(self) -> fsspec.AbstractFileSystem:
+        return self.run.fs
 
     @property
     def run_id(self) -> str:
-        return self.layout.run_id
+        return self.run.run_id
+
+    @property
+    def iteration(self) -> int:
+        return self.instance.iteration
+
+    @property
+    def round_idx(self) -> int:
+        """The generation round of a per-round stage (generate, score); 0 for the others."""
+        return self.instance.round_idx
+
+    @property
+    def key(self) -> str:
+        return self.resolved.key
+
+    @property
+    def inputs(self) -> dict[str, Manifest]:
+        return self.resolved.manifests
+
+    @property
+    def sources(self) -> dict[str, Output]:
+        """Where each input lives (its table name, iteration and round)."""
+        return self.resolved.sources
 
     @contextmanager
     def harness_time(self, what: str) -> Iterator[None]:
@@ -122,7 +158,7 @@ class StageContext:
 
     def _policy_dir(self, manifest: Manifest) -> Path:
         if manifest.metrics.get("local_path"):  # the base model: resolved on this machine, then verified
-            from stages.models import resolve_model
+            from stages.generation.models import resolve_model
 
             local = resolve_model(self.config.model)
             digest, _, _ = checkpoint_digest(local)
@@ -133,11 +169,11 @@ class StageContext:
                 )
             return local
         if is_remote(self.layout.root):
-            return fetch_checkpoint(self.fs, manifest, local_cache_dir() / "checkpoints")
+            return fetch_checkpoint(self.fs, manifest, cache_dir() / "checkpoints")
         return Path(manifest.path)
 
     def output(self, name: str) -> Output:
-        for output in self.spec.outputs(self.iteration, self.round_idx):
+        for output in outputs_of(self.instance):
             if output.name == name:
                 return output
         raise KeyError(f"stage {self.spec.name} has no output {name}")
@@ -242,7 +278,7 @@ class StageContext:
         """
         destination = self.output("checkpoint").path(self.layout)
         if is_remote(self.layout.root):
-            parent = local_cache_dir() / "scratch"
+            parent = cache_dir() / "scratch"
         else:
             parent = Path(destination).parent
         parent.mkdir(parents=True, exist_ok=True)
@@ -259,13 +295,13 @@ def remove_stale_temporaries(ctx: StageContext) -> list[str]:
     (beside them, and the local staging area of remote checkpoints). Only the stage's lease holder calls
     this, so no live writer owns them."""
     removed = []
-    for output in ctx.spec.outputs(ctx.iteration, ctx.round_idx):
+    for output in outputs_of(ctx.instance):
         destination = output.path(ctx.layout)
         # `.<name>.tmp-*` (the output itself) and `.<name>.<suffix>.tmp-*` (its manifest, contract report).
         name = temporary_prefix(destination).removesuffix(".tmp-")
         places = [] if is_remote(ctx.layout.root) else [Path(destination).parent]
         if output.kind == "checkpoint" and is_remote(ctx.layout.root):
-            places.append(local_cache_dir() / "scratch")
+            places.append(cache_dir() / "scratch")
         for place in places:
             if not place.is_dir():
                 continue
@@ -280,19 +316,15 @@ def remove_stale_temporaries(ctx: StageContext) -> list[str]:
     return removed
 
 
-def prepare_context(spec: StageSpec, layout: RunLayout, iteration: int, round_idx: int = 0) -> StageContext:
-    config = read_run_config(layout)
-    if spec.run_level:
-        iteration = BASE
-    elif not 0 <= iteration < config.iterations:
-        raise ConfigError(f"iteration {iteration} is outside 0..{config.iterations - 1} for run {layout.run_id}")
-    check_round(spec, config, round_idx)
-    fs = layout.fs
-    key, _ = expected_key(fs, layout, config, spec, iteration, round_idx)
-    inputs = input_manifests(fs, layout, config, spec, iteration, round_idx)
-    sources = stage_inputs(fs, layout, config, spec, iteration, round_idx)
-    return StageContext(spec=spec, config=config, layout=layout, iteration=iteration, key=key, inputs=inputs,
-                        sources={name: sources[name] for name in inputs}, round_idx=round_idx)
+def prepare_context(run: Run, target: StageInstance) -> StageContext:
+    """Check the instance against the run's config and resolve its inputs, once; raises ConfigError or
+    MissingInput."""
+    if not STAGES[target.stage].run_level and not 0 <= target.iteration < run.config.iterations:
+        raise ConfigError(
+            f"iteration {target.iteration} is outside 0..{run.config.iterations - 1} for run {run.run_id}"
+        )
+    check_round(STAGES[target.stage], run.config, target.round_idx)
+    return StageContext(run=run, instance=target, resolved=resolve_inputs(run, target))
 
 
 def check_round(spec: StageSpec, config: RunConfig, round_idx: int) -> None:
@@ -311,7 +343,7 @@ def check_round(spec: StageSpec, config: RunConfig, round_idx: int) -> None:
 def invalidate_outputs(ctx: StageContext, only_damaged: bool = False) -> None:
     """Remove the manifests of the stage's outputs (with `only_damaged`: those whose output is missing or
     changed size, which vouch for nothing already)."""
-    for output in ctx.spec.outputs(ctx.iteration, ctx.round_idx):
+    for output in outputs_of(ctx.instance):
         path = output.manifest_path(ctx.layout)
         manifest = read_manifest(ctx.fs, path)
         if only_damaged and (manifest is None or output_damage(ctx.fs, manifest) is None):
@@ -321,7 +353,7 @@ def invalidate_outputs(ctx: StageContext, only_damaged: bool = False) -> None:
 
 
 def finish(ctx: StageContext) -> list[Manifest]:
-    expected = set(ctx.spec.outputs(ctx.iteration, ctx.round_idx))
+    expected = set(outputs_of(ctx.instance))
     produced = {o for o, _ in ctx.written}
     if produced != expected:
         raise RuntimeError(f"stage {ctx.spec.name} wrote {sorted(produced)}, expected {sorted(expected)}")
@@ -337,19 +369,12 @@ def finish(ctx: StageContext) -> list[Manifest]:
     return manifests
 
 
-def stage_label(stage: str, iteration: int, round_idx: int = 0) -> str:
-    """How logs name a stage instance: `prompts`, `generate iter=3`, `generate iter=3 round=1`."""
-    if iteration == BASE:
-        return stage
-    return f"{stage} iter={iteration}" + (f" round={round_idx}" if round_idx else "")
-
-
 def parse_args(stage: str, argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog=f"python -m stages.{stage}", description=f"rlpipe stage {stage}")
     parser.add_argument("--run", required=True, help="run id")
     parser.add_argument("--iter", type=int, default=BASE, help="iteration (ignored by run-level stages)")
     parser.add_argument("--round", type=int, default=0, help="generation round (generate and score, dynamic sampling)")
-    parser.add_argument("--root", default=os.environ.get("RLPIPE_ROOT"), help="storage root (or $RLPIPE_ROOT)")
+    parser.add_argument("--root", help="storage root (default $RLPIPE_ROOT, else ./rlpipe-data)")
     parser.add_argument("--if-needed", action="store_true",
                         help="do nothing when the outputs are valid (checked after the stage's lease is taken)")
     parser.add_argument("--lock-wait", type=float, default=0.0, metavar="SECONDS",
@@ -357,57 +382,47 @@ def parse_args(stage: str, argv: list[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def run_stage(
-    stage: str, layout: RunLayout, iteration: int, run: Callable[[StageContext], None], round_idx: int = 0
-) -> list[Manifest]:
-    """Run one stage in this process and return its manifests (used by `main` and by tests)."""
-    spec = STAGES[stage]
-    ctx = prepare_context(spec, layout, iteration, round_idx)
+def run_stage(run: Run, target: StageInstance, work: Callable[[StageContext], None]) -> list[Manifest]:
+    """Run one stage instance in this process and return its manifests (used by `main` and by tests)."""
+    ctx = prepare_context(run, target)
     if "torch" in sys.modules:  # stage modules that compute import torch at the top
-        sys.modules["torch"].set_num_threads(ctx.config.threads)
-    label = stage_label(stage, ctx.iteration, round_idx)
-    console.print(f"[bold]▶ {label}[/] run={layout.run_id}")
+        sys.modules["torch"].set_num_threads(run.config.threads)
+    console.print(f"[bold]▶ {target.label}[/] run={run.run_id}")
     if removed := remove_stale_temporaries(ctx):
         console.print(f"  removed {len(removed)} temporaries of an earlier attempt that did not finish")
     invalidate_outputs(ctx, only_damaged=True)  # the others stay valid until the first write (claim_outputs)
     try:
-        run(ctx)
+        work(ctx)
     finally:
         for directory in ctx.scratch:  # published ones were moved or uploaded already
             shutil.rmtree(directory, ignore_errors=True)
     manifests = finish(ctx)
     rows = ", ".join(f"{m.rows} rows" if m.rows is not None else f"{m.bytes / 1e6:.0f} MB" for m in manifests)
-    console.print(f"[green]✓ {label}[/] {rows} in {ctx.seconds():.1f}s")
+    console.print(f"[green]✓ {target.label}[/] {rows} in {ctx.seconds():.1f}s")
     return manifests
 
 
-def main(stage: str, run: Callable[[StageContext], None], argv: list[str] | None = None) -> int:
+def main(stage: str, work: Callable[[StageContext], None], argv: list[str] | None = None) -> int:
     """Run a stage as a process: under its lease, so that no two processes (a flow's child, a retry, a person
     at a shell) ever run the same stage of the same iteration at once. The lease lives as long as this
-    process, so a stage whose driver was killed stays guarded until it ends.
+    process, so a stage whose driver was killed stays guarded until it ends. The run's config is read once,
+    under the lease.
 
     Exit codes: 0 done (or already done with --if-needed), 1 failed, 2 bad input or config, 3 lease held.
     """
-    from storage.lock import RunLocked, run_once, stage_lock
+    from storage.lock import RunLocked, stage_lock
 
     args = parse_args(stage, argv)
-    if not args.root:
-        console.print("[red]no storage root: pass --root or set RLPIPE_ROOT[/]")
-        return 2
     try:
-        layout = RunLayout.create(args.root, args.run)
-        iteration = BASE if STAGES[stage].run_level else args.iter
-        round_idx = args.round
-
-        ran, _ = run_once(
-            lock=lambda: stage_lock(layout, stage, iteration, wait_s=args.lock_wait, round_idx=round_idx),
-            # With --if-needed, asked again once the lease is ours: the holder we waited for may have done it.
-            is_done=lambda: args.if_needed
-            and is_done_now(layout, read_run_config(layout), stage, iteration, round_idx),
-            work=lambda: run_stage(stage, layout, iteration, run, round_idx),
-        )
-        if not ran:
-            console.print(f"· {stage_label(stage, iteration, round_idx)} is done already")
+        layout = RunLayout.create(resolve_root(args.root), args.run)
+        target = instance(stage, args.iter, args.round)
+        with stage_lock(layout, target, wait_s=args.lock_wait):
+            run = Run(layout, read_run_config(layout))
+            # With --if-needed, asked once the lease is ours: the holder we waited for may have done it.
+            if args.if_needed and is_done_now(run, target):
+                console.print(f"· {target.label} is done already")
+                return 0
+            run_stage(run, target, work)
     except (ConfigError, StageInputError, MissingInput, SchemaMismatch, TableVersionError, InvalidRunId) as error:
         console.print(f"[red]✗ {stage}: {error}[/]")
         return 2

@@ -9,18 +9,18 @@ from __future__ import annotations
 from rich.console import Group
 from rich.table import Table
 
-from schemas.config import RunConfig
 from schemas.tables import TABLES
-from stages.eval_metrics import clusters_of, paired_gains
-from stages.registry import ITERATION_STAGES, RUN_STAGES, STAGES, is_scheduled, iteration_stages, stage_state
-from storage.layout import BASE, RunLayout
+from stages.evaluation.metrics import clusters_of, paired_gains
+from stages.registry import ITERATION_STAGES, RUN_STAGES, STAGES, instance, is_scheduled, iteration_stages, stage_state
+from storage.layout import BASE
+from storage.run import Run
 from storage.tables import read_table
 
 
-def _cell(layout: RunLayout, config: RunConfig, stage: str, iteration: int, round_idx: int = 0) -> str:
-    if iteration != BASE and not is_scheduled(config, stage, iteration):
+def _cell(run: Run, stage: str, iteration: int, round_idx: int = 0) -> str:
+    if iteration != BASE and not is_scheduled(run.config, stage, iteration):
         return "[dim]not scheduled[/]"
-    state = stage_state(layout.fs, layout, config, STAGES[stage], iteration, round_idx)
+    state = stage_state(run, instance(stage, iteration, round_idx))
     if not state.done:
         return f"[yellow]{state.reason}[/]"
     main = state.manifests[-1]
@@ -28,31 +28,31 @@ def _cell(layout: RunLayout, config: RunConfig, stage: str, iteration: int, roun
     return f"[green]done[/] {size} {main.seconds:.0f}s"
 
 
-def status_table(layout: RunLayout, config: RunConfig) -> Group:
-    run_table = Table(title=f"run {layout.run_id} ({layout.run_dir})")
+def status_table(run: Run) -> Group:
+    run_table = Table(title=f"run {run.run_id} ({run.layout.run_dir})")
     for stage in RUN_STAGES:
         run_table.add_column(stage)
-    run_table.add_row(*[_cell(layout, config, stage, BASE) for stage in RUN_STAGES])
+    run_table.add_row(*[_cell(run, stage, BASE) for stage in RUN_STAGES])
     table = Table()
     table.add_column("iteration")
     for stage in ITERATION_STAGES:
         table.add_column(stage)
-    for k in range(config.iterations):
-        table.add_row(str(k), *[_cell(layout, config, stage, k) for stage in ITERATION_STAGES])
-        for r in extra_rounds(layout, config, k):
-            table.add_row(f"{k}.{r}", *[_cell(layout, config, s, k, r) if STAGES[s].per_round else ""
+    for k in range(run.config.iterations):
+        table.add_row(str(k), *[_cell(run, stage, k) for stage in ITERATION_STAGES])
+        for r in extra_rounds(run, k):
+            table.add_row(f"{k}.{r}", *[_cell(run, s, k, r) if STAGES[s].per_round else ""
                                          for s in ITERATION_STAGES])
-    return Group(run_table, table, held_out_table(layout, config))
+    return Group(run_table, table, held_out_table(run))
 
 
-def held_out_table(layout: RunLayout, config: RunConfig) -> Group:
+def held_out_table(run: Run) -> Group:
     """Held-out results of the base model and of each evaluated checkpoint, side by side: greedy accuracy and
     pass@k with its bootstrap 95% interval (from the eval manifests); then, in a table of their own (so each
     fits a terminal), the gains over the base model with paired bootstrap intervals over the same problems
     (from the eval tables): sampled pass@1, greedy accuracy, and the mean reward of the sampled answers (the
     partial credit the training reward gives, which moves before whole problems flip to solved). With more
     than one held-out dataset, a last row pools them: the whole test split."""
-    ks = config.evaluate.k
+    ks = run.config.evaluate.k
     results = Table(title="held-out evaluation (95% bootstrap intervals: problems or families, and samples)")
     for column in ["checkpoint", "dataset", "prompts", "greedy", *[f"pass@{k}" for k in ks]]:
         results.add_column(column, no_wrap=column == "checkpoint")
@@ -61,14 +61,15 @@ def held_out_table(layout: RunLayout, config: RunConfig) -> Group:
         gains.add_column(column, no_wrap=column == "checkpoint")
     base_rows: dict[str, list[dict]] = {}
     clusters: dict[str, str] = {}
-    if layout.fs.exists(layout.prompts_path):
-        clusters = clusters_of(read_table(layout.fs, layout.prompts_path, TABLES["prompts"]).to_pylist())
-    checkpoints = [("base", "evaluate_base", BASE)] + [(f"iter {k}", "evaluate", k) for k in range(config.iterations)]
+    if run.fs.exists(run.layout.prompts_path):
+        clusters = clusters_of(read_table(run.fs, run.layout.prompts_path, TABLES["prompts"]).to_pylist())
+    checkpoints = [("base", "evaluate_base", BASE)]
+    checkpoints += [(f"iter {k}", "evaluate", k) for k in range(run.config.iterations)]
     for label, stage, iteration in checkpoints:
-        state = stage_state(layout.fs, layout, config, STAGES[stage], iteration)
+        state = stage_state(run, instance(stage, iteration))
         if not state.done:
             continue
-        rows = read_table(layout.fs, layout.table_path("eval", iteration), TABLES["eval"]).to_pylist()
+        rows = read_table(run.fs, run.layout.table_path("eval", iteration), TABLES["eval"]).to_pylist()
         for dataset, summary in sorted(state.manifests[-1].metrics.items()):
             if not (isinstance(summary, dict) and "prompts" in summary):
                 continue
@@ -103,7 +104,7 @@ def checkpoint_gains(
 ) -> list[tuple[str, dict[str, tuple[float, float, float]]]]:
     """(dataset, `paired_gains`) of a checkpoint's eval rows over the base model's, for each dataset both
     evaluated; then, with more than one, ("all held out", the gains pooled over every held-out problem): the
-    whole test split, as a problem is in one source only (stages/data.py refuses duplicates)."""
+    whole test split, as a problem is in one source only (stages/data/sources.py refuses duplicates)."""
     compared = sorted(set(base_rows) & {row["dataset"] for row in rows})
     per_dataset = [(dataset, paired_gains(base_rows[dataset], [row for row in rows if row["dataset"] == dataset],
                                           clusters)) for dataset in compared]
@@ -118,21 +119,21 @@ def _signed(gain: float, low: float, high: float) -> str:
     return f"{gain:+.3f} [{low:+.3f}, {high:+.3f}]"
 
 
-def extra_rounds(layout: RunLayout, config: RunConfig, iteration: int) -> list[int]:
+def extra_rounds(run: Run, iteration: int) -> list[int]:
     """The dynamic-sampling rounds r >= 1 of `iteration` that left a manifest of any of their stages."""
-    if config.advantage.target_groups is None:
+    if run.config.advantage.target_groups is None:
         return []
     outputs = [spec.outputs for spec in STAGES.values() if spec.per_round]
     return [
-        r for r in range(1, config.advantage.max_generation_rounds)
-        if any(layout.fs.exists(output.manifest_path(layout)) for of in outputs for output in of(iteration, r))
+        r for r in range(1, run.config.advantage.max_generation_rounds)
+        if any(run.fs.exists(output.manifest_path(run.layout)) for of in outputs for output in of(iteration, r))
     ]
 
 
-def stage_states(layout: RunLayout, config: RunConfig) -> dict[tuple[str, int], bool]:
+def stage_states(run: Run) -> dict[tuple[str, int], bool]:
     """(stage, iteration) -> done, for scripts and tests."""
-    states = {(stage, BASE): stage_state(layout.fs, layout, config, STAGES[stage], BASE).done for stage in RUN_STAGES}
-    for k in range(config.iterations):
-        for stage in iteration_stages(config, k):
-            states[(stage, k)] = stage_state(layout.fs, layout, config, STAGES[stage], k).done
+    states = {(stage, BASE): stage_state(run, instance(stage, BASE)).done for stage in RUN_STAGES}
+    for k in range(run.config.iterations):
+        for stage in iteration_stages(run.config, k):
+            states[(stage, k)] = stage_state(run, instance(stage, k)).done
     return states

@@ -3,7 +3,7 @@
 Each stage runs in its own Python process: a stage that holds a model frees all of its memory when it
 exits, and a crash (even SIGKILL) in a stage cannot take the flow down. Inside `forkserver.stage_server`
 (local runs) the process is forked from a server that has imported torch, Great Expectations and vLLM
-already (stages/forkserver.py); elsewhere it is a fresh interpreter. The child inherits the terminal, so
+already (flows/runner/forkserver.py); elsewhere it is a fresh interpreter. The child inherits the terminal, so
 its progress bars and timing lines show as they happen; it never imports Prefect, so it never starts a
 Prefect server of its own.
 """
@@ -16,18 +16,20 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from flows.runner import forkserver
+from schemas import settings
 from schemas.config import ConfigError, RunConfig
-from stages import forkserver
-from stages.registry import RUN_STAGES, STAGES, iteration_stages, stage_state
-from storage.layout import BASE, RunLayout, manifest_path_for
+from stages.registry import RUN_STAGES, instance, iteration_stages, stage_state
+from storage.layout import BASE, RunLayout, StageInstance, manifest_path_for
 from storage.manifest import read_manifest
+from storage.run import Run
 
 # Where stages run (flows/pipeline.py): child processes here, or flow runs of the stage deployments.
 DISPATCH_MODES = ("local", "deployments")
 
 
 def resolve_dispatch(dispatch: str | None) -> str:
-    mode = dispatch or os.environ.get("RLPIPE_DISPATCH") or "local"
+    mode = dispatch or settings.DISPATCH.get()
     if mode not in DISPATCH_MODES:
         choices = ", ".join(DISPATCH_MODES)
         raise ConfigError(f"dispatch {mode!r} must be one of {choices} (the flow parameter or $RLPIPE_DISPATCH)")
@@ -35,22 +37,19 @@ def resolve_dispatch(dispatch: str | None) -> str:
 
 
 class StageFailed(RuntimeError):
-    def __init__(self, stage: str, iteration: int, returncode: int, round_idx: int = 0) -> None:
-        where = stage if iteration == BASE else f"{stage} (iteration {iteration})"
-        where = f"{where[:-1]}, round {round_idx})" if round_idx else where
-        why = {2: "bad input or config (see the message above)",
-               3: "another process holds its lease (see the message above)"}.get(returncode, f"exit code {returncode}")
-        super().__init__(f"stage {where} failed: {why}")
-        self.stage, self.iteration, self.returncode = stage, iteration, returncode
+    def __init__(self, target: StageInstance, returncode: int, why: str | None = None) -> None:
+        why = why or {2: "bad input or config (see the message above)",
+                      3: "another process holds its lease (see the message above)"}.get(
+            returncode, f"exit code {returncode}")
+        super().__init__(f"stage {target.label} failed: {why}")
+        self.target, self.returncode = target, returncode
 
 
 @dataclass(frozen=True)
 class StageOutcome:
-    stage: str
-    iteration: int
+    target: StageInstance
     ran: bool
     seconds: float
-    round_idx: int = 0
 
 
 def stage_environment(config: RunConfig) -> dict[str, str]:
@@ -62,71 +61,75 @@ def stage_environment(config: RunConfig) -> dict[str, str]:
     return env
 
 
-def stage_command(
-    layout: RunLayout, stage: str, iteration: int, lock_wait_s: float | None = None, round_idx: int = 0
-) -> list[str]:
+def stage_command(layout: RunLayout, target: StageInstance, lock_wait_s: float | None = None) -> list[str]:
     """The stage's process. With `lock_wait_s` it waits that long for the stage's lease if another process
     holds it, and then does nothing if that process finished the stage (`--if-needed`)."""
-    command = [sys.executable, "-m", f"stages.{stage}", "--root", layout.root, "--run", layout.run_id,
-               "--iter", str(iteration)]
-    if round_idx:
-        command += ["--round", str(round_idx)]
+    command = [sys.executable, "-m", f"stages.{target.stage}", "--root", layout.root, "--run", layout.run_id,
+               "--iter", str(target.iteration)]
+    if target.round_idx:
+        command += ["--round", str(target.round_idx)]
     if lock_wait_s is not None:
         command += ["--if-needed", "--lock-wait", str(lock_wait_s)]
     return command
 
 
-def run_stage_process(
-    layout: RunLayout, config: RunConfig, stage: str, iteration: int, lock_wait_s: float | None = None,
-    round_idx: int = 0,
-) -> float:
+def run_stage_process(run: Run, target: StageInstance, lock_wait_s: float | None = None) -> float:
     started = time.monotonic()
-    command = stage_command(layout, stage, iteration, lock_wait_s, round_idx)
-    returncode = forkserver.run(command, stage_environment(config))
+    returncode = forkserver.run(stage_command(run.layout, target, lock_wait_s), stage_environment(run.config))
     if returncode != 0:
-        raise StageFailed(stage, iteration, returncode, round_idx)
+        raise StageFailed(target, returncode)
     return time.monotonic() - started
 
 
-def pending_stages(layout: RunLayout, config: RunConfig) -> list[tuple[str, int]]:
-    """Every scheduled (stage, iteration) of the run, in order, whose outputs are not valid yet.
+def run_plan(config: RunConfig) -> list[StageInstance]:
+    """Every scheduled stage instance of the run (round 0), in order."""
+    plan = [instance(stage) for stage in RUN_STAGES]
+    return plan + [instance(stage, k) for k in range(config.iterations) for stage in iteration_stages(config, k)]
+
+
+def pending_stages(run: Run) -> list[StageInstance]:
+    """Every scheduled stage instance of the run, in order, whose outputs are not valid yet.
 
     A stage whose inputs are missing counts as pending, since its upstream will run first.
     """
-    plan = [(stage, BASE) for stage in RUN_STAGES]
-    plan += [(stage, k) for k in range(config.iterations) for stage in iteration_stages(config, k)]
-    fs = layout.fs
-    return [(s, k) for s, k in plan if not stage_state(fs, layout, config, STAGES[s], k).done]
+    return [target for target in run_plan(run.config) if not stage_state(run, target).done]
 
 
-def batch_groups_needed(layout: RunLayout, iteration: int) -> tuple[int, int]:
+def next_iteration(run: Run) -> int | None:
+    """The first iteration with a stage that is not done, or None when the run is complete."""
+    run.fs.invalidate_cache()
+    pending = sorted({target.iteration for target in pending_stages(run) if target.iteration != BASE})
+    return pending[0] if pending else None
+
+
+def batch_groups_needed(run: Run, iteration: int) -> tuple[int, int]:
     """(kept groups the batch of `iteration` still lacks, generation rounds it was built from), read fresh
     from its manifest."""
-    layout.fs.invalidate_cache()
-    path = layout.table_path("batch", iteration)
-    manifest = read_manifest(layout.fs, manifest_path_for(path, "table"))
+    run.fs.invalidate_cache()
+    path = run.layout.table_path("batch", iteration)
+    manifest = read_manifest(run.fs, manifest_path_for(path, "table"))
     if manifest is None:
         raise RuntimeError(f"{path} has no manifest after stage advantage ran")
     return int(manifest.metrics.get("groups_needed", 0)), int(manifest.metrics.get("rounds", 1))
 
 
 def dynamic_sampling_rounds(
-    layout: RunLayout, config: RunConfig, iteration: int,
-    run: Callable[[str, int], StageOutcome], log: Callable[..., None],
+    run: Run, iteration: int, execute: Callable[[StageInstance], StageOutcome], log: Callable[..., None],
 ) -> list[StageOutcome]:
     """DAPO dynamic sampling: while the batch holds fewer kept groups than advantage.target_groups, generate
     and score one more round (its own tables, iter=k/round=RR/) and rebuild the batch over every round.
 
-    `run(stage, round)` runs one stage instance (a child process, or a flow run on a worker). The advantage
+    `execute(instance)` runs one stage instance (a child process, or a flow run on a worker). The advantage
     stage fails, naming the cap, when advantage.max_generation_rounds rounds are not enough, so the loop ends.
     A resumed iteration picks up at the round after the last one its batch was built from.
     """
     outcomes: list[StageOutcome] = []
     while True:
-        needed, rounds = batch_groups_needed(layout, iteration)
+        needed, rounds = batch_groups_needed(run, iteration)
         if needed == 0:
             return outcomes
-        if rounds >= config.advantage.max_generation_rounds:  # the advantage stage refuses this; never loop
+        if rounds >= run.config.advantage.max_generation_rounds:  # the advantage stage refuses this; never loop
             raise RuntimeError(f"batch of iteration {iteration} lacks {needed} groups after {rounds} rounds (the cap)")
         log("iteration %d: the batch needs %d more kept groups: generation round %d", iteration, needed, rounds)
-        outcomes += [run("generate", rounds), run("score", rounds), run("advantage", 0)]
+        outcomes += [execute(instance("generate", iteration, rounds)), execute(instance("score", iteration, rounds)),
+                     execute(instance("advantage", iteration))]

@@ -5,7 +5,7 @@
     rlpipe lineage RUN [ITER] [--quick] [--json] [--root ROOT]
     rlpipe report RUN [--out FILE] [--root ROOT]
 
-`add_inspect_commands(subparsers, common)` registers them on the main parser (flows/cli.py). None of them
+`add_inspect_commands(subparsers, common)` registers them on the main parser (flows/cli/commands.py). None of them
 imports Prefect, torch or Great Expectations, so they start fast. Exit codes: 0 fine, 1 lineage found a
 problem, 2 bad arguments or SQL (the message says which).
 """
@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -26,13 +25,15 @@ from rich.syntax import Syntax
 from rich.table import Table
 from rich.text import Text
 
+from storage.layout import RunLayout
+from storage.run import resolve_root
+
 console = Console()
 err_console = Console(stderr=True)
-DEFAULT_ROOT = "./rlpipe-data"  # the same default as flows/cli.py
 
 
 def _root(args: argparse.Namespace) -> str:
-    return args.root or os.environ.get("RLPIPE_ROOT") or DEFAULT_ROOT
+    return resolve_root(args.root)
 
 
 # --- query ---------------------------------------------------------------------------------------------------
@@ -314,13 +315,13 @@ def cmd_lineage(args: argparse.Namespace) -> int:
 def cmd_report(args: argparse.Namespace) -> int:
     from reports.html import build_report, write_report
 
-    root = _root(args)
+    layout = RunLayout.create(_root(args), args.run)
     if args.out:
         with open(args.out, "w", encoding="utf-8") as handle:
-            handle.write(build_report(root, args.run))
+            handle.write(build_report(layout))
         path = args.out
     else:
-        path = write_report(root, args.run)
+        path = write_report(layout)
     console.print(f"wrote {path}")
     return 0
 
@@ -366,7 +367,7 @@ def add_inspect_commands(
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run only the inspection commands (what `rlpipe` does once flows/cli.py registers them)."""
+    """Run only the inspection commands (what `rlpipe` does once flows/cli/commands.py registers them)."""
     parser = argparse.ArgumentParser(prog="rlpipe")
     commands = parser.add_subparsers(dest="command", required=True)
     add_inspect_commands(commands, lambda p: p.add_argument("--root"))

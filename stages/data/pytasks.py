@@ -10,9 +10,9 @@ How a problem is made: each *family* (e.g. "count the elements above a threshold
 its function name from a random generator seeded by (family, instance), renders a HumanEval-style prompt,
 and computes every expected value by running its reference solution on the test inputs, so a test can never
 disagree with the docstring. The same code always yields the same problems (the seeds are fixed), and a
-problem's prompt id hashes its text and tests (stages/data.py), so a change here shows up as new ids.
+problem's prompt id hashes its text and tests (stages/data/sources.py), so a change here shows up as new ids.
 
-Splits: by family, never by instance (stages/data.py hashes the family name under `data.test_fraction`).
+Splits: by family, never by instance (stages/data/sources.py hashes the family name under `data.test_fraction`).
 A held-out problem therefore comes from a family the model never trained on: a gain on the held-out
 families is a gain in writing small functions, not in recalling one family's trick.
 """

@@ -1,0 +1,54 @@
+"""Every `RLPIPE_*` environment variable rlpipe reads, in one place, each with its default and meaning.
+
+The run's own settings are the config (schemas/config.py); these are the machine's: where a storage root is
+when no argument names one, where caches go, how a flow dispatches its stages. Each is read when asked for,
+not at import, so a test or a worker that sets one sees it. `rlpipe` documents them (docs/configuration.md).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+DEFAULT_ROOT = "./rlpipe-data"  # the storage root when no --root, $RLPIPE_ROOT or config `root:` names one
+
+
+@dataclass(frozen=True)
+class Variable:
+    name: str
+    default: str | None
+    meaning: str
+
+    def get(self) -> str | None:
+        return os.environ.get(self.name) or self.default
+
+
+ROOT = Variable("RLPIPE_ROOT", None, "storage root when no --root is given: a folder or s3://bucket/prefix")
+CACHE = Variable("RLPIPE_CACHE", "~/.cache/rlpipe",
+                 "this machine's cache: converted models, fetched checkpoints, scratch, compiled templates")
+S3_ENDPOINT_URL = Variable("RLPIPE_S3_ENDPOINT_URL", None, "endpoint of an S3-compatible server (MinIO, moto)")
+DISPATCH = Variable("RLPIPE_DISPATCH", "local",
+                    "where a flow runs its stages: `local` (child processes) or `deployments` (workers)")
+DISPATCH_POLL_S = Variable("RLPIPE_DISPATCH_POLL_S", "2", "seconds between polls of a dispatched stage's flow run")
+STAGE_LOCK_WAIT_S = Variable("RLPIPE_STAGE_LOCK_WAIT_S", str(6 * 3600),
+                             "seconds a flow's stage waits for another process running the same stage")
+STAGE_FORK = Variable("RLPIPE_STAGE_FORK", "1", "0: start each local stage as a fresh interpreter, not a fork")
+HOME = Variable("RLPIPE_HOME", None, "the rlpipe checkout a Prefect worker runs flows from")
+# Set by the train stage for its DeepSpeed ranks, never by a person: "<pid>:<start time>" of the stage.
+DS_STAGE = Variable("RLPIPE_DS_STAGE", None, "set by the train stage for its DeepSpeed ranks (internal)")
+
+VARIABLES = (ROOT, CACHE, S3_ENDPOINT_URL, DISPATCH, DISPATCH_POLL_S, STAGE_LOCK_WAIT_S, STAGE_FORK, HOME, DS_STAGE)
+
+
+def cache_dir() -> Path:
+    """This machine's cache root: never part of a run, so deleting it costs only time."""
+    return Path(str(CACHE.get())).expanduser()
+
+
+def stage_fork_enabled() -> bool:
+    return STAGE_FORK.get() != "0"
+
+
+def seconds(variable: Variable) -> float:
+    return float(str(variable.get()))

@@ -1,0 +1,75 @@
+"""A run as one value: where it lives and the config it was started with, loaded once and passed down.
+
+Everything below the Prefect boundary takes a `Run`; only flow and task parameters carry a run as
+`(root, run_id)`, and `Run.open` turns them back into one. `resolve_root` is the one rule that turns a
+root argument, `$RLPIPE_ROOT` or a config's `root:` into a storage root.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import fsspec
+
+from schemas import settings
+from schemas.config import ConfigError, RunConfig, config_from_yaml, dump_config, read_yaml
+from storage.fs import atomic_write_bytes
+from storage.layout import RunLayout
+
+
+def resolve_root(explicit: str | None = None, config: RunConfig | None = None) -> str:
+    """The storage root: the argument, else `$RLPIPE_ROOT`, else the config's `root:`, else ./rlpipe-data."""
+    return explicit or settings.ROOT.get() or (config.root if config is not None else settings.DEFAULT_ROOT)
+
+
+def read_run_config(layout: RunLayout) -> RunConfig:
+    """The config a run was started with (`runs/<run_id>/config.yaml`, local or on S3)."""
+    try:
+        text = layout.fs.cat_file(layout.config_path)
+    except FileNotFoundError:
+        raise ConfigError(
+            f"run {layout.run_id} has no config at {layout.config_path}: start it with `rlpipe run`"
+        ) from None
+    return config_from_yaml(text, layout.config_path)
+
+
+@dataclass(frozen=True)
+class Run:
+    layout: RunLayout
+    config: RunConfig
+
+    @classmethod
+    def open(cls, root: str | None, run_id: str) -> Run:
+        """An existing run (its config read once); a ConfigError when it was never started."""
+        layout = RunLayout.create(resolve_root(root), run_id)
+        return cls(layout, read_run_config(layout))
+
+    @classmethod
+    def start(cls, config: RunConfig, root: str | None = None, replace_config: bool = False) -> Run:
+        """Write the run's config.yaml, or check that the existing one is the same run (`replace_config`: a
+        deliberate change, as `rlpipe resume --set` makes)."""
+        layout = RunLayout.create(resolve_root(root, config), config.run_id)
+        text = dump_config(config)
+        if layout.fs.exists(layout.config_path) and not replace_config:
+            existing = layout.fs.cat_file(layout.config_path).decode()
+            if read_yaml(existing) != read_yaml(text):
+                raise ConfigError(
+                    f"run {config.run_id} already exists at {layout.run_dir} with a different config; "
+                    f"use `rlpipe resume {config.run_id} --set section.field=value` to change it deliberately "
+                    "(changed stages and everything downstream of them are redone)"
+                )
+            return cls(layout, config)
+        atomic_write_bytes(layout.fs, layout.config_path, text.encode())
+        return cls(layout, config)
+
+    @property
+    def root(self) -> str:
+        return self.layout.root
+
+    @property
+    def run_id(self) -> str:
+        return self.layout.run_id
+
+    @property
+    def fs(self) -> fsspec.AbstractFileSystem:
+        return self.layout.fs
