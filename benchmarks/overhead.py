@@ -61,11 +61,16 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from rich.console import Console
 from rich.table import Table
 
 console = Console(width=140)  # the breakdown table is wide
+
+if TYPE_CHECKING:
+    from flows.runner.process import StageOutcome
+    from storage.layout import RunLayout
 
 
 @dataclass
@@ -91,24 +96,21 @@ class StageTime:
         return self.process_wall - self.body
 
 
-def stage_times(root: str, run_id: str, outcomes: list) -> list[StageTime]:  # noqa: ANN001 - StageOutcome
+def stage_times(layout: RunLayout, outcomes: list[StageOutcome]) -> list[StageTime]:
     """Join the flow's per-process wall times with the stage manifests' clocks."""
-    from stages.registry import STAGES
-    from storage.layout import RunLayout, instance_name
+    from stages.registry import outputs_of
     from storage.manifest import read_manifest
 
-    layout = RunLayout.create(root, run_id)
     times = []
     for outcome in outcomes:
         if not outcome.ran:
             continue
-        spec = STAGES[outcome.stage]
         # Every output's manifest of one stage instance carries the same seconds and harness timers.
-        output = spec.outputs(outcome.iteration, outcome.round_idx)[-1]
+        output = outputs_of(outcome.target)[-1]
         manifest = read_manifest(layout.fs, output.manifest_path(layout))
         harness = manifest.metrics.get("harness", {})
         times.append(StageTime(
-            label=f"{outcome.stage} {instance_name(outcome.iteration, outcome.round_idx)}",
+            label=f"{outcome.target.stage} {outcome.target.where}",
             process_wall=outcome.seconds,
             body=manifest.seconds,
             engine_start=float(manifest.metrics.get("engine_start_seconds", 0.0)),
@@ -120,13 +122,12 @@ def stage_times(root: str, run_id: str, outcomes: list) -> list[StageTime]:  # n
 
 
 def main() -> None:
-    from flows.cli import start_run
     from flows.prefect_env import configure_prefect
     from flows.runner import forkserver
     from flows.runner.process import run_stage_process, stage_environment
     from schemas.config import load_config
-    from stages.registry import RUN_STAGES
-    from storage.layout import BASE
+    from stages.registry import RUN_STAGES, instance
+    from storage.run import Run
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--config", default="deployments/configs/default.yaml")
@@ -137,7 +138,8 @@ def main() -> None:
     scratch = Path(tempfile.mkdtemp(prefix="rlpipe-overhead-"))
     root = args.root or str(scratch / "root")
     config = load_config(args.config, ["run_id=overhead", "iterations=1", *args.set])
-    layout = start_run(config, root)
+    run = Run.start(config, root)
+    layout = run.layout
     # Once per run, as `rlpipe run` does before Prefect starts: the stage server (flows/runner/forkserver.py) imports
     # torch, Great Expectations and vLLM once; every stage after it is a fork. Timed apart like Prefect's start.
     configure_prefect()  # as `rlpipe run` does: the stage server gets the environment every stage gets
@@ -146,7 +148,7 @@ def main() -> None:
     # The run-level stages (prompts, base model, the base model's evaluation) run once per run, not per
     # iteration: done first, untimed, the way the flow would, so the measured call only checks them.
     for stage in RUN_STAGES:
-        run_stage_process(layout, config, stage, BASE)
+        run_stage_process(run, instance(stage))
 
     load_before = os.getloadavg()[0]
     # Once per `rlpipe run`, not per iteration: importing Prefect and starting its temporary server (what the
@@ -168,7 +170,7 @@ def main() -> None:
     total = time.monotonic() - started
     load_after = os.getloadavg()[0]
 
-    times = stage_times(layout.root, layout.run_id, outcomes)
+    times = stage_times(layout, outcomes)
     table = Table(title=f"one iteration of {args.config} {' '.join(args.set)} (seconds)")
     for column in ("stage", "process wall", "engine start", "model/sandbox work", "process+harness",
                    "read", "validate", "write"):

@@ -92,17 +92,15 @@ def rlpipe_side(root: str, run_id: str) -> tuple[Side, Any, list[dict]]:
     import pyarrow.parquet as pq
 
     from stages.registry import is_scheduled, stage_state
-    from storage.layout import BASE, RunLayout
+    from storage.layout import BASE
     from storage.manifest import read_manifest
-    from storage.run import read_run_config
 
-    layout = RunLayout.create(root, run_id)
-    config = read_run_config(layout)
-    fs = layout.fs
+    run = Run.open(root, run_id)
+    layout, config, fs = run.layout, run.config, run.fs
     last = config.iterations - 1
     for k in range(config.iterations):
         for stage in ("generate", "score", "train", "evaluate"):
-            if is_scheduled(config, stage, k) and not stage_state(Run(layout, config), instance(stage, k)).done:
+            if is_scheduled(config, stage, k) and not stage_state(run, instance(stage, k)).done:
                 raise SystemExit(f"run {run_id}: stage {stage} of iteration {k} is not done; finish the run first")
     side = Side("rlpipe")
     first = read_manifest(fs, layout.table_path("rollouts", 0) + ".manifest.json")
@@ -218,7 +216,6 @@ def train_with_trl(config: Any, root: str, run_id: str, budget_s: float, out_dir
 def evaluate_with_rlpipe(config: Any, root: str, model_dir: Path, run_id: str) -> tuple[dict, list[dict]]:  # noqa: ANN401
     """The held-out evaluation rlpipe gives its own checkpoints, given to `model_dir` (a run of its own):
     (dataset -> summary, eval table rows)."""
-    from flows.cli import start_run
     from flows.runner.process import run_stage_process
     from stages.registry import RUN_STAGES
     from storage.layout import BASE
@@ -227,9 +224,10 @@ def evaluate_with_rlpipe(config: Any, root: str, model_dir: Path, run_id: str) -
     values = config.model_dump(mode="json") | {"run_id": run_id}
     values["model"] = values["model"] | {"name_or_path": str(model_dir)}
     peer_config = type(config).model_validate(values)
-    layout = start_run(peer_config, root)
+    run = Run.start(peer_config, root)
+    layout = run.layout
     for stage in RUN_STAGES:
-        run_stage_process(layout, peer_config, stage, BASE)
+        run_stage_process(run, instance(stage))
     manifest = read_manifest(layout.fs, layout.table_path("eval", BASE) + ".manifest.json")
     return eval_summaries(manifest), eval_rows(layout, BASE)
 

@@ -53,7 +53,7 @@ from stages.registry import RUN_STAGES, instance, is_done_now, iteration_stages 
 from storage.fs import filesystem, is_remote  # noqa: E402
 from storage.layout import BASE, RunLayout, StageInstance, iteration_name  # noqa: E402
 from storage.lock import RunLocked, run_lock  # noqa: E402
-from storage.run import Run, read_run_config, resolve_root  # noqa: E402
+from storage.run import Run, resolve_root  # noqa: E402
 
 STAGE_FLOW = "stage"
 
@@ -176,7 +176,7 @@ def iteration_flow(
     mode = resolve_dispatch(dispatch)
     try:
         with run_lock(layout):
-            run = Run(layout, read_run_config(layout))  # read once, by the run's one driver
+            run = Run.at(layout)  # read once, by the run's one driver
             with _local_stage_server(run, mode):
                 return _run_iteration(run, iteration, mode)
     except RunLocked as error:
@@ -204,7 +204,7 @@ def loop_flow(
         layout = RunLayout.create(resolve_root(root), run_id)
     mode = resolve_dispatch(dispatch)
     with run_lock(layout):
-        run = Run(layout, read_run_config(layout))  # read once, by the run's one driver
+        run = Run.at(layout)  # read once, by the run's one driver
         count = iterations if iterations is not None else run.config.iterations
         if count > run.config.iterations:
             raise ConfigError(f"run {run.run_id} has {run.config.iterations} iterations; raise it with "

@@ -50,7 +50,7 @@ from storage.checkpoints import checkpoint_digest, fetch_checkpoint, publish_che
 from storage.fs import atomic_write_bytes, describe_os_error, is_remote, temporary_prefix
 from storage.layout import BASE, RunLayout, StageInstance
 from storage.manifest import Manifest, config_hash, output_damage, read_manifest, write_manifest
-from storage.run import Run, read_run_config, resolve_root
+from storage.run import Run, resolve_root
 from storage.tables import TableVersionError, read_table, write_table
 
 console = Console(stderr=True)
@@ -417,7 +417,7 @@ def main(stage: str, work: Callable[[StageContext], None], argv: list[str] | Non
         layout = RunLayout.create(resolve_root(args.root), args.run)
         target = instance(stage, args.iter, args.round)
         with stage_lock(layout, target, wait_s=args.lock_wait):
-            run = Run(layout, read_run_config(layout))
+            run = Run.at(layout)
             # With --if-needed, asked once the lease is ours: the holder we waited for may have done it.
             if args.if_needed and is_done_now(run, target):
                 console.print(f"· {target.label} is done already")

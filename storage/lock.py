@@ -44,14 +44,13 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from email.utils import parsedate_to_datetime
 from functools import lru_cache
-from typing import Any, TypeVar
+from typing import Any
 
 from schemas import settings
 from storage.fs import is_remote, join
 from storage.layout import RunLayout, StageInstance
 
 log = logging.getLogger(__name__)
-T = TypeVar("T")
 
 DEFAULT_TTL_S = 120.0
 
@@ -425,19 +424,3 @@ def stage_lock(
     path = stage_lock_path(layout, target)
     with lease(layout.root, path, ttl_s=ttl_s, wait_s=wait_s, refuse=refuse):
         yield
-
-
-def run_once(
-    lock: Callable[[], Any], is_done: Callable[[], bool], work: Callable[[], T]
-) -> tuple[bool, T | None]:
-    """Do `work` under `lock()` unless `is_done()`, which is asked again *after* the lock is taken.
-
-    This is what makes overlapping triggers safe: the second one waits for the first to finish the stage,
-    then finds it done and skips it. Returns (whether `work` ran, its result).
-    """
-    if is_done():
-        return False, None
-    with lock():
-        if is_done():
-            return False, None
-        return True, work()

@@ -41,7 +41,11 @@ class Run:
     @classmethod
     def open(cls, root: str | None, run_id: str) -> Run:
         """An existing run (its config read once); a ConfigError when it was never started."""
-        layout = RunLayout.create(resolve_root(root), run_id)
+        return cls.at(RunLayout.create(resolve_root(root), run_id))
+
+    @classmethod
+    def at(cls, layout: RunLayout) -> Run:
+        """The run that lives at `layout`, its config read now."""
         return cls(layout, read_run_config(layout))
 
     @classmethod

@@ -24,7 +24,7 @@ import pytest
 from flows.deploy import free_port, stop_processes
 from stages.registry import instance
 from storage.layout import RunLayout
-from storage.lock import RunLocked, S3Lease, StageLocked, run_lock, run_once, stage_lock, stage_lock_path
+from storage.lock import RunLocked, S3Lease, StageLocked, run_lock, stage_lock, stage_lock_path
 
 BUCKET = "rlpipe-locks"
 
@@ -47,13 +47,14 @@ except LeaseLost as error:
 print("released", flush=True)
 """
 
-# A trigger: waits for the go file, then runs "generate" of iteration 0 at most once (run_once), logging
+# A trigger: waits for the go file, then runs "generate" of iteration 0 at most once (as a stage process
+# does: under the stage's lease, asking whether it is done only once it holds the lease), logging
 # start/end of the work to a local file. With check_done=0 it always works, to test mutual exclusion alone.
 TRIGGER = """
 import os, sys, time
 from stages.registry import instance
 from storage.layout import RunLayout
-from storage.lock import run_once, stage_lock
+from storage.lock import stage_lock
 root, log_path, go, check_done, ttl = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4] == "1", float(sys.argv[5])
 layout = RunLayout.create(root, "r")
 fs = layout.fs
@@ -74,7 +75,10 @@ def work():
 print("ready", flush=True)
 while not os.path.exists(go):
     time.sleep(0.01)
-ran, _ = run_once(lambda: stage_lock(layout, instance("generate", 0), ttl_s=ttl, wait_s=300), is_done, work)
+with stage_lock(layout, instance("generate", 0), ttl_s=ttl, wait_s=300):
+    ran = not is_done()
+    if ran:
+        work()
 print("ran" if ran else "skipped", flush=True)
 """
 
@@ -334,12 +338,3 @@ def test_racing_for_an_expired_s3_lease_has_one_winner(s3_root: str, tmp_path: P
     time.sleep(ttl + 2)  # expired: every trigger below sees a stale lease and tries to take it over at once
     outcomes = race(s3_root, tmp_path, processes, count=4, check_done=True, ttl=ttl)
     assert sorted(outcomes) == ["ran", "skipped", "skipped", "skipped"]
-
-
-def test_run_once_checks_again_after_taking_the_lock(tmp_path: Path) -> None:
-    layout = RunLayout.create(str(tmp_path), "r")
-    calls: list[str] = []
-    answers = iter([False, True])  # not done before the lock; done once we hold it (someone just finished)
-    score = instance("score", 0)
-    ran, result = run_once(lambda: stage_lock(layout, score), lambda: next(answers), lambda: calls.append("x"))
-    assert (ran, result, calls) == (False, None, [])
