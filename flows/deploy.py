@@ -27,6 +27,7 @@ from typing import Any
 
 import yaml
 
+from schemas import settings
 from schemas.config import ConfigError, read_yaml
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -51,7 +52,7 @@ def enter_checkout(directory: str | None = None) -> dict[str, str]:
     has its own checkout (or install) of the same rlpipe version, so nothing is copied at run time and the
     path on the machine that ran `prefect deploy` does not matter.
     """
-    target = Path(directory or os.environ.get("RLPIPE_HOME") or REPO_ROOT).expanduser().resolve()
+    target = Path(directory or settings.HOME.get() or REPO_ROOT).expanduser().resolve()
     if not (target / "flows" / "pipeline.py").is_file():
         raise DeployError(f"{target} is not an rlpipe checkout (no flows/pipeline.py); set RLPIPE_HOME on the worker")
     os.chdir(target)

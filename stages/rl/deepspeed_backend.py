@@ -47,6 +47,7 @@ from typing import Any
 import psutil
 import torch
 
+from schemas import settings
 from schemas.config import TrainConfig
 from stages.rl.checkpoint import TrainerState, copy_non_model_files, load_policy, load_reference, read_state
 from stages.rl.logprobs import ResponseLogprobs
@@ -57,7 +58,7 @@ DS_DIR = "deepspeed"
 DS_TAG = "optimizer"
 DS_META = "deepspeed_meta.json"
 READY = "rlpipe deepspeed rank ready:"  # each rank prints it to the launcher log once its engine is built
-STAGE_ENV = "RLPIPE_DS_STAGE"  # "<pid>:<start time>" of the train stage that launched the ranks
+STAGE_ENV = settings.DS_STAGE.name  # "<pid>:<start time>" of the train stage that launched the ranks
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
