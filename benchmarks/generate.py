@@ -1,31 +1,16 @@
 """Generation throughput: bare vLLM vs the generate stage's vLLM backend vs the Hugging Face backend.
 
-The same HumanEval prompts (chat-formatted exactly as the generate stage formats them) go through:
-
-  (a) bare vLLM: `vllm.LLM` with its default engine settings (chunked prefill on) but the stage's precision
-      and compile mode, one `SamplingParams(n=8)` per prompt, no seeds, no logprobs: what a user would
-      write;
-  (b) the stage's path: `make_backend("vllm", ...)` (chunked prefill off, processed logprobs, one seeded
-      request per sample) driven by `stages.generation.sampling.generate_with_progress`, the function the stage calls
-      (progress bar included);
-  (c) the Hugging Face backend through the same function, on the first `--hf-prompts` prompts only (at
-      a few tens of tokens/s the full set would take an hour; tokens/s is a rate, so the ratio stands).
-
-Engine start (import, load, compile) is timed apart and left out of tokens/s. Each vLLM engine runs a short
-warm-up generate first, so shape-specific compilation is not counted as generation either. Tokens/s is
-generated tokens over wall time. Engines run one after the other, never side by side, on a machine that
-others share: the load average before and after each phase is printed with it.
+The same HumanEval prompts (chat-formatted as the generate stage formats them) go through (a) bare vLLM:
+`vllm.LLM` with its default engine settings but the stage's precision and compile mode, one
+`SamplingParams(n=8)` per prompt, no seeds, no logprobs: what a user would write; (b) the stage's path:
+`make_backend("vllm", ...)` driven by `generate_with_progress`, the function the stage calls; (c) the HF
+backend through the same function, on the first `--hf-prompts` prompts only (tokens/s is a rate).
+Engine start and a warm-up generate are timed apart and left out of tokens/s; engines run one after the
+other, and the load average before and after each phase is printed.
 
 Run: `.venv/bin/python -m benchmarks.generate` (defaults: 32 prompts x 8 samples x 256 tokens, vLLM in the
-config's "auto" precision and compile mode (fp32 eager on CPU), fp32 for HF: the fastest settings of each
-on this CPU; `--help` for the knobs).
-Targets: (b) / (a) >= 0.9, (b) / (c) >= 3.
-
-Measured on the 2-core CPU box, nothing else running (2026-11-22, vLLM bf16 compiled, the default then):
-(a) 90.1 tok/s, (b) 88.8 tok/s, (c) 24.7 tok/s: (b) / (a) = 0.99, (b) / (c) = 3.60. Engine start: (a) 257 s
-(its default settings compile their own graph), (b) 61 s (compile cache warm). The engine default is now
-fp32 eager on CPU (schemas/config.py: on 84 HumanEval requests x 128 tokens, 148 tok/s and a 10 s start
-against 35 tok/s and 112 s for bf16 compiled).
+config's "auto" precision and compile mode, fp32 for HF; `--help` for the knobs).
+Targets: (b) / (a) >= 0.9, (b) / (c) >= 3 (0.99 and 3.60 on 2026-11-22: docs/measurements.md).
 """
 
 from __future__ import annotations

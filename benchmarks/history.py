@@ -1,37 +1,16 @@
 """Benchmark: questions about a run's history, through the catalog vs pandas over JSONL dumps.
 
-Writes `--rows` synthetic rollout rows (default 1,000,000) in the real run layout (rollouts, scores and batch
-tables with manifests, via tests/support/synthetic_runs.py), and the same samples as one JSONL file per iteration, the
-format other trainers dump (verl's `rollout_data_dir`, OpenRLHF/TRL logs: one JSON object per sample with
-step, input, output, score). Then it answers three typical questions both ways:
-
-    reward by iteration   mean reward and count per (run, iteration)
-    group stats           per (run, iteration, prompt): n, mean, std, min, max reward, solve rate
-    text length           mean response length (characters and tokens) per (run, iteration)
-
-Catalog: `Catalog(root)` (lists manifests, creates views) + one SQL query, result fetched into Arrow.
-pandas: `pd.read_json(lines=True)` of every dump + `groupby`; a script that answers one question from
-dumps has to parse them first, so the per-question pandas time is load + compute. The compute-only time
-(frame already in memory) is printed too, and so is the load average: this machine is shared.
+Writes `--rows` synthetic rollout rows (default 1,000,000) in the real run layout (tests/support/synthetic_runs.py),
+and the same samples as one JSONL file per iteration, the format other trainers dump (verl's
+`rollout_data_dir`, OpenRLHF/TRL logs). Then it answers three questions both ways: reward by iteration,
+group stats per prompt, response length. Catalog: open (list manifests, create views) + one SQL query into
+Arrow. pandas: `read_json(lines=True)` of every dump + `groupby`, since a script answering from dumps has to
+parse them first; the compute-only time and the load average are printed too.
 
     .venv/bin/python benchmarks/history.py [--rows 1000000] [--runs 2] [--iterations 50] [--dir DIR [--reuse]]
 
-Target: reward by iteration <= 0.5 s locally, from a cold catalog (open + first query).
-
-Measured on the 2-core CPU box (2026-11-23, defaults: 1,000,000 rows, 2 runs x 50 iterations, 5 repeats;
-1-minute load average 0.42 before and 1.13 after, by `uptime` and by the script; nothing else heavy ran).
-Written in 22.8 s: Parquet 499 MB (rollouts + scores + batch, token ids included), JSONL 400 MB. Catalog open
-(list 302 table manifests, create views) 0.092 s; pandas `read_json(lines=True)` of the 100 dumps 9.25 s.
-
-    question             catalog first  catalog warm  open+warm  pandas compute  pandas load+compute  ratio  compute
-    reward by iteration        0.045 s       0.052 s    0.144 s         0.100 s               9.35 s    65x     1.9x
-    group stats                0.192 s       0.122 s    0.214 s         0.163 s               9.42 s    44x     1.3x
-    text length                0.056 s       0.059 s    0.151 s         0.108 s               9.36 s    62x     1.8x
-
-Reward by iteration from a cold catalog: 0.137 s, target <= 0.5 s met. The ratio (pandas load+compute over
-catalog open+warm) is what answering one question from files on disk costs both ways; with the JSONL already
-parsed into memory pandas is within 1.3-1.9x of DuckDB (compute ratio). Whole run: 36.5 s wall, 30 s user +
-4.6 s system CPU, 0.8 GB peak RSS.
+Target: reward by iteration <= 0.5 s from a cold catalog (0.137 s on 2026-11-23, 65x pandas over the
+dumps: docs/measurements.md, "Benchmark notes").
 """
 
 from __future__ import annotations

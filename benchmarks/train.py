@@ -1,27 +1,15 @@
 """Training throughput: the train stage's update vs a bare torch forward/backward/step loop, same batch.
 
 Both sides train SmolLM2-135M-Instruct (fp32, torch AdamW, one optimizer step over the whole batch, token-mean
-PPO-clip loss with one advantage per sequence) on the same synthetic batch: `--sequences` sequences of
-`--prompt-tokens` prompt tokens and up to `--response-tokens` response tokens (lengths vary, as rollouts do).
-
-  (a) bare: the loop a user would write: `model(input_ids).logits`, full `log_softmax` over the vocabulary,
-      `gather` of the sampled tokens, PPO-clip loss, `backward`, `clip_grad_norm_`, `AdamW.step`; the
-      micro-batches are the stage's (same packing, same padding), so both do the same model work;
-  (b) stage: `stages.rl.session.run_job`, the function the train stage calls: load, `PolicyTrainer.train`
-      (chunked LM head + log-softmax with recompute, the metrics), save the checkpoint and optimizer state.
-
-Tokens/s is non-padding tokens (prompt + response) per second of the update (load and save are timed apart
-and left out of both), by wall clock and per CPU-second of the process (all threads; on a shared machine
-the wall clock mostly measures the other jobs, CPU time much less so). Each measurement runs in its own
-fresh process, so each peak RSS is its own; the two sides alternate (`--repeats` times each), and the
-load average before and after each is printed with it. Target: (b) / (a) >= 0.9.
+PPO-clip loss) on the same synthetic batch of `--sequences` sequences of varying length: (a) bare: the loop
+a user would write (`model(input_ids).logits`, full `log_softmax`, `gather`, loss, `backward`, clip, step)
+on the stage's micro-batches; (b) stage: `stages.rl.session.run_job`, the function the train stage calls.
+Tokens/s is non-padding tokens per second of the update (load and save left out), by wall clock and per
+CPU-second (on a shared machine CPU time is the steadier figure). Each measurement runs in a fresh process
+(its own peak RSS); the sides alternate `--repeats` times, with the load average before and after.
 
 Run: `.venv/bin/python -m benchmarks.train` (`--help` for the knobs).
-
-Measured on the 2-core CPU box, nothing else running (2026-11-23, `--repeats 2`, 16 sequences x (128 prompt +
-<= 96 response) tokens = 3,143 tokens, 2 threads, load 2.6 -> 2.0): bare 119.9 tok/s (60.9 tok/CPU-s), peak
-RSS 5,787 MB; stage 131.1 tok/s (66.3 tok/CPU-s), peak RSS 4,881 MB (the chunked log-softmax never holds the
-batch's full logits). Ratio stage / bare: 1.09 by wall clock and per CPU-second.
+Target: (b) / (a) >= 0.9 (1.09 on 2026-11-23: docs/measurements.md, "Benchmark notes").
 """
 
 from __future__ import annotations
