@@ -1,20 +1,14 @@
 """Stage `advantage`: turn scored rollouts into the training batch (advantages, shaping, filters).
 
-Reads this iteration's rollouts and scores, joins them on the rollout key, and writes the batch table with
-one row per rollout, so that every sample is accounted for: `kept` says whether it enters the loss and
-`drop_reason` why not. The order of operations (each step documented in stages/rl/):
-
-1. shaped reward = reward + DAPO overlong penalty (when `overlong_buffer` > 0);
-2. samples are grouped by (round, prompt_id); group filters drop groups with all-equal shaped rewards
-   (`zero_variance`) or a mean raw reward outside [min_group_mean, max_group_mean]
-   (`success_rate_out_of_range`);
-3. the dynamic-sampling target (`target_groups`) keeps the first groups in (round, prompt) order and drops
-   the rest (`over_target`); a shortfall is reported as `groups_needed` for the flow to generate another
-   round, and is an error naming the cap once `max_generation_rounds` rounds are in the table;
-4. advantages by the configured estimator over the kept groups (0 for samples of dropped groups);
-5. `mask_truncated` drops truncated responses from the loss (`truncated`) after they served in the baseline;
-6. the skip rule: when no kept sample has a nonzero advantage, the manifest says `skipped: true` and the
-   train stage records a skipped step instead of training.
+Reads this iteration's rollouts and scores (every generation round), joins them on the rollout key and writes
+the batch table with one row per rollout: `kept` says whether it enters the loss, `drop_reason` why not.
+In order (each step documented in stages/rl/): shaped reward = reward + DAPO overlong penalty; group by
+(round, prompt_id) and drop all-equal groups (`zero_variance`) or groups whose mean reward is out of range
+(`success_rate_out_of_range`); keep the first `target_groups` groups (`over_target`), reporting a shortfall as
+`groups_needed` for the flow to generate another round (an error naming the cap after
+`max_generation_rounds`); advantages by the configured estimator (0 in dropped groups); `mask_truncated`
+after the baseline; and the skip rule: no kept sample with a nonzero advantage makes the manifest say
+`skipped: true`, and train records a skipped step.
 
 All of this is the pure function `build_batch`; `run` only reads, calls it and writes.
 """

@@ -1,19 +1,13 @@
 """Stage `train`: update the policy on this iteration's batch and write checkpoint k + train_metrics k.
 
-Inputs: the batch table (advantages, `kept`), the rollouts table (token ids and the sampler's logprobs)
-and the policy that generated the rollouts (checkpoint k-1, the base model for k = 0). The kept batch
-rows are joined with their rollouts on the rollout key, in key order, into `TrainSample`s; the update
-itself is `stages/rl/session.py` (plain torch, in this process, the default) or
-`stages/rl/deepspeed_backend.py` (the DeepSpeed launcher with `train.processes` ranks).
-
-- Old-policy logprobs are recomputed by the trainer; the sampler's `response_logprobs` are the behaviour
-  policy for rollout correction (or the old policy itself with `bypass_old_logprobs`).
-- Logprobs use the generation temperature (`generate.temperature`), as the sampler's do.
-- The KL reference is the base model (when `kl_coef` > 0), verified against the run's base-model hash.
-- A skipped batch (no kept sample with a nonzero advantage, the skip rule in stages/rl/filters.py) trains
-  nothing: the checkpoint is a copy of the input policy (so iteration k+1 has a policy) and the table holds
-  one row with skipped = True.
-- Seeds are fixed by (train.seed, iteration); torch uses `threads` threads.
+The kept batch rows are joined with their rollouts (token ids, the sampler's logprobs) on the rollout key, in
+key order, into `TrainSample`s and trained from the policy that generated them (checkpoint k-1, the base
+model for k = 0) by stages/rl/session.py (plain torch, in this process) or stages/rl/deepspeed_backend.py
+(`train.processes` ranks). Old-policy logprobs are recomputed by the trainer at the generation temperature;
+the sampler's are the behaviour policy for rollout correction (or the old policy, `bypass_old_logprobs`).
+The KL reference is the base model, verified against the run's base-model hash. A skipped batch (no kept
+nonzero advantage) trains nothing: the checkpoint is a copy of the input policy, so iteration k+1 has one,
+and the table holds one row with skipped = True. Seeds are fixed by (train.seed, iteration).
 """
 
 from __future__ import annotations

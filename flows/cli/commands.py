@@ -1,19 +1,16 @@
 """The `rlpipe` command line.
 
     rlpipe run [--config FILE] [--set section.field=value ...] [--run-id ID] [--root ROOT]
-    rlpipe resume RUN [--set ...] [--root ROOT]
-    rlpipe status RUN [--root ROOT]
+    rlpipe resume RUN [--set ...] [--root ROOT]          rlpipe status RUN [--root ROOT]
     rlpipe stage NAME --run RUN [--iter K] [--root ROOT]
     rlpipe sandbox serve [--config FILE] [--host 127.0.0.1] [--port 8080]
     rlpipe query "SQL" [--out FILE]      rlpipe show RUN ITER PROMPT SAMPLE
     rlpipe lineage RUN [ITER]            rlpipe report RUN
     rlpipe server                        rlpipe deploy
 
-Everything that can be checked before a stage runs is checked first: the config (unknown keys, wrong
-types), the run id, the data files (malformed lines, rows without tests). Errors name the file, line or
-field and exit with code 2, before anything is written.
-
-Prefect is imported only by `run`/`resume` (the flow process); every other command stays fast.
+Everything that can be checked before a stage runs is checked first: the config, the run id, the data files.
+Errors name the file, line or field and exit with code 2, before anything is written. Prefect is imported
+only by `run`/`resume` (the flow process); every other command stays fast.
 """
 
 from __future__ import annotations

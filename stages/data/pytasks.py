@@ -1,20 +1,15 @@
 """The built-in source `pytasks`: small function-writing problems with tests, generated from code.
 
-Why it exists: HumanEval is hard for a 135M model (the base model solves about 4% of its held-out problems
-per sample), so most GRPO groups on it are all-wrong and carry no signal. These problems are HumanEval's
-shape (a signature and a docstring with examples; `check(candidate)` with asserts) at the level of a first
-programming course: sum the even numbers, reverse the words, clamp a value. The base model solves a part of
-them, so groups have reward variance and training has something to learn from.
+HumanEval is hard for a 135M model (the base model solves about 4% of its held-out problems per sample), so
+most GRPO groups on it are all-wrong and carry no signal. These problems have HumanEval's shape (signature,
+docstring with examples, `check(candidate)` with asserts) at a first-course level (sum the even numbers,
+reverse the words), so the base model solves some and groups have reward variance.
 
-How a problem is made: each *family* (e.g. "count the elements above a threshold") draws its constants and
-its function name from a random generator seeded by (family, instance), renders a HumanEval-style prompt,
-and computes every expected value by running its reference solution on the test inputs, so a test can never
-disagree with the docstring. The same code always yields the same problems (the seeds are fixed), and a
-problem's prompt id hashes its text and tests (stages/data/sources.py), so a change here shows up as new ids.
-
-Splits: by family, never by instance (stages/data/sources.py hashes the family name under `data.test_fraction`).
-A held-out problem therefore comes from a family the model never trained on: a gain on the held-out
-families is a gain in writing small functions, not in recalling one family's trick.
+Each family draws its constants and function name from a generator seeded by (family, instance) and computes
+every expected value by running its reference solution, so a test never disagrees with the docstring and the
+same code always yields the same problems. Splits are by family (stages/data/sources.py hashes the family
+name), so a held-out problem comes from a family never trained on: a held-out gain is a gain in writing small
+functions, not in recalling one family's trick.
 """
 
 from __future__ import annotations

@@ -1,25 +1,16 @@
 """Backend `hf`: sampling with a Hugging Face causal LM in our own token-by-token loop.
 
-This is the fallback where vLLM is not installed, and the backend CI exercises everywhere. It does not use
-`model.generate`, for two reasons:
+The fallback where vLLM is not installed, and the backend CI exercises everywhere. It does not use
+`model.generate`, which returns raw scores and shares one generator across the batch: here one
+`torch.Generator` per row makes a sample depend only on its seed and prompt, and the stored logprob is the
+drawn token's under the processed distribution (logits / temperature, top-k, top-p, renormalised), as the
+rollouts table promises (stages/generation/base.py).
 
-- Reproducibility per request. Every request has its own seed; one `torch.Generator` per batch row makes
-  a sample depend only on its seed and its prompt, not on which other requests share the batch (up to
-  float rounding, which is deterministic for the same request list and batch size).
-- Logprobs under the distribution the token was drawn from. We sample from the processed distribution
-  (logits / temperature, then top-k, then top-p, renormalised) and keep the log-probability of the drawn
-  token in it, which is what the rollouts table promises (`stages/generation/base.py`). `generate` would
-  return raw scores and, with a shared generator, no per-request seeds.
-
-The loop is a plain KV-cache decode: left-padded batch, one forward for the prompts, then one forward per
-new token. Rows that finish (eos/pad token, a stop string, or `max_new_tokens`) are dropped from the batch
-and from the cache, so a long straggler does not drag finished rows through every step.
-
-Output conventions, shared with the vLLM backend so both fill the table the same way:
-- `token_ids` include the token that ended the sample (eos, or the token completing a stop string): it is
-  the model's decision to stop and the trainer scores it like any other action.
-- `text` is the decoded response without special tokens, cut before the first stop string.
-- `finish_reason` is "stop" for eos or a stop string, "length" for `max_new_tokens`.
+The loop is a plain KV-cache decode: left-padded batch, one forward for the prompts, then one per new token.
+Finished rows (eos/pad, a stop string, `max_new_tokens`) leave the batch and the cache, so a straggler does
+not drag them through every step. Output conventions, shared with the vLLM backend: `token_ids` include the
+token that ended the sample (the model's decision to stop, scored like any action); `text` is the decoded
+response without special tokens, cut before the first stop string; `finish_reason` is "stop" or "length".
 """
 
 from __future__ import annotations

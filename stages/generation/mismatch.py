@@ -1,23 +1,15 @@
 """How far the sampler's stored logprobs are from the trainer's forward pass on the same tokens.
 
-Importance-sampling corrections divide the current policy's probability of a token by the behaviour
-policy's (the sampler's). If the sampler and the trainer disagree on the same weights (bf16 vs fp32,
-different kernels, a different top-p nucleus), that disagreement masquerades as policy change. This module
-measures it: it recomputes every sampled token's logprob with a Hugging Face forward pass over
-prompt + response, under the same temperature / top-k / top-p processing the sampler applied (see
-`processed_logprobs`), and summarises |sampler - recomputed| per token. The generate stage's tests and the
-rollouts manifest report it as a run health figure.
+Importance-sampling corrections divide the current policy's probability of a token by the sampler's; if the
+two disagree on the same weights (bf16 vs fp32, other kernels), the disagreement masquerades as policy
+change. This recomputes every sampled token's logprob with a Hugging Face forward pass over prompt + response
+under the sampler's temperature / top-k / top-p (`processed_logprobs`) and summarises |sampler - recomputed|
+per token: the rollouts manifest's `logprob_mismatch` health figure. Tokens outside the recomputed top-k /
+top-p set (logprob -inf) are counted (`outside_filter`) and left out of the statistics.
 
-A token the sampler drew that falls outside the recomputed top-k / top-p set has a recomputed logprob of
--inf; such tokens are counted (`outside_filter`) and left out of the absolute-difference statistics,
-which would otherwise be infinite and say nothing.
-
-That figure isolates numerics (precision, kernels). It is not all the trainer sees: the trainer recomputes
-logprobs under temperature alone, never top-k / top-p, so with a filter on, every sampled token's stored
-logprob exceeds the trainer's by -log(the filtered set's probability mass) at that step, a systematic
-gap that importance ratios and their truncation act on. When the sampling filters, the summary therefore
-also holds `as_trained`: the same statistics against the temperature-only logprobs of the same forward
-pass (its `mean_signed` is that gap).
+The trainer recomputes under temperature alone, so with a filter on every stored logprob exceeds the
+trainer's by -log(the filtered mass) at that step; the summary then also holds `as_trained`, the same
+statistics against the temperature-only logprobs (its `mean_signed` is that gap).
 """
 
 from __future__ import annotations

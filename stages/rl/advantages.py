@@ -1,20 +1,13 @@
 """Advantage estimators for outcome rewards: one scalar reward per sample, samples grouped by prompt.
 
-Every estimator here turns the rewards of one group (the G samples drawn for one prompt) into one
-advantage per sample; the train stage broadcasts a sample's advantage to each of its response tokens.
-They are critic-free: the baseline comes from the other samples of the same prompt, so a prompt that is
-easy and a prompt that is hard both contribute a centred signal.
+Each estimator turns the rewards of one group (the G samples of one prompt) into one advantage per sample,
+which the trainer broadcasts to the sample's response tokens. They are critic-free: the baseline comes from
+the other samples of the same prompt, so easy and hard prompts both give a centred signal.
 
-Conventions shared by all estimators (documented once here, tested in tests/rl/test_advantages.py):
-
-- Arrays are float64 numpy; suffix `_G` is one group, `_N` is a flat batch of samples.
-- A NaN or infinite reward is an error (`ValueError` naming the sample), never a silent zero: it means a
-  scorer bug, and training on it would poison the whole batch.
-- A singleton group (G = 1) has no other sample to compare against, so every estimator gives it advantage
-  0. (verl instead falls back to the raw reward for GRPO/OPO; a raw reward with no baseline is a biased,
-  uncentred signal, and the zero-variance filter drops such groups anyway.)
-- A group whose rewards are all equal carries no preference between its samples: every estimator gives
-  exactly 0 (the std-normalised ones compute 0 / (0 + eps) = 0, not 0 / 0).
+Conventions (tested in tests/rl/test_advantages.py): float64 numpy, `_G` one group, `_N` a flat batch. A NaN
+or infinite reward is a `ValueError` naming the sample (a scorer bug), never a silent zero. A singleton group
+gets advantage 0 (verl falls back to the raw reward, a biased uncentred signal). A group of equal rewards gets
+exactly 0 (the std-normalised estimators compute 0 / (0 + eps)).
 """
 
 from __future__ import annotations

@@ -1,31 +1,16 @@
 """DeepSpeed ZeRO as a training backend: the same `PolicyTrainer`, with a DeepSpeed engine as its optimizer.
 
-The train stage calls `launch(job, processes)`, which runs the DeepSpeed launcher
-(`python -m deepspeed.launcher.runner --num_gpus N --module stages.rl.deepspeed_backend --job FILE`); every
-rank runs `worker`, which builds the engine around `ResponseLogprobs(model)` (forward passes go through
-the engine, so ZeRO-3's parameter gathering works), and trains with `DeepSpeedStepper`:
+The train stage calls `launch(job, processes)`, which runs the DeepSpeed launcher on this module; every rank
+runs `worker`, which wraps `ResponseLogprobs(model)` in the engine (so ZeRO-3 gathers parameters in forward)
+and trains with `DeepSpeedStepper`. Every rank packs the same minibatch and takes every world-th micro-batch,
+padding with zero-weight repeats so all ranks make the same number of calls; gradient accumulation is ours
+(`engine.step()` reduces and updates); the loss is scaled by the world size, since DeepSpeed averages. The
+optimizer is torch AdamW (no DeepSpeed op compiled) and bf16 is our autocast, so state stays fp32.
 
-- data parallelism: every rank packs the same minibatch into the same micro-batches and takes every
-  world-th one (`PolicyTrainer._rank_micro_batches`); ranks that run out repeat one with loss weight 0, so
-  every rank makes the same number of forward/backward calls (ZeRO-3 gathers parameters collectively);
-- gradient accumulation is unmanaged (`managed_gradient_accumulation: false`): backward only accumulates,
-  `engine.step()` reduces and updates, whatever the number of micro-batches;
-- each rank's loss is its share of the minibatch loss; DeepSpeed averages gradients over ranks, so the
-  trainer scales the loss by the world size to get the sum;
-- the optimizer is the same torch AdamW (a client optimizer), so no DeepSpeed op is compiled; on this CPU
-  DeepSpeed picks its CPU accelerator and gloo by itself. bf16 is our autocast, not DeepSpeed's bf16 mode,
-  so weights and optimizer state stay fp32 as in the torch backend.
-
-Rank 0 writes the HF checkpoint (under ZeRO-3 inside `GatheredParameters`) and the metrics rows; the
-optimizer state is DeepSpeed's own checkpoint in `<checkpoint>/deepspeed/`, resumed by the next iteration
-when its world size and ZeRO stage match (otherwise a fresh optimizer, recorded as optimizer_resumed=False).
-
-The launcher's processes never outlive the train stage that started them. DeepSpeed's own launcher stops
-every rank when one fails, but nothing stops the ranks when the *stage* dies: a stage killed alone (the
-OOM killer, `kill -9` of its pid) would leave ranks training without the stage's lease, beside the retry
-that lease lets in. So every rank watches the stage process (its pid and start time, `RLPIPE_DS_STAGE`)
-and kills itself within a second of the stage's end; and `launch` kills the launcher's whole process
-tree on its way out whenever the job did not finish (a timeout, an exception, a signal).
+Rank 0 writes the HF checkpoint and the metrics; the optimizer state is DeepSpeed's checkpoint in
+`<checkpoint>/deepspeed/`, resumed when world size and ZeRO stage match. The launcher's processes never
+outlive the stage: every rank watches the stage process (`RLPIPE_DS_STAGE`: pid and start time) and ends
+within a second of it, and `launch` kills the launcher's whole tree on a timeout, an exception or a signal.
 """
 
 from __future__ import annotations

@@ -1,21 +1,15 @@
 """Which samples and groups enter the loss, and reward shaping that depends on the response, not its score.
 
-Pure functions over numpy arrays (`_N` one entry per sample, `_K` one per group) used by the advantage
-stage, in this order:
+Pure functions over numpy arrays (`_N` one entry per sample, `_K` one per group), used by the advantage stage
+in this order: `overlong_penalty` (DAPO's soft length penalty, added before any group statistic so it takes
+part in the baseline); group filters `has_variance` (DAPO dynamic sampling) and `success_rate_in_range` (a
+dropped group's samples stay in the table with `kept = False` and a `drop_reason`); the `truncated` sample
+mask (out of the loss, still in the baseline: dropping them there would bias the others' advantages); and
+`is_skip_step`: with no kept nonzero advantage the step is skipped, since it would only move the policy
+through KL/entropy terms and Adam's momentum, drift rather than learning.
 
-1. `overlong_penalty`: DAPO's soft length penalty is added to the reward (the shaped reward) before any
-   group statistic, so it takes part in the baseline like any other reward.
-2. Group filters decide which groups are kept: `has_variance` (DAPO dynamic sampling) and
-   `success_rate_in_range`. A dropped group's samples stay in the batch table with `kept = False` and a
-   `drop_reason`, so every rollout row is accounted for.
-3. Sample filters: `truncated` responses can be masked out of the loss (DAPO "overlong filtering"); they
-   still count in their group's baseline, because dropping them there would bias the others' advantages.
-4. `is_skip_step`: if nothing that is kept has a nonzero advantage, the train step is skipped (recorded,
-   not trained on): a zero-advantage step only moves the policy through the KL/entropy terms and Adam's
-   momentum, which is drift, not learning.
-
-Dynamic sampling across generation rounds is planned by `rounds_needed` (how many more groups to generate
-for) and bounded by `max_rounds`, failing with `DynamicSamplingExhausted` when the cap is hit.
+Dynamic sampling across rounds is planned by `rounds_needed` and bounded by `max_rounds`, which raises
+`DynamicSamplingExhausted` at the cap.
 """
 
 from __future__ import annotations

@@ -1,22 +1,16 @@
 """The policy update: one batch of scored samples in, optimizer steps and one metrics row per step out.
 
-This is the train stage without its I/O, so the toy-problem tests, the benchmark and the DeepSpeed worker
-run exactly the code the stage runs. One call of `PolicyTrainer.train` does, for a batch of N samples:
+The train stage without its I/O, so the toy-problem tests, the benchmark and the DeepSpeed worker run exactly
+the stage's code. `PolicyTrainer.train` on a batch: (1) old-policy logprobs, recomputed in a no-grad pass
+only when the batch gets more than one optimizer step or rejection needs them before the first backward (for
+a single step the training forward pass's detached logprobs are the old policy; with `bypass_old_logprobs`
+the sampler's are); (2) reference logprobs of the frozen base model when kl_coef > 0; (3) `epochs` seeded
+shuffles, each cut into `minibatches` optimizer steps, a minibatch packed into micro-batches by token budget
+with gradients accumulated, every loss term aggregated with the minibatch's totals (`losses.aggregate`) so
+the gradient is the minibatch loss's whatever the packing; (4) clipping, `lr_at(global_step)`, the step.
 
-1. old-policy logprobs: recomputed by the trainer in a no-grad pass when the batch is trained for more
-   than one optimizer step (then the policy moves between steps); for a single step the detached logprobs
-   of the training forward pass *are* the old policy (same weights, no dropout), which saves that pass.
-   With `bypass_old_logprobs` the sampler's logprobs are the old policy. Rejection needs the old logprobs
-   of the whole minibatch before its first backward (it changes the loss denominator): it forces the pass.
-2. reference logprobs (frozen base model), only when kl_coef > 0;
-3. `epochs` passes over the batch, each shuffled (seeded) and cut into `minibatches` optimizer steps; a
-   minibatch is packed into micro-batches by token budget and gradients accumulate over them. Every loss
-   term is aggregated with the minibatch's totals (`losses.aggregate`), so the accumulated gradient is
-   exactly that of the minibatch loss whatever the packing;
-4. gradient clipping, learning rate from `lr_at(global_step)`, optimizer step.
-
-Dropout is forced off: PPO's ratio and the fast path above need the policy to be a deterministic function.
-The optimizer side is behind `Stepper` (plain torch here, DeepSpeed in stages/rl/deepspeed_backend.py).
+Dropout is forced off: PPO's ratio and the single-step fast path need a deterministic policy. The optimizer
+side is behind `Stepper` (plain torch here, DeepSpeed in stages/rl/deepspeed_backend.py).
 """
 
 from __future__ import annotations

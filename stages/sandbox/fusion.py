@@ -1,19 +1,13 @@
 """Backend `sandbox_fusion`: score through a SandboxFusion service's `POST /run_code`.
 
-For users who already run SandboxFusion (or `rlpipe sandbox serve`, which speaks the same API). Requests
-go out on a bounded thread pool (`sandbox_fusion_concurrency`) and are retried with exponential backoff
-on connection errors, HTTP errors and `SandboxError` answers (`sandbox_fusion_retries`).
-
-- `code_stdio`: one request per case with `stdin`; the case passes when the run finished with exit code
-  0 and stdout matches after normalising trailing whitespace.
-- `code_tests`: one request per sample. The program is the preamble, the candidate's code, the test
-  module, and a small harness that runs the check's statements one by one and prints a result line per
-  test, tagged with a random nonce, then a final `done` line; a test counts only if its line is there,
-  and nothing counts unless `done` is (so `sys.exit(0)` or `os._exit(0)` before the end earns nothing).
-  What this backend cannot give: the harness runs in the same process as the candidate, so a candidate
-  that reads the nonce from the program (frame walking, `__file__`) could forge result lines. The local
-  backend's judge (judge.py) does not have that weakness; use it when the reward must resist hacking.
-- `math`: no code runs; answers are compared here with math-verify, exactly as the local backend does.
+For users who already run SandboxFusion (or `rlpipe sandbox serve`, the same API). Requests go out on a
+bounded thread pool and are retried with exponential backoff on connection and HTTP errors and `SandboxError`
+answers. `code_stdio`: one request per case; it passes on exit code 0 and stdout equal after trailing
+whitespace. `code_tests`: one request per sample running preamble, candidate, test module and a harness that
+prints a nonce-tagged line per passing test and a final `done` line (nothing counts without it, so an early
+`sys.exit(0)` earns nothing). The harness shares the candidate's process, so a candidate that reads the
+nonce could forge lines; the local backend's judge (judge.py) has no such weakness: use it when the reward
+must resist hacking. `math`: compared here with math-verify, as the local backend does.
 """
 
 from __future__ import annotations

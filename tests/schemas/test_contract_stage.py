@@ -1,27 +1,17 @@
 """Data contracts on the stage path: a real stage whose output breaks its contract fails, and nothing is lost.
 
-tests/schemas/test_contracts.py checks the suites (which expectation fails on which rows); these drills check
-what the stage harness (stages/harness.py: `main` -> `run_stage` -> `StageContext.write_table`) does with a
-violation, end to end, on a real one-iteration run (the reliability drills' run: tests/reliability/helpers.py):
+tests/schemas/test_contracts.py checks the suites; these drills check what the harness (`main` ->
+`run_stage` -> `StageContext.write_table`) does with a violation on a real one-iteration run: exit code 1
+(its own output is wrong, not bad input) with a message naming the expectation, its rule, the bad-row count
+and sample rows; the bad table kept as `<table>.rejected.parquet` with exactly the rows written; nothing under
+the output's name and no manifest (the old output's bytes stay, its manifest is gone: a stage run again is
+not done until it finishes again); the validation JSON and GX page beside the output; and a rerun with good
+output succeeds and removes the rejected table.
 
-- the stage process's exit code is 1 (its own output is wrong: not 2, "bad input or config"), and the message
-  names the expectation, its rule, the number of bad rows and sample rows;
-- the bad table is kept beside the output as `<table>.rejected.parquet`, holding exactly the rows the stage wrote;
-- nothing is written under the output's name and no manifest is written, so the stage (and what reads it) is
-  not done; the previous valid output's bytes stay as they were, but its manifest is gone (the harness
-  claims the outputs, i.e. removes their manifests, before it stores the validation record: a finished
-  stage that is run again is not done until it finishes again, whether it then fails or not);
-- the validation result is stored beside the output: `<table>.parquet.validation.json` (success false, the
-  failure with its sample rows) and GX's data-docs page `<table>.parquet.validation.html`;
-- rerunning the stage with good output succeeds and removes the rejected table.
-
-Choices: the bad outputs come from the real harness with real stage code where a real stage runs without a
-model (score and advantage run the real stage, their table corrupted on its way into `ctx.write_table`) and
-from the drills' generate stand-in otherwise (a model-free generate that writes a positive logprob), so a
-drill costs a GX validation or two, no model. The stage runs through `stages.harness.main`, which is what
-`python -m stages.<name>` runs, in this process (a subprocess would pay seconds of imports, GX's above all,
-per run). One case reruns because its config changed (`--if-needed`, as a resume does), the others by hand
-(`rlpipe stage X` on a finished stage), the two ways a finished stage runs again.
+Bad outputs come from real stage code where a stage runs without a model (score and advantage, the table
+corrupted on its way into `ctx.write_table`), else from the drills' model-free generate stand-in. Stages run
+through `stages.harness.main` in this process (a subprocess would pay seconds of imports); one case reruns on
+a changed config (`--if-needed`, as a resume does), the others by hand, the two ways a finished stage reruns.
 """
 
 from __future__ import annotations
