@@ -122,7 +122,7 @@ BATCH = TableSchema(
 TRAIN_METRICS = TableSchema(
     name="train_metrics",
     # v2: kl_ref, clip_frac_dual, is_ess, rejected_frac, loss_tokens, padding_frac. Definitions of every
-    # column are in stages/rl/trainer.py (`PolicyTrainer._step`); a skipped step is one row, skipped = True.
+    # column are in stages/rl/trainer.py (`metrics_row`); a skipped step is one row, skipped = True.
     version=2,
     schema=_schema(
         [

@@ -139,11 +139,81 @@ def disable_dropout(model: torch.nn.Module) -> None:
             setattr(config, name, 0.0)
 
 
-# Per-step sums that are all-reduced across ranks, then turned into the metrics row.
-_SUM_FIELDS = (
+# A micro-batch's statistics that add over micro-batches (weighted by the micro-batch's loss weight) and ranks.
+_WEIGHTED_FIELDS = (
     "loss", "policy_loss", "kl_ref_sum", "entropy_sum", "approx_kl_sum", "clip_low", "clip_high", "clip_dual",
-    "loss_tokens", "response_tokens", "rejected", "w_sum", "w_sq_sum", "w_count", "tokens", "padded_tokens",
+    "loss_tokens", "response_tokens", "rejected", "tokens", "padded_tokens",
 )  # fmt: skip
+# Importance-ratio sums: every response token counted once (a weight-0 padding repeat adds nothing).
+_RATIO_FIELDS = ("w_sum", "w_sq_sum", "w_count")
+# Per-step sums that are all-reduced across ranks, then turned into the metrics row.
+_SUM_FIELDS = (*_WEIGHTED_FIELDS, *_RATIO_FIELDS)
+
+
+@dataclass
+class TrainBatch:
+    """A batch's samples with their per-token logprobs under each policy, one tensor per sample."""
+
+    samples: list[TrainSample]
+    behaviour: list[torch.Tensor]  # pi_b, the sampler's
+    old: list[torch.Tensor] | None  # pi_old; None: the training forward's own, detached (the one-step fast path)
+    ref: list[torch.Tensor] | None  # pi_ref, when kl_coef > 0
+
+
+@dataclass
+class MicroBatchLoss:
+    """A micro-batch's part of the minibatch loss (what backward sees) and its statistics (detached floats):
+    the `_SUM_FIELDS` and the importance-ratio extremes `w_min` / `w_max`."""
+
+    loss: torch.Tensor
+    stats: dict[str, float]
+
+
+class StepTotals:
+    """A step's statistics: micro-batch stats added with their loss weight, then all-reduced across ranks
+    (sums add; `w_min` / `w_max` reduce by min / max)."""
+
+    def __init__(self) -> None:
+        self.sums = dict.fromkeys(_SUM_FIELDS, 0.0)
+        self.w_min, self.w_max = math.inf, -math.inf
+
+    def add(self, stats: dict[str, float], weight: float) -> None:
+        for name in _WEIGHTED_FIELDS:
+            self.sums[name] += weight * stats[name]
+        if weight > 0 and stats["w_count"]:
+            for name in _RATIO_FIELDS:
+                self.sums[name] += stats[name]
+            self.w_min, self.w_max = min(self.w_min, stats["w_min"]), max(self.w_max, stats["w_max"])
+
+    def all_reduce(self, stepper: Stepper) -> dict[str, float]:
+        reduced = stepper.all_reduce(torch.tensor([self.sums[k] for k in _SUM_FIELDS], dtype=torch.float64))
+        totals = dict(zip(_SUM_FIELDS, reduced.tolist(), strict=True))
+        totals["w_min"] = float(stepper.all_reduce(torch.tensor([self.w_min], dtype=torch.float64), "min")[0])
+        totals["w_max"] = float(stepper.all_reduce(torch.tensor([self.w_max], dtype=torch.float64), "max")[0])
+        return totals
+
+
+def metrics_row(totals: dict[str, float], kl_ref_on: bool) -> dict[str, float | int]:
+    """The train_metrics columns a step's all-reduced totals give. With n = loss tokens (after rejection, >= 1):
+
+      loss, policy_loss = the minibatch loss and its policy term (what was back-propagated)
+      approx_kl = sum k3(pi_old || pi_theta) / n;  kl_ref = sum kl_estimator(pi_theta || pi_ref) / n (0 if off)
+      entropy = sum H(pi_theta) / n;  the clip / rejection / importance-ratio columns: losses.step_stat_metrics
+      tokens, loss_tokens = non-padding tokens forwarded, loss tokens;  padding_frac = 1 - tokens / padded
+    `PolicyTrainer._step` adds step, epoch, skipped, grad_norm (before clipping), lr, sequences, seconds.
+    """
+    loss_tokens = max(totals["loss_tokens"], 1.0)
+    return {
+        "loss": totals["loss"],
+        "policy_loss": totals["policy_loss"],
+        "approx_kl": totals["approx_kl_sum"] / loss_tokens,
+        "kl_ref": totals["kl_ref_sum"] / loss_tokens if kl_ref_on else 0.0,
+        "entropy": totals["entropy_sum"] / loss_tokens,
+        **step_stat_metrics(totals),
+        "tokens": int(totals["tokens"]),
+        "loss_tokens": int(totals["loss_tokens"]),
+        "padding_frac": 1.0 - totals["tokens"] / max(totals["padded_tokens"], 1.0),
+    }
 
 
 class PolicyTrainer:
@@ -231,6 +301,7 @@ class PolicyTrainer:
             old = self.sequence_logprobs(self.policy, samples)
         ref = self.sequence_logprobs(self.ref_policy, samples) if self.ref_policy is not None else None
 
+        batch = TrainBatch(samples, behaviour, old, ref)
         generator = torch.Generator().manual_seed(cfg.seed * 1_000_003 + iteration)
         rows = []
         self.model.train()
@@ -240,7 +311,7 @@ class PolicyTrainer:
             if total_steps > 1:
                 order = torch.randperm(len(samples), generator=generator).tolist()
             for minibatch in np.array_split(np.array(order), minibatches):
-                rows.append(self._step([int(i) for i in minibatch], samples, behaviour, old, ref, epoch))
+                rows.append(self._step([int(i) for i in minibatch], batch, epoch))
         self.model.eval()
         return rows
 
@@ -287,126 +358,94 @@ class PolicyTrainer:
             weights_BT = truncated_is_weights(old_BT, behaviour_BT, keep_BT, cfg.is_level, cfg.is_threshold)
         return keep_BT, weights_BT
 
-    def _step(
-        self,
-        minibatch: list[int],
-        samples: list[TrainSample],
-        behaviour: list[torch.Tensor],
-        old: list[torch.Tensor] | None,
-        ref: list[torch.Tensor] | None,
-        epoch: int,
-    ) -> dict:
-        cfg = self.cfg
+    def _step(self, minibatch: list[int], batch: TrainBatch, epoch: int) -> dict:
+        """One optimizer step on `minibatch` (sample indices): loss and backward per micro-batch of this rank,
+        then the update; returns the step's metrics row."""
         started = time.monotonic()
         world = self.stepper.world_size
         # Denominators of the minibatch loss, known before any backward (see losses.aggregate).
-        num_sequences, num_tokens = self._denominators(minibatch, samples, behaviour, old)
-        sums = dict.fromkeys(_SUM_FIELDS, 0.0)
-        w_min, w_max = math.inf, -math.inf
-        for indices, weight in self._rank_micro_batches(samples, minibatch):
-            micro = self._micro(samples, indices)
-            with self._autocast():
-                logp_BT, entropy_BT = micro_logprobs(self.policy, micro, entropy_grad=cfg.entropy_coef > 0)
-            logp_BT = logp_BT.float()
-            mask_BT = micro.response_mask_BT()
-            behaviour_BT = micro.to_BT(torch.cat([behaviour[i] for i in indices]))
-            old_BT = logp_BT.detach() if old is None else micro.to_BT(torch.cat([old[i] for i in indices]))
-            keep_BT, is_weights_BT = self._masks(old_BT, behaviour_BT, mask_BT)
-            advantages_BT = torch.tensor([samples[i].advantage for i in indices], dtype=torch.float32)[
-                :, None
-            ]
-            advantages_BT = advantages_BT.expand_as(logp_BT)
-            if cfg.policy_loss == "ppo_clip":
-                out = ppo_clip_loss(
-                    logp_BT, old_BT, advantages_BT, cfg.clip_low, cfg.clip_high, cfg.dual_clip
-                )
-            else:
-                out = reinforce_is_loss(logp_BT, old_BT, advantages_BT)
-            token_loss_BT = out.loss_BT if is_weights_BT is None else out.loss_BT * is_weights_BT
-            norm = {"num_sequences": num_sequences, "num_tokens": num_tokens, "norm_length": self.norm_length}
-            policy_loss = aggregate(token_loss_BT, keep_BT, cfg.loss_aggregation, **norm)
-            loss = policy_loss
-            if ref is not None:
-                ref_BT = micro.to_BT(torch.cat([ref[i] for i in indices]))
-                kl_BT = kl_estimate(logp_BT, ref_BT, cfg.kl_estimator)
-                loss = loss + cfg.kl_coef * aggregate(kl_BT, keep_BT, cfg.loss_aggregation, **norm)
-                sums["kl_ref_sum"] += weight * float((kl_BT.detach() * keep_BT).sum())
-            if cfg.entropy_coef > 0:
-                loss = loss - cfg.entropy_coef * aggregate(
-                    entropy_BT.float(), keep_BT, cfg.loss_aggregation, **norm
-                )
+        norm = self._denominators(minibatch, batch)
+        totals = StepTotals()
+        for indices, weight in self._rank_micro_batches(batch.samples, minibatch):
+            micro = self.micro_batch_loss(indices, batch, norm)
             # DeepSpeed averages gradients over ranks; each rank holds a part of a sum, so scale by world.
-            self.stepper.backward(loss * (weight * world))
-
-            with torch.no_grad():
-                sums["loss"] += weight * float(loss)
-                sums["policy_loss"] += weight * float(policy_loss)
-                sums["entropy_sum"] += weight * float((entropy_BT.detach().float() * keep_BT).sum())
-                # approx KL(pi_old || pi_theta), k3 estimator with samples from pi_old
-                sums["approx_kl_sum"] += weight * float(
-                    (kl_estimate(old_BT, logp_BT.detach(), "k3") * keep_BT).sum()
-                )
-                # sampler/trainer mismatch: pi_old / pi_b (pi_theta / pi_b in bypass mode, the PPO ratio)
-                base_BT = logp_BT.detach() if cfg.bypass_old_logprobs else old_BT
-                stats = step_stat_sums(out, keep_BT, mask_BT, base_BT, behaviour_BT)
-                for name in ("clip_low", "clip_high", "clip_dual", "loss_tokens", "response_tokens", "rejected"):
-                    sums[name] += weight * stats[name]
-                if weight > 0 and stats["w_count"]:
-                    for name in ("w_sum", "w_sq_sum", "w_count"):
-                        sums[name] += stats[name]
-                    w_min, w_max = min(w_min, stats["w_min"]), max(w_max, stats["w_max"])
-                sums["tokens"] += weight * micro.tokens
-                sums["padded_tokens"] += weight * micro.padded_tokens
-
-        lr = lr_at(self.global_step, cfg)
+            self.stepper.backward(micro.loss * (weight * world))
+            totals.add(micro.stats, weight)
+        lr = lr_at(self.global_step, self.cfg)
         grad_norm = self.stepper.step(lr)
         self.global_step += 1
-        reduced = self.stepper.all_reduce(torch.tensor([sums[k] for k in _SUM_FIELDS], dtype=torch.float64))
-        sums = dict(zip(_SUM_FIELDS, reduced.tolist(), strict=True))
-        w_min = float(self.stepper.all_reduce(torch.tensor([w_min], dtype=torch.float64), "min")[0])
-        w_max = float(self.stepper.all_reduce(torch.tensor([w_max], dtype=torch.float64), "max")[0])
-        loss_tokens = max(sums["loss_tokens"], 1.0)
+        row = metrics_row(totals.all_reduce(self.stepper), kl_ref_on=batch.ref is not None)
         return {
-            "step": self.global_step - 1,
-            "epoch": epoch,
-            "skipped": False,
-            "loss": sums["loss"],
-            "policy_loss": sums["policy_loss"],
-            "approx_kl": sums["approx_kl_sum"] / loss_tokens,
-            "kl_ref": sums["kl_ref_sum"] / loss_tokens if ref is not None else 0.0,
-            "entropy": sums["entropy_sum"] / loss_tokens,
-            **step_stat_metrics({**sums, "w_min": w_min, "w_max": w_max}),
-            "grad_norm": grad_norm,
-            "lr": lr,
-            "tokens": int(sums["tokens"]),
-            "loss_tokens": int(sums["loss_tokens"]),
-            "padding_frac": 1.0 - sums["tokens"] / max(sums["padded_tokens"], 1.0),
-            "sequences": len(minibatch),
-            "seconds": time.monotonic() - started,
-        }
+            "step": self.global_step - 1, "epoch": epoch, "skipped": False, **row, "grad_norm": grad_norm,
+            "lr": lr, "sequences": len(minibatch), "seconds": time.monotonic() - started,
+        }  # fmt: skip
 
-    def _denominators(
-        self,
-        minibatch: list[int],
-        samples: list[TrainSample],
-        behaviour: list[torch.Tensor],
-        old: list[torch.Tensor] | None,
-    ) -> tuple[float, float]:
-        """(sequences with at least one loss token, loss tokens) of the minibatch, after rejection."""
+    def micro_batch_loss(self, indices: list[int], batch: TrainBatch, norm: dict[str, float | None]) -> MicroBatchLoss:
+        """The loss of the micro-batch of samples `indices`, aggregated with the minibatch's denominators `norm`
+        (so micro-batch losses add up to the minibatch loss): policy loss (+ kl_coef KL to the reference)
+        (- entropy_coef entropy), and its statistics."""
         cfg = self.cfg
+        micro = self._micro(batch.samples, indices)
+        with self._autocast():
+            logp_BT, entropy_BT = micro_logprobs(self.policy, micro, entropy_grad=cfg.entropy_coef > 0)
+        logp_BT = logp_BT.float()
+        mask_BT = micro.response_mask_BT()
+        behaviour_BT = micro.to_BT(torch.cat([batch.behaviour[i] for i in indices]))
+        old_BT = logp_BT.detach() if batch.old is None else micro.to_BT(torch.cat([batch.old[i] for i in indices]))
+        keep_BT, is_weights_BT = self._masks(old_BT, behaviour_BT, mask_BT)
+        advantages_BT = torch.tensor([batch.samples[i].advantage for i in indices], dtype=torch.float32)[:, None]
+        advantages_BT = advantages_BT.expand_as(logp_BT)
+        if cfg.policy_loss == "ppo_clip":
+            out = ppo_clip_loss(logp_BT, old_BT, advantages_BT, cfg.clip_low, cfg.clip_high, cfg.dual_clip)
+        else:
+            out = reinforce_is_loss(logp_BT, old_BT, advantages_BT)
+        token_loss_BT = out.loss_BT if is_weights_BT is None else out.loss_BT * is_weights_BT
+        policy_loss = aggregate(token_loss_BT, keep_BT, cfg.loss_aggregation, **norm)
+        loss = policy_loss
+        kl_ref_sum = 0.0
+        if batch.ref is not None:
+            ref_BT = micro.to_BT(torch.cat([batch.ref[i] for i in indices]))
+            kl_BT = kl_estimate(logp_BT, ref_BT, cfg.kl_estimator)
+            loss = loss + cfg.kl_coef * aggregate(kl_BT, keep_BT, cfg.loss_aggregation, **norm)
+            kl_ref_sum = float((kl_BT.detach() * keep_BT).sum())
+        if cfg.entropy_coef > 0:
+            loss = loss - cfg.entropy_coef * aggregate(entropy_BT.float(), keep_BT, cfg.loss_aggregation, **norm)
+
+        with torch.no_grad():
+            # sampler/trainer mismatch: pi_old / pi_b (pi_theta / pi_b in bypass mode, the PPO ratio)
+            ratio_base_BT = logp_BT.detach() if cfg.bypass_old_logprobs else old_BT
+            stats = {
+                "loss": float(loss),
+                "policy_loss": float(policy_loss),
+                "kl_ref_sum": kl_ref_sum,
+                "entropy_sum": float((entropy_BT.detach().float() * keep_BT).sum()),
+                # approx KL(pi_old || pi_theta), k3 estimator with samples from pi_old
+                "approx_kl_sum": float((kl_estimate(old_BT, logp_BT.detach(), "k3") * keep_BT).sum()),
+                **step_stat_sums(out, keep_BT, mask_BT, ratio_base_BT, behaviour_BT),
+                "tokens": float(micro.tokens),
+                "padded_tokens": float(micro.padded_tokens),
+            }
+        return MicroBatchLoss(loss, stats)
+
+    def _denominators(self, minibatch: list[int], batch: TrainBatch) -> dict[str, float | None]:
+        """`losses.aggregate`'s denominators for `minibatch`: sequences with at least one loss token and loss
+        tokens, after rejection; and the constant length of seq-mean-token-sum-norm."""
+        cfg, samples = self.cfg, batch.samples
         if not cfg.rejection or cfg.bypass_old_logprobs:
             lengths = [len(samples[i].response_ids) for i in minibatch]
-            return float(sum(1 for n in lengths if n > 0)), float(sum(lengths))
-        assert old is not None  # rejection forces the old-logprob pass
-        micro = self._micro(samples, minibatch)
-        mask_BT = micro.response_mask_BT()
-        keep_BT = rejection_mask(
-            micro.to_BT(torch.cat([old[i] for i in minibatch])),
-            micro.to_BT(torch.cat([behaviour[i] for i in minibatch])),
-            mask_BT,
-            cfg.rejection,
-            cfg.rejection_ratio_low,
-            cfg.rejection_ratio_high,
-            cfg.rejection_divergence_max,
-        )
-        return float((keep_BT.sum(-1) > 0).sum()), float(keep_BT.sum())
+            num_sequences, num_tokens = float(sum(1 for n in lengths if n > 0)), float(sum(lengths))
+        else:
+            assert batch.old is not None  # rejection forces the old-logprob pass
+            micro = self._micro(samples, minibatch)
+            mask_BT = micro.response_mask_BT()
+            keep_BT = rejection_mask(
+                micro.to_BT(torch.cat([batch.old[i] for i in minibatch])),
+                micro.to_BT(torch.cat([batch.behaviour[i] for i in minibatch])),
+                mask_BT,
+                cfg.rejection,
+                cfg.rejection_ratio_low,
+                cfg.rejection_ratio_high,
+                cfg.rejection_divergence_max,
+            )
+            num_sequences, num_tokens = float((keep_BT.sum(-1) > 0).sum()), float(keep_BT.sum())
+        return {"num_sequences": num_sequences, "num_tokens": num_tokens, "norm_length": self.norm_length}
