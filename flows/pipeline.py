@@ -1,22 +1,15 @@
 """The Prefect flows: `stage` runs one stage, `iteration` one iteration (or the next one), `loop` a whole run.
 
-Flows are thin composition; the work is in plain functions below and in flows/runner/process.py. A stage is skipped
-when its manifests say it is done for the current config and inputs; Prefect's own result caching is not
-used for that, because it cannot see a deleted file or a changed upstream table.
+Flows are thin composition; the work is in plain functions below and in flows/runner/process.py. A stage is
+skipped when its manifests say it is done for the current config and inputs (not Prefect's result caching,
+which cannot see a deleted file or a changed upstream table). Where stages run is the dispatch mode (the
+`dispatch` parameter, else `$RLPIPE_DISPATCH`, else local): `local` forks each stage from the stage server the
+flow keeps while it runs (flows/runner/forkserver.py); `deployments` runs each as a flow run of `stage/<name>`
+on a worker of its pool, sharing only the storage root, with parameters root, run id, stage, iteration.
 
-Where stages run is the dispatch mode (the flows' `dispatch` parameter, else `$RLPIPE_DISPATCH`, else local):
-
-- `local`: each stage is a child process on this machine, forked from the stage server the `loop` and
-  `iteration` flows keep while they run (flows/runner/forkserver.py: torch, Great Expectations and vLLM imported once);
-- `deployments`: each stage is a flow run of the deployment `stage/<name>` (deployments/prefect.yaml), picked
-  up by a worker of that stage's pool (gpu for generate/train/evaluate, cpu for scoring), which runs the very
-  same child process there. Stages exchange data only through the storage root (an `s3://` URL when the
-  workers are on different machines); the parameters of a stage run are just root, run id, stage, iteration.
-
-Two guards make overlapping triggers safe (storage/lock.py): the run lease (one flow drives a run at a time;
-a scheduled trigger that finds it held ends at once as `Skipped`), and a lease per (stage, iteration) taken
-where the stage runs, with the done-check repeated after taking it, so a stage never runs twice at once
-and a finished stage is never redone.
+Two leases make overlapping triggers safe (storage/lock.py): the run lease (a scheduled trigger that finds it
+held ends as `Skipped`), and one per stage instance, taken where the stage runs, with the done-check repeated
+under it, so a stage never runs twice at once and a finished stage is never redone.
 """
 
 from __future__ import annotations

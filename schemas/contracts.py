@@ -4,27 +4,14 @@ The Arrow schemas (schemas/tables.py) fix columns and types; the contracts fix w
 rewards within the reward kind's bounds, finite advantages and losses, one row per rollout key, every
 generation group of exactly `generate.n_samples` samples, sampler log-probabilities <= 0, token counts that
 match the token lists, and so on. `checks_for(table, config)` lists them as data (GX expectation class,
-arguments, the rule in words); `validate_table` runs them through GX on the table and returns a
-`ContractResult` that the stage harness turns into a failed stage (naming the expectation and sample rows)
-or into `<table>.parquet.validation.json` (+ a GX data-docs HTML page) stored beside the output.
+arguments, the rule in words); `validate_table` runs them through GX and returns a `ContractResult` that
+the harness turns into a failed stage (naming the expectation and sample rows) or into
+`<table>.parquet.validation.json` (+ a GX data-docs HTML page) beside the output.
 
-Decisions:
-- GX has no "finite" expectation and treats NaN as null (skipped by range checks): in the frame GX sees,
-  NaN becomes +inf, so one range check (its real range, or +-1e300 = "finite") catches NaN and +-inf
-  alike. Sample rows of a failure are read from the original table, so they show the real NaN.
-- Cost: GX spends 0.03-0.2 s per expectation (more on a loaded machine) whatever the row count, so checks
-  are merged where that loses nothing. Reward and advantage get their own GX range checks; every other
-  float column's range ("finite", clip fractions in [0, 1], ...) is folded into one derived column
-  `_out_of_range` that names the bad column and value per row ("" when fine); the column types are one
-  derived column `_schema_mismatch` ("col: int64, expected int32"). Presence is GX's column-set check.
-- GX has no "group size" or list-element expectations, and it rejects Arrow/Polars data: the table is
-  converted to pandas (list columns stay Arrow-backed, zero copy) and derived columns, all named `_...`,
-  are added: `_group_size` (rows sharing the group key, per row), `_response_len`, `_logprob_max`, ...
-  A failing derived check shows the real columns it was derived from in its sample rows.
-- GX is imported only inside `validate_table` (importing it costs seconds: see `gx_import_seconds`),
-  so importing this module is cheap; the GX context is built once per process.
-- Checks never assume a column that the table's current schema version lacks, so a schema that gains
-  or renames a column does not break validation of the others.
+GX has no "finite", group-size or list-element expectations and is slow per expectation, so NaN becomes +inf
+in the frame GX sees, derived `_...` columns carry group sizes and merged range checks, and GX is imported
+only inside `validate_table`: docs/architecture.md, "Data contracts". Checks never assume a column that the
+table's current schema version lacks.
 """
 
 from __future__ import annotations

@@ -1,28 +1,17 @@
 """What each stage reads, writes and depends on: the wiring of the pipeline in one table.
 
-This module imports nothing heavy (no torch, no Prefect) because both the flow process (to decide what is
-done) and every stage process (to stamp its manifest) compute stage keys from it.
+Imports nothing heavy (no torch, no Prefect): the flow process (to decide what is done) and every stage
+process (to stamp its manifest) compute stage keys from it. Run-level stages run once per run, iteration
+stages once per iteration k (the table with inputs, outputs and hashed sections: docs/architecture.md):
 
-Run-level stages run once per run; iteration stages run once per iteration k:
+    prompts, base_model, evaluate_base               -> prompts.parquet, checkpoints/base, base/eval.parquet
+    generate k -> score k -> advantage k -> train k -> evaluate k      (generate k uses checkpoint k-1)
 
-    prompts        data section          -> prompts.parquet
-    base_model     model section         -> checkpoints/base (a manifest pointing at the base model dir)
-    evaluate_base  prompts, base_model   -> base/eval.parquet
-    generate  k    prompts, policy k-1   -> iter=k/rollouts.parquet     (policy -1 is the base model)
-    score     k    prompts, rollouts k   -> iter=k/scores.parquet
-    advantage k    rollouts k, scores k  -> iter=k/batch.parquet
-    train     k    batch k, rollouts k, policy k-1, base_model (KL reference)
-                                         -> checkpoints/iter=k + iter=k/train_metrics.parquet
-    evaluate  k    prompts, checkpoint k -> iter=k/eval.parquet
-
-Dynamic sampling (advantage.target_groups) can ask for more generation rounds of an iteration. `generate`
-and `score` are per-round stages: round r >= 1 is its own instance (own lease, own manifest) writing
-iter=k/round=RR/rollouts.parquet and scores.parquet, so nothing generated is lost and a crash redoes only
-the unfinished round. The stages that read every round (`advantage`: rollouts and scores, `train`:
-rollouts) take, besides round 0, each round r = 1, 2, ... for as long as `generate` and `score` of round r
-are done for the current config and policy (`round_inputs`), as inputs named `rollouts@round=RR`. Their keys therefore
-change when a round is added, and a stale round (another policy) is never mixed in. Which rounds exist is
-decided by the flow (flows/pipeline.py): it adds a round while the batch manifest says `groups_needed`.
+Dynamic sampling (advantage.target_groups): `generate` and `score` are per-round stages, round r >= 1 its own
+instance writing iter=k/round=RR/. `advantage` and `train` take, besides round 0, each round r whose generate
+and score are done for the current config and policy (`round_inputs`, inputs named `rollouts@round=RR`), so
+their keys change when a round is added and a stale round is never mixed in. The flow decides which rounds
+exist (flows/runner/process.py), adding one while the batch manifest says `groups_needed`.
 """
 
 from __future__ import annotations

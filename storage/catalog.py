@@ -2,24 +2,15 @@
 
     prompts, rollouts, scores, batch, train_metrics, eval    one view per table, all runs and iterations
     samples       a rollout joined with its score, its batch row (advantage) and its checkpoints
-    manifests     every manifest the catalog found (stage, hashes, rows, seconds, metrics as JSON)
-    checkpoints   the checkpoint manifests (base model and one per iteration)
+    manifests     every manifest the catalog found;  checkpoints   the checkpoint manifests
 
-Views carry the table's own columns (which include `run_id` and `iteration`) plus `iter`, the Hive
-partition column of the file's directory (`iter=0003` -> 3; `base/` -> -1). The prompts table is run-level
-and has no run_id column of its own: its view adds `run_id` from the directory.
-
-Only files whose manifest exists are read, and only when the file is still there with the size the
-manifest records: a Parquet file without a manifest is a partial or abandoned output (a stage writes its
-manifest last), and reading it would mix unfinished data into history. The catalog therefore lists
-manifests first and hands DuckDB an explicit list of files; `Catalog.skipped` says what was left out and why.
-
-A local root and an `s3://` root work the same: for S3 the s3fs file system (storage/fs.py, which honours
-`RLPIPE_S3_ENDPOINT_URL`) is registered with DuckDB, because DuckDB's own httpfs extension has to be
-downloaded and the machines that run rlpipe may be offline.
-
-The views are plain SQL over `read_parquet([...])`, so a query reads only the columns and row groups it
-needs; nothing is loaded when the catalog opens. Call `refresh()` to pick up outputs written since.
+Views carry the table's columns plus `iter`, the Hive partition of the file's directory (`iter=0003` -> 3;
+`base/` -> -1); the run-level prompts view adds `run_id` from the directory. Only files whose manifest exists
+and whose size matches it are read (a Parquet file without one is partial or abandoned), so the catalog lists
+manifests first and hands DuckDB an explicit file list; `Catalog.skipped` says what was left out and why.
+On S3 the s3fs file system is registered with DuckDB, because DuckDB's httpfs extension would have to be
+downloaded. Views are plain SQL over `read_parquet([...])`: nothing loads at open; `refresh()` picks up
+outputs written since.
 """
 
 from __future__ import annotations

@@ -1,20 +1,12 @@
 """Lineage: the chain of outputs behind an iteration, from the base model and the dataset, verified.
 
-Every manifest names the content hashes of the inputs it was made from (stages/registry.py wires which).
-Starting from the outputs of one iteration (its checkpoint, train metrics, eval, ...), `trace` follows
-those hashes back to the base model and the prompts table, resolving each hash to the output of the same
-run that has it. It needs no knowledge of the stage graph: the manifests are the graph, so the chain is
-exactly what happened, including after resumes and reruns.
-
-`verify` then re-hashes every file on the chain and compares it with its manifest: a table by its sha256,
-a checkpoint file by file (so a tampered `model.safetensors` is named), the base model directory (outside
-the run, recorded in `metrics.local_path` / `metrics.files`) likewise when it is on this machine.
-
-Problems, each naming the file:
-- missing: a manifest whose file is gone;
-- modified: a file whose bytes no longer hash to its manifest's sha256;
-- unresolved input: a manifest names an input hash that no output of the run has any more; the input was
-  rewritten after this output was made, so this output is stale (the flow would redo it).
+Every manifest names the content hashes of its inputs. `trace` follows them back from one iteration's outputs
+to the base model and the prompts table, resolving each hash to the output of the same run that has it: the
+manifests are the graph, so the chain is what happened, resumes and reruns included. `verify` re-hashes every
+file on the chain against its manifest (a checkpoint file by file, the base model directory when it is on
+this machine). Problems, each naming the file: missing (a manifest whose file is gone), modified (bytes that
+no longer hash to the manifest), unresolved input (an input hash no output of the run has any more: the
+input was rewritten since, so this output is stale and the flow would redo it).
 """
 
 from __future__ import annotations

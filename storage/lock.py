@@ -1,31 +1,16 @@
 """Leases in the storage root: one driver per run, one process per stage, on a local disk or on S3.
 
-Two things must never happen twice at once: driving a run (two `rlpipe run`s, or two scheduled triggers
-that overlap), and running one stage of one iteration (two triggers, a retry, a person at a shell). Both
-are guarded by a lock object under the run, so the storage root stays the only shared state:
-
     <root>/runs/<run>/run.lock                          who drives the run
     <root>/runs/<run>/locks/<stage>@iter=0003.lock      who runs that stage of that iteration
 
-Local roots use `flock`: the kernel releases the lock when the holder dies (even by SIGKILL), so a crash
-never blocks a resume and no expiry is needed. The file records the holder so a refusal names it.
-
-S3 roots use a lease object with an expiry, made safe by S3 conditional writes (AWS S3 since 2024, MinIO,
-moto >= 5.0; moto 5.2.5 implements `If-None-Match: *` and `If-Match` on PutObject and `If-Match` on
-DeleteObject):
-
-- acquire: PUT with `If-None-Match: *` (only one creator wins);
-- take over an expired lease: PUT with `If-Match: <etag that was read>` (only one taker wins);
-- renew (a thread, every ttl/3): PUT with `If-Match: <our etag>`; a failure means someone took it: the
-  lease is marked lost and leaving the block raises `LeaseLost`;
-- release: DELETE with `If-Match: <our etag>` (never deletes someone else's lease).
-
-Expiry is judged on the server's clock alone (the response's `Date` minus the object's `Last-Modified`),
-so hosts with skewed clocks agree on it. Every body carries a random token: a conditional request that was
-retried after its first attempt succeeded (a lost response) is recognised as ours by reading the object back.
-
-One process may nest the same lock (the CLI holds the run lock and the flows it calls take it again):
-holds are counted per lock path within a process.
+Local roots use `flock`: the kernel releases it when the holder dies (even by SIGKILL), so no expiry is
+needed; the file records the holder so a refusal names it. S3 roots use a lease object with an expiry, made
+safe by conditional writes: acquire with `If-None-Match: *`, take over an expired lease and renew (a thread,
+every ttl/3) with `If-Match: <etag>`, release with a DELETE `If-Match: <our etag>`; a failed renewal marks the
+lease lost and leaving the block raises `LeaseLost`. Expiry is judged on the server's clock alone (`Date` minus
+`Last-Modified`), and every body carries a random token, so a retried request whose first attempt succeeded
+is recognised as ours. One process may nest the same lock (holds are counted per path). The guarantees this
+gives: docs/reliability.md, "Leases".
 """
 
 from __future__ import annotations

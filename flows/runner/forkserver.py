@@ -1,38 +1,18 @@
 """A warm parent for stage processes: one process that has imported the heavy libraries every stage imports
-(torch, transformers, pyarrow, Great Expectations, vLLM) and forks a fresh child for each stage.
+(torch, transformers, pyarrow, Great Expectations, vLLM) and rlpipe's stage modules, and forks a child per stage.
 
-Why: a stage started as `python -m stages.<name>` spends 2-4 s starting the interpreter and importing
-torch and transformers, 3.5-4 s importing Great Expectations before it validates its first table, and a
-generate or evaluate stage 6-8 s more importing vLLM. On the default iteration that was a fifth of the wall
-time (benchmarks/overhead.py). A child forked from this server starts in milliseconds with all of it
-imported, and is otherwise the same thing as before:
+A stage started as `python -m stages.<name>` spends 2-4 s on the interpreter, torch and transformers, 3.5-4 s
+importing Great Expectations and, for generate or evaluate, 6-8 s importing vLLM: a fifth of the default
+iteration (benchmarks/overhead.py). A forked child starts in milliseconds and is otherwise what it was: its
+own process (own memory, own crash, own stage lease), the caller's stdin/stdout/stderr (passed over the
+socket), working directory and environment, `python -m` semantics (`__main__`, exit code, atexit) and command
+line. It keeps the preloaded rlpipe modules only while their sources, working directory, environment and
+streams are as the server saw them; otherwise it imports the code as on disk. It skips the server's
+finalizers at exit. Variables read at import (`IMPORT_TIME_VARIABLES`) fix thread pools, so other values get a
+new server; the server runs no thread (a fork copies no held lock). Details: docs/architecture.md.
 
-- its own process: it frees its memory when it exits, a crash (even SIGKILL) ends only it, it takes its
-  own stage lease, and it survives its driver the way a `subprocess.run` child does;
-- the caller's stdin/stdout/stderr, working directory and environment: the descriptors travel over the
-  socket (SCM_RIGHTS), so progress bars, logs and captured output go where they would have gone;
-- `python -m <module> <args>` semantics: the module runs as `__main__` (runpy), `sys.exit(code)` is its
-  exit code, and atexit handlers run when it ends;
-- the command line: /proc/<pid>/cmdline (`ps`, `pkill -f stages.score`) shows `python -m stages.<name> ...`;
-- fresh rlpipe code: the server imports the stages' own modules too (harness, schemas, storage, trainer,
-  engine: ~0.15 s a stage), and a child keeps them only while they are exactly what a fresh import would
-  give it: the same source files (size and mtime of every one), working directory, environment and
-  stdout/stderr (the console looks at them when it is made). Otherwise it drops them all and imports the
-  code as it is on disk, as a new interpreter would. The stage entry modules are never kept: each runs
-  afresh as `__main__`;
-- its own exit: the finalizers of the server's objects are not run by a child (vLLM's ~190 torch op
-  libraries took 40-50 ms to deregister at every stage's exit, and a library's temporary directory is the
-  server's, not the child's); the stage's own finalizers and atexit handlers run as usual.
-
-Thread pools are sized when a library loads, so variables read at import (`IMPORT_TIME_VARIABLES`) are fixed
-for the server's life; a request with other values gets a new server. The server never runs a thread of
-its own, so a fork copies no lock held by another thread; it handles concurrent requests from one select
-loop, reaping children on SIGCHLD.
-
-Where it is used: `rlpipe run` and the `loop`/`iteration` flows in local dispatch, which run many stages
-from one process (`stage_server`). A stage dispatched to a worker runs in a short-lived flow-run process
-and keeps plain `subprocess.run`, as do stages when `RLPIPE_STAGE_FORK=0` or the OS cannot fork (not
-Linux). Imports the standard library only: the flow process imports it, and Prefect must never reach a stage.
+Used by `rlpipe run` and the `loop`/`iteration` flows in local dispatch (`stage_server`); plain
+`subprocess.run` elsewhere (dispatched stages, `RLPIPE_STAGE_FORK=0`, not Linux). Standard library only.
 """
 
 from __future__ import annotations

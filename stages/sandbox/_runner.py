@@ -1,36 +1,18 @@
 """The program that runs inside the sandbox, and the value format it shares with the trusted side.
 
-This file is both a script and a module. As a script (`python -I -S _runner.py MODE`), it is what every
-sandboxed child executes: it imports only the standard library, because the child runs without site
-packages and must not import rlpipe. As a module, the trusted side imports `encode_value` /
-`decode_value` from it, so both ends agree on the wire format by construction.
+Both a script and a module. As a script (`python -I -S _runner.py MODE`) it is what every sandboxed child
+executes, so it imports only the standard library (no site packages, never rlpipe); as a module it gives the
+trusted side `encode_value` / `decode_value`, so both ends agree on the wire format by construction. Modes:
+`script` (run the candidate's source from fd 3 as `__main__`: stdin/stdout cases), `serve` (load it as a
+module, then answer call requests with return values or raised exceptions; the candidate never sees a test or
+an expected value), `zygote` (a warm interpreter that only forks a child per job, which isolates itself and
+runs `script` or `serve`; it never receives job data, so a child inherits nothing of another job), `probe`
+(the interpreter works inside the sandbox).
 
-Modes:
-- `script`: read the candidate's source from fd 3 and execute it as `__main__` (stdin/stdout cases).
-- `serve`: read the candidate's source from fd 3, execute it as a module, then answer call requests:
-  each request names the entry point and carries arguments; the reply carries the return value in the
-  restricted format below, or the exception the candidate raised. The candidate never sees a test or an
-  expected value: the trusted side runs the test code and compares.
-- `zygote`: a fork server. Starting an interpreter per job costs more CPU than most HumanEval programs
-  do, so each worker keeps one warm interpreter that does nothing but fork: on a command from the worker
-  (with the job's pipes attached), the zygote forks, and the child isolates itself (cgroups, rlimits,
-  uid) and then runs `script` or `serve` in-process. The zygote never receives job data (sources, tests,
-  arguments travel on the child's own pipes), so a child's inherited memory holds nothing of any other
-  job: this is why the worker, which does see tests, is never the one that forks jobs without exec.
-  The zygote reaps its children and reports the job process's exit status.
-- `probe`: start-up check that the interpreter and its standard library work inside the sandbox.
-
-Nothing this process says is trusted beyond "these are plain values": the candidate can replace any of
-the code below (it runs in the same interpreter), so the trusted side decodes replies into builtin types
-only and draws every verdict itself.
-
-Wire format: frames of a 4-byte big-endian length and one value. A value is a tag byte and its body:
-N None, T True, F False, i int (length + hex digits, so no decimal-digit limit applies), f float and c
-complex (IEEE doubles, nan/inf kept), s str (length + UTF-8, surrogates passed), b bytes, l list, t tuple,
-S set, z frozenset (count + items), d dict (count + key/value pairs). Only exact builtin types are
-encoded: a subclass (an int whose __eq__ always answers True, say) is refused, so what the trusted side
-compares is what it decoded. The format is ours rather than JSON because importing `json` (and `re` with
-it) doubled the child's start-up time, and start-up is most of a short job's cost.
+Nothing this process says is trusted beyond "these are plain values": the candidate can replace any of this
+code, so the trusted side decodes replies into exact builtin types only and draws every verdict itself. The
+wire format is ours, not JSON, because importing `json` doubled a child's start-up time (its layout:
+docs/architecture.md, "The sandbox").
 """
 
 from __future__ import annotations

@@ -1,45 +1,18 @@
 """Isolation layers for one scoring worker, and the choice among them on this machine.
 
-A worker runs one job at a time; each job's processes start from the worker's fork server (zygote.py)
-or, under bubblewrap, by fork+exec. An exec'd job runs a read-only copy of the runner put in its own
-directory (`place_runner`), so that a checkout under /tmp, hidden by the job's own /tmp, still works.
-Layers, from the always-available ones up:
-
-- `rlimits`: address space, CPU seconds, file size, open files, no core dumps, and RLIMIT_NPROC. The
-  kernel counts RLIMIT_NPROC per real uid over the whole machine, threads and zombies included, and
-  ignores it for root. As root each job has a uid of its own, so NPROC counts only that job's tasks. As
-  a non-root user the job runs as the sandbox's own uid, so NPROC counts every task that uid runs (the
-  trainer's threads, the workers, other jobs): the limit is set at each job's start to the tasks the uid
-  already runs plus `max_processes` (see `nproc_limit`), which bounds a fork bomb without starving the
-  job. `clean_env`: the child gets a fixed environment, never the parent's. `output_cap` and
-  `wall_timeout` are enforced by the worker that reads the child's pipes (process.py).
-- `uid`: the job runs as a uid of its own (one per worker slot, unused by anything else), so it cannot
-  signal or ptrace the worker, read root's files, and `kill(-1)` as that uid reaches every process the
-  job left behind, whatever session or process group it moved to. Only as root.
-- `netns`: the worker enters an empty network namespace once at start; its children inherit it, so a
-  job has no interface but a loopback that is down, and creating the namespace costs nothing per job.
-- `mountns`: the worker's private mount namespace where every mount is read-only, /tmp is a fresh
-  size-limited tmpfs for each job (mounted before the job, detached after it: nothing to delete), and
-  /proc is a procfs that hides other users' processes.
-- `ipc_uts_ns`: the worker's own SysV IPC namespace with no IPC objects allowed (they would outlive a
-  job and carry data to the next one), and its own hostname.
-- `cgroup_pids`, `cgroup_memory`, `cgroup_freezer` (cgroup v1, one group per worker slot, nested in the
-  sandbox's own group): a process limit that a fork bomb cannot outrun (RLIMIT_NPROC does nothing for
-  root and counts zombies), a memory limit covering the job's tmpfs too, and a freezer so that the
-  end-of-job kill sees a process tree that can no longer fork.
-- bubblewrap ("bwrap" mode): each job runs under bubblewrap, which Debian's bubblewrap can do
-  unprivileged, with namespaces of its own per job: `netns` (empty network namespace), `mountns` (only
-  the system's directories and the interpreter's, read-only: not the home directories, the checkout, the
-  storage root or anything else the uid can read, see `job_file_system`; the job directory bound
-  writable as /tmp, its own /proc and read-only /dev),
-  `pidns` (when the job's main process or the worker ends, bubblewrap's init dies and the kernel kills
-  every process in the namespace), `ipc_uts_ns`, and `userns` (no capabilities). There are no cgroups unprivileged:
-  what bounds a fork bomb is RLIMIT_NPROC (above); the pid namespace only guarantees that nothing of
-  the job outlives it, and the worker checks that with a /proc scan (`kill_descendants`).
+A worker runs one job at a time; a job's processes start from the worker's fork server (zygote.py) or, under
+bubblewrap, by fork+exec of a read-only copy of the runner in the job's own directory (`place_runner`, so a
+checkout under /tmp, hidden by the job's /tmp, still works). Layers: `rlimits` (address space, CPU, file
+size, open files, no core dumps, RLIMIT_NPROC sized per job by `nproc_limit`), `clean_env`, `output_cap` and
+`wall_timeout` always; as root (mode "native") a `uid` per worker slot, empty `netns`, read-only `mountns` with
+a fresh tmpfs /tmp per job, `ipc_uts_ns`, and cgroup v1 `pids` / `memory` / `freezer` groups per slot;
+unprivileged (mode "bwrap") bubblewrap per job with its own net, mount (system and interpreter directories
+only, read-only; not the home directories, the checkout or the storage root: `job_file_system`), pid, ipc/uts
+and user namespaces. Why each layer and its limits: docs/architecture.md, "The sandbox".
 
 `choose_isolation` takes the strongest mode the machine gives ("native" as root, else "bwrap", else
-"minimal") and the sandbox logs the active layers at start, with a warning naming the missing ones. A
-mode named explicitly in the config that cannot be had is an error, never a silent fallback.
+"minimal") and the sandbox logs the active layers, warning about the missing ones. A mode named in the config
+that cannot be had is an error, never a silent fallback.
 """
 
 from __future__ import annotations
