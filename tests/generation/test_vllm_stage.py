@@ -13,7 +13,7 @@ in all (each ~10 s on a 2-core CPU: the CPU default is fp32 and eager, nothing t
 2. evaluate_base: the evaluate stage's own code (stages/evaluate_base.py only names it) on the base model,
    which needs no train stage; its manifest has the same engine figures.
 3. generate again, in a new process, after its table and manifest were deleted: the table's bytes (content
-   hash) are the first run's, the reproducibility the README promises for vLLM on CPU across engine restarts.
+   hash) are the first run's, the reproducibility docs/usage.md promises for vLLM on CPU across engine restarts.
 """
 
 from __future__ import annotations
