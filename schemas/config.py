@@ -6,7 +6,8 @@ hashes only its own section (plus the sections it documents as inputs) into its 
 `train.lr` reruns train and everything downstream of it and nothing upstream.
 
 Every model forbids unknown keys: a typo such as `train.lrr` is an error naming the field, before any
-stage runs.
+stage runs. Every field carries its user-facing `description`; docs/configuration.md is generated from them
+(`python -m schemas.reference`, checked by tests/schemas/test_reference.py).
 """
 
 from __future__ import annotations
