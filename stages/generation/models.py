@@ -16,6 +16,11 @@ Q4_1 GGUF file (so a fresh machine needs no model hub); `resolve_model` converts
   serialises the conversion, and the model is written into a temporary directory there and renamed into
   place, so a crash never leaves a half-written directory that a later call would use.
 
+Any other model is a local directory or a hub id `org/name` (+ `model.revision`), resolved through
+huggingface_hub: the local cache first (no network), else a download where the network allows, else a one-line
+error naming the pre-fetch command. A tokenizer without a chat template needs `model.chat_template`; the model
+is then used through a linked copy of its directory that adds the template (`with_chat_template`).
+
 A model directory's content hash (the rollouts table's `policy_version`) is computed by
 `storage.checkpoints.checkpoint_digest`, the same function that hashes every trained checkpoint.
 """
@@ -24,9 +29,11 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import hashlib
 import importlib.util
 import json
 import os
+import re
 import shutil
 import tempfile
 import time
@@ -50,6 +57,11 @@ WEIGHTS_INDEX_FILE = "model.safetensors.index.json"
 CONFIG_FILE = "config.json"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 PROVENANCE_FILE = "rlpipe_conversion.json"
+CHAT_TEMPLATE_FILES = ("chat_template.jinja", "chat_template.json")
+# A hub id is `org/name`; anything else that is not a directory is an error, never a download.
+HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*$")
+# What a download fetches: config, safetensors weights, tokenizer and template files (no .bin/.gguf/ONNX copies).
+HUB_FILES = ("*.json", "*.safetensors", "tokenizer*", "*.jinja", "*.txt", "*.model", "*.tiktoken")
 
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -81,21 +93,19 @@ def gguf_path() -> Path:
 
 
 def resolve_model(cfg: ModelConfig) -> Path:
-    """The Hugging Face model directory `cfg` names, converting the default GGUF model on first use."""
+    """The Hugging Face model directory `cfg` names: the default GGUF model (converted on first use), a local
+    directory, or a hub id's snapshot; then, with `model.chat_template`, a copy that carries that template."""
     if cfg.name_or_path == DEFAULT_MODEL:
         cache_dir = Path(cfg.cache_dir).expanduser().resolve()
-        return ensure_converted(gguf_path(), cache_dir / DEFAULT_MODEL)
-    path = Path(cfg.name_or_path).expanduser()
-    if not path.exists():
-        cached = _local_hub_snapshot(cfg.name_or_path)
-        if cached is None:
-            raise ModelError(
-                f"model {cfg.name_or_path!r} is not a directory (nor '{DEFAULT_MODEL}', nor a hub id already "
-                "in the local Hugging Face cache; rlpipe does not download models)"
-            )
-        path = cached
-    check_model_dir(path)
-    return path.resolve()
+        model_dir = ensure_converted(gguf_path(), cache_dir / DEFAULT_MODEL)
+    else:
+        path = Path(cfg.name_or_path).expanduser()
+        if path.exists() or not HUB_ID.match(cfg.name_or_path):
+            check_model_dir(path)
+            model_dir = path.resolve()
+        else:
+            model_dir = hub_snapshot(cfg.name_or_path, cfg.revision)
+    return with_chat_template(model_dir, cfg)
 
 
 def check_model_dir(path: Path) -> None:
@@ -113,17 +123,103 @@ def check_model_dir(path: Path) -> None:
         raise ModelError(f"model directory {path} has no tokenizer ({' or '.join(TOKENIZER_FILES)})")
 
 
-def _local_hub_snapshot(repo_id: str) -> Path | None:
-    # A hub id ("org/name") is accepted only when its snapshot is already on disk: local_files_only never
-    # touches the network, so a missing model is an error here rather than a silent multi-GB download.
-    if repo_id.count("/") != 1 or repo_id.startswith((".", "/", "~")):
-        return None
-    try:
-        from huggingface_hub import snapshot_download
+def hub_snapshot(repo_id: str, revision: str | None = None) -> Path:
+    """The local snapshot directory of hub model `repo_id` at `revision` (None: main).
 
-        return Path(snapshot_download(repo_id, local_files_only=True))
-    except Exception:  # any failure means "not in the local cache"
-        return None
+    The Hugging Face cache ($HF_HUB_CACHE) first, without touching the network; otherwise a download of the
+    files a model directory needs (HUB_FILES: no .bin/.gguf/ONNX duplicates). Where that cannot happen
+    (HF_HUB_OFFLINE, no network) the error is one line naming the model, the cache and the command that
+    pre-fetches it.
+    """
+    from huggingface_hub import constants, snapshot_download
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError, OfflineModeIsEnabled
+
+    named = repo_id + (f"@{revision}" if revision else "")
+    fetch = f"`hf download {repo_id}" + (f" --revision {revision}`" if revision else "`")
+    try:
+        path = Path(snapshot_download(repo_id, revision=revision, local_files_only=True))
+    except LocalEntryNotFoundError:
+        try:
+            path = Path(snapshot_download(repo_id, revision=revision, allow_patterns=list(HUB_FILES)))
+        except (LocalEntryNotFoundError, OfflineModeIsEnabled) as error:
+            why = "HF_HUB_OFFLINE is set" if constants.HF_HUB_OFFLINE else _first_line(error)
+            raise ModelError(
+                f"model {named} is not in the Hugging Face cache {constants.HF_HUB_CACHE} and cannot be downloaded "
+                f"here ({why}); pre-fetch it where the network allows with {fetch}, then copy that cache here "
+                "or point HF_HUB_CACHE at it"
+            ) from None
+        except HfHubHTTPError as error:  # unknown repo or revision, gated, unauthorised
+            raise ModelError(f"model {named}: the hub refused it: {_first_line(error)}") from None
+    try:
+        check_model_dir(path)
+    except ModelError as error:
+        raise ModelError(f"{error} (a partial snapshot of {named}: complete it with {fetch})") from None
+    return path.resolve()
+
+
+def _first_line(error: BaseException) -> str:
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    return lines[0] if lines else type(error).__name__
+
+
+def has_chat_template(model_dir: Path) -> bool:
+    """Whether the directory's tokenizer carries a chat template (a template file, or the key in
+    tokenizer_config.json), read from the files without loading the tokenizer."""
+    if any((model_dir / name).is_file() for name in CHAT_TEMPLATE_FILES):
+        return True
+    try:
+        tokenizer_config = json.loads((model_dir / "tokenizer_config.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        return False
+    return bool(tokenizer_config.get("chat_template"))
+
+
+def with_chat_template(model_dir: Path, cfg: ModelConfig) -> Path:
+    """`model_dir` itself when it has a chat template and the config names none; with `model.chat_template`, a
+    directory under `<cache_dir>/templated/` whose files link to `model_dir`'s and whose template is the file's.
+
+    The copy is named by a hash of the source directory and the template text, built in a temporary directory
+    under a lock and renamed into place (as the GGUF conversion is). The template is part of the model's
+    content hash (storage/checkpoints.py hashes chat_template.jinja), so a changed template is a different model.
+    """
+    if cfg.chat_template is None:
+        if not has_chat_template(model_dir):
+            raise ModelError(
+                f"model {cfg.name_or_path} ({model_dir}): its tokenizer has no chat template, and every prompt is a "
+                "list of messages; set model.chat_template to a Jinja template file"
+            )
+        return model_dir
+    template_file = Path(cfg.chat_template).expanduser()
+    if not template_file.is_file():
+        raise ModelError(f"model.chat_template {template_file} is not a file")
+    template = template_file.read_text()
+    digest = hashlib.sha256(f"{model_dir}\0{template}".encode()).hexdigest()[:16]
+    target = Path(cfg.cache_dir).expanduser().resolve() / "templated" / f"{model_dir.name}-{digest}"
+    if _is_complete(target):
+        return target
+    with _file_lock(target.parent / f".{target.name}.lock"):
+        if _is_complete(target):
+            return target
+        if target.exists():
+            shutil.rmtree(target)
+        work = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+        try:
+            for path in sorted(model_dir.iterdir()):
+                if path.name.startswith(".") or path.name in CHAT_TEMPLATE_FILES or not path.is_file():
+                    continue
+                if path.name == "tokenizer_config.json":  # its own template key would compete with the file's
+                    tokenizer_config = json.loads(path.read_text())
+                    tokenizer_config.pop("chat_template", None)
+                    (work / path.name).write_text(json.dumps(tokenizer_config, indent=2) + "\n")
+                else:
+                    (work / path.name).symlink_to(path.resolve())
+            (work / "chat_template.jinja").write_text(template)
+            os.chmod(work, 0o755)
+            os.rename(work, target)
+        except BaseException:
+            shutil.rmtree(work, ignore_errors=True)
+            raise
+    return target
 
 
 def _is_complete(model_dir: Path) -> bool:
