@@ -3,7 +3,8 @@
 `rlpipe server` starts a Prefect server on 127.0.0.1 (for people without Prefect Cloud), creates the work
 pools that deployments/prefect.yaml names, and starts one worker per pool on this machine; `rlpipe deploy`
 registers the deployments with `prefect deploy` (optionally scheduling one run to advance by an iteration per
-trigger). Other machines join by starting a worker of their pool against the same server (docs/team.md); the storage root (S3) is the only thing the machines share.
+trigger). Other machines join by starting a worker of their pool against the same server (docs/team.md);
+the storage root (S3) is the only thing the machines share.
 
 Everything here is a plain function around Prefect's own CLI and client, so that tests can start the same
 pieces the commands start, and tear them down: every child is started in its own process group and
