@@ -207,15 +207,25 @@ def _interval(interval: tuple[float, float] | None) -> str:
     return "" if interval is None else f" <span class='meta'>[{interval[0]:.1%}, {interval[1]:.1%}]</span>"
 
 
+def interval_band(rows: list[dict[str, Any]], metric: str) -> tuple[list[float | None], list[float | None]]:
+    """(lows, highs) of `metric`'s recorded 95% interval (`<metric>_ci`) in each evaluation row (None: none)."""
+    intervals = [r.get(f"{metric}_ci") for r in rows]
+    return [i[0] if i else None for i in intervals], [i[1] if i else None for i in intervals]
+
+
+def iteration_labels(iterations: set[int]) -> dict[float, str]:
+    """x-axis labels of iteration charts: the base model's evaluation (iteration -1) is `base`."""
+    return {float(i): ("base" if i < 0 else str(i)) for i in sorted(iterations)}
+
+
 def _charts(data: ReportData) -> list[str]:
-    iteration_labels = {float(i): ("base" if i < 0 else str(i)) for i in
-                        sorted({r["iteration"] for r in data.evaluation} | set(data.iterations))}
+    labels = iteration_labels({r["iteration"] for r in data.evaluation} | set(data.iterations))
     xs = [float(r["iteration"]) for r in data.reward]
     charts = [line_chart(
         "chart-reward", "Training reward per iteration",
         [Series("mean reward", xs, [r["mean_reward"] for r in data.reward]),
          Series("solve rate", xs, [r["solve_rate"] for r in data.reward], dashed=True)],
-        "iteration", "reward", y_range=(0.0, 1.0), x_labels=iteration_labels,
+        "iteration", "reward", y_range=(0.0, 1.0), x_labels=labels,
     )]
     ev_series = []
     datasets = sorted({r["dataset"] for r in data.evaluation})
@@ -223,23 +233,24 @@ def _charts(data: ReportData) -> list[str]:
         rows = [r for r in data.evaluation if r["dataset"] == dataset]
         xs_ev = [float(r["iteration"]) for r in rows]
         named = f"{dataset} " if len(datasets) > 1 else ""
-        ev_series += [Series(f"{named}pass@{k}", xs_ev, [r.get(f"pass@{k}") for r in rows]) for k in data.ks]
+        ev_series += [Series(f"{named}pass@{k}", xs_ev, [r.get(f"pass@{k}") for r in rows],
+                             band=interval_band(rows, f"pass@{k}")) for k in data.ks]
         ev_series.append(Series(f"{named}greedy accuracy", xs_ev, [r["greedy"] for r in rows], dashed=True))
-    charts.append(line_chart("chart-pass-at-k", "Held-out pass@k per iteration (base = before training)",
+    charts.append(line_chart("chart-pass-at-k", "Held-out pass@k, 95% interval (base = before training)",
                              ev_series, "iteration", "fraction of prompts", y_range=(0.0, 1.0),
-                             x_labels=iteration_labels))
+                             x_labels=labels))
     len_xs = [float(r["iteration"]) for r in data.lengths]
     charts.append(line_chart(
         "chart-length", "Response length (tokens)",
         [Series("mean", len_xs, [r["mean"] for r in data.lengths]),
          Series("median", len_xs, [r["p50"] for r in data.lengths], dashed=True),
          Series("90th percentile", len_xs, [r["p90"] for r in data.lengths], dashed=True)],
-        "iteration", "tokens", y_range=(0.0, None), x_labels=iteration_labels,
+        "iteration", "tokens", y_range=(0.0, None), x_labels=labels,
     ))
     charts.append(line_chart(
         "chart-truncated", "Truncated responses (hit max_new_tokens)",
         [Series("truncated", len_xs, [r["truncated"] for r in data.lengths])],
-        "iteration", "fraction", y_range=(0.0, None), x_labels=iteration_labels,
+        "iteration", "fraction", y_range=(0.0, None), x_labels=labels,
     ))
     trained = [r for r in data.train if not r.get("skipped")]
     steps = [float(r["step"]) for r in trained]
@@ -332,16 +343,21 @@ def _summary(data: ReportData) -> str:
     return "<div>" + "".join(parts) + "</div>"
 
 
+def describe_config(config: RunConfig | None) -> str:
+    """One line of HTML naming what a run is: model, data, sizes, estimator, loss ('' without a config)."""
+    if config is None:
+        return ""
+    sources = config.data.train if isinstance(config.data.train, list) else [config.data.train]
+    train = " + ".join(s if isinstance(s, str) else str(getattr(s, "path", s)) for s in sources)  # a name or {path}
+    return (f"model {escape(config.model.name_or_path)} · data {escape(train)} · "
+            f"{config.iterations} iterations × {config.generate.prompts_per_iteration} prompts × "
+            f"{config.generate.n_samples} samples · advantage {escape(config.advantage.estimator)} · "
+            f"loss {escape(config.train.policy_loss)}")
+
+
 def render(data: ReportData) -> str:
     """The whole page as one HTML string (no external references)."""
-    config = data.config
-    described = ""
-    if config:
-        train = config.data.train if isinstance(config.data.train, str) else " + ".join(config.data.train)
-        described = (f"model {escape(config.model.name_or_path)} · data {escape(train)} · "
-                     f"{config.iterations} iterations × {config.generate.prompts_per_iteration} prompts × "
-                     f"{config.generate.n_samples} samples · advantage {escape(config.advantage.estimator)} · "
-                     f"loss {escape(config.train.policy_loss)}")
+    described = describe_config(data.config)
     charts = "".join(f"<div class='card'>{chart}</div>" for chart in _charts(data))
     evaluation_rows = "".join(
         "<tr><td>" + ("base" if r["iteration"] < 0 else str(r["iteration"])) + f"</td><td>{escape(r['dataset'])}</td>"

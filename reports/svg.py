@@ -3,7 +3,9 @@
 Why not matplotlib or a JS library: the report must be one self-contained file that renders offline in any
 browser, and rlpipe should not pull a plotting stack into every machine that runs the flow. Hand-written
 SVG is text, small, exact, and testable (every series is a `<polyline class="series">`, every bar a
-`<rect class="bar">`, each with a `<title>` tooltip holding its value).
+`<rect class="bar">`, each with a `<title>` tooltip holding its value; a series' interval band, e.g. pass@k's
+95% bootstrap interval, is a translucent `<polygon class="band">` under its line, or a whisker `<line
+class="band">` at a point with no neighbour).
 """
 
 from __future__ import annotations
@@ -29,6 +31,22 @@ class Series:
     ys: list[float | None]  # None: no value at this x (a gap)
     colour: str | None = None
     dashed: bool = False
+    band: tuple[list[float | None], list[float | None]] | None = None  # (lows, highs) at xs; None: no band
+
+
+def _finite(value: float | None) -> bool:
+    return value is not None and math.isfinite(value)
+
+
+def _segments(xs: list[float], *columns: list[float | None]) -> list[list[tuple[float, ...]]]:
+    """Runs of consecutive xs where every column has a finite value: a gap (None, NaN) splits a line."""
+    segments: list[list[tuple[float, ...]]] = [[]]
+    for x, *values in zip(xs, *columns, strict=True):
+        if all(_finite(v) for v in values):
+            segments[-1].append((x, *values))
+        elif segments[-1]:
+            segments.append([])
+    return [segment for segment in segments if segment]
 
 
 def nice_ticks(low: float, high: float, count: int = 5) -> list[float]:
@@ -121,7 +139,9 @@ def line_chart(
     y_range: tuple[float | None, float | None] = (None, None), x_labels: dict[float, str] | None = None,
 ) -> str:
     """Lines with point markers; `y_range` pins either end of the y axis (e.g. (0, 1) for rates)."""
-    points = [(x, y) for s in series for x, y in zip(s.xs, s.ys, strict=True) if y is not None and math.isfinite(y)]
+    points = [(x, y) for s in series for x, y in zip(s.xs, s.ys, strict=True) if _finite(y)]
+    points += [(x, y) for s in series if s.band for x, low, high in zip(s.xs, *s.band, strict=True)
+               for y in (low, high) if _finite(y)]
     if not points:
         return _empty(chart_id, title)
     xs = [x for x, _ in points]
@@ -148,18 +168,24 @@ def line_chart(
         xticks = [(v, (x_labels or {}).get(v, _fmt(v))) for v in distinct_x]
     body = _axes(xticks, yticks, sx, sy, x_label, y_label)
     legend = []
-    for i, s in enumerate(series):
-        colour = s.colour or PALETTE[i % len(PALETTE)]
+    colours = [s.colour or PALETTE[i % len(PALETTE)] for i, s in enumerate(series)]
+    for s, colour in zip(series, colours, strict=True):  # bands first, under every line
+        for segment in _segments(s.xs, *s.band) if s.band else []:
+            tip = f"<title>{escape(s.name)} interval</title>"
+            if len(segment) == 1:
+                x, low, high = segment[0]
+                body.append(f'<line class="band" data-series="{escape(s.name)}" x1="{sx(x):.1f}" x2="{sx(x):.1f}" '
+                            f'y1="{sy(low):.1f}" y2="{sy(high):.1f}" stroke="{colour}" stroke-width="6" '
+                            f'stroke-opacity="0.3">{tip}</line>')
+                continue
+            outline = [(sx(x), sy(high)) for x, _, high in segment] + [(sx(x), sy(low)) for x, low, _ in segment[::-1]]
+            coords = " ".join(f"{x:.1f},{y:.1f}" for x, y in outline)
+            body.append(f'<polygon class="band" data-series="{escape(s.name)}" points="{coords}" fill="{colour}" '
+                        f'fill-opacity="0.18" stroke="none">{tip}</polygon>')
+    for s, colour in zip(series, colours, strict=True):
         legend.append((s.name, colour, s.dashed))
         dash = ' stroke-dasharray="5 4"' if s.dashed else ""
-        # Gaps (None) split the line into segments.
-        segments: list[list[tuple[float, float]]] = [[]]
-        for x, y in zip(s.xs, s.ys, strict=True):
-            if y is None or not math.isfinite(y):
-                segments.append([])
-            else:
-                segments[-1].append((x, y))
-        for segment in segments:
+        for segment in _segments(s.xs, s.ys):  # gaps (None) split the line
             if len(segment) > 1:
                 coords = " ".join(f"{sx(x):.1f},{sy(y):.1f}" for x, y in segment)
                 body.append(f'<polyline class="series" data-series="{escape(s.name)}" points="{coords}" '

@@ -3,7 +3,7 @@
     rlpipe query "SQL" [--run RUN ...] [--out FILE.csv|FILE.parquet] [--max-rows N] [--root ROOT]
     rlpipe show RUN ITER PROMPT SAMPLE [--round R] [--root ROOT]
     rlpipe lineage RUN [ITER] [--quick] [--json] [--root ROOT]
-    rlpipe report RUN [--out FILE] [--root ROOT]
+    rlpipe report RUN [RUN ...] [--out FILE] [--root ROOT]
 
 `add_inspect_commands(subparsers, common)` registers them on the main parser (flows/cli/commands.py). None of them
 imports Prefect, torch or Great Expectations, so they start fast. Exit codes: 0 fine, 1 lineage found a
@@ -313,15 +313,26 @@ def cmd_lineage(args: argparse.Namespace) -> int:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
+    """One run: its report (runs/<run>/report.html). Several: their curves overlaid on one page."""
+    from reports.compare import UnknownRun, build_comparison, write_comparison
     from reports.html import build_report, write_report
 
-    layout = RunLayout.create(_root(args), args.run)
-    if args.out:
-        with open(args.out, "w", encoding="utf-8") as handle:
-            handle.write(build_report(layout))
-        path = args.out
-    else:
-        path = write_report(layout)
+    root = _root(args)
+    if len(set(args.runs)) < len(args.runs):
+        err_console.print(f"[red]a run is named twice: {' '.join(args.runs)}[/]")
+        return 2
+    single = len(args.runs) == 1
+    try:
+        if args.out:
+            text = build_report(RunLayout.create(root, args.runs[0])) if single else build_comparison(root, args.runs)
+            with open(args.out, "w", encoding="utf-8") as handle:
+                handle.write(text)
+            path = args.out
+        else:
+            path = write_report(RunLayout.create(root, args.runs[0])) if single else write_comparison(root, args.runs)
+    except UnknownRun as error:
+        err_console.print(f"[red]{error}[/]")
+        return 2
     console.print(f"wrote {path}")
     return 0
 
@@ -359,9 +370,11 @@ def add_inspect_commands(
     common(lineage)
     lineage.set_defaults(func=cmd_lineage)
 
-    report = commands.add_parser("report", help="write the run's HTML report (runs/<run>/report.html)")
-    report.add_argument("run")
-    report.add_argument("--out", help="write here instead of into the run directory")
+    report = commands.add_parser(
+        "report", help="write a run's HTML report (runs/<run>/report.html), or compare runs on one page "
+        "(<root>/reports/compare-A-vs-B.html)")
+    report.add_argument("runs", nargs="+", metavar="RUN", help="one run, or several to overlay")
+    report.add_argument("--out", help="write here instead of into the run directory (or <root>/reports/)")
     common(report)
     report.set_defaults(func=cmd_report)
 

@@ -368,6 +368,14 @@ class SyntheticRun:
                     })
         return build_table("eval", {k: [r[k] for r in rows] for k in rows[0]}, len(rows))
 
+    def eval_metrics(self, table: pa.Table) -> dict[str, Any]:
+        """The evaluate stage's manifest metrics: per held-out dataset, pass@k with its bootstrap interval."""
+        from stages.evaluation.metrics import aggregate  # numpy only
+
+        rows = table.to_pylist()
+        return {dataset: aggregate([r for r in rows if r["dataset"] == dataset], self.config.evaluate.k)
+                for dataset in sorted({r["dataset"] for r in rows})}
+
     def write_iteration(self, iteration: int) -> None:
         prompts = self.manifests[("prompts", BASE)].sha256
         policy = self.manifests[("checkpoint", iteration - 1 if iteration > 0 else BASE)]
@@ -384,16 +392,18 @@ class SyntheticRun:
         checkpoint = self.write_checkpoint(iteration, train_inputs)
         self._write("train", "train_metrics", iteration, self.train_metrics(iteration), train_inputs)
         if self.spec.with_eval:
-            self._write("evaluate", "eval", iteration, self.eval_table(iteration, checkpoint.sha256),
-                        {"prompts": prompts, "policy": checkpoint.sha256})
+            table = self.eval_table(iteration, checkpoint.sha256)
+            self._write("evaluate", "eval", iteration, table, {"prompts": prompts, "policy": checkpoint.sha256},
+                        self.eval_metrics(table))
 
     def write(self) -> RunLayout:
         self.write_config()
         prompts = self.write_prompts()
         base = self.write_base_model()
         if self.spec.with_eval:
-            self._write("evaluate_base", "eval", BASE, self.eval_table(BASE, base.sha256),
-                        {"prompts": prompts.sha256, "policy": base.sha256})
+            table = self.eval_table(BASE, base.sha256)
+            self._write("evaluate_base", "eval", BASE, table, {"prompts": prompts.sha256, "policy": base.sha256},
+                        self.eval_metrics(table))
         for iteration in range(self.spec.iterations):
             self.write_iteration(iteration)
         return self.layout
