@@ -10,22 +10,27 @@ In order (each step documented in stages/rl/): shaped reward = reward + DAPO ove
 after the baseline; and the skip rule: no kept sample with a nonzero advantage makes the manifest say
 `skipped: true`, and train records a skipped step.
 
-All of this is the pure function `build_batch`; `run` only reads, calls it and writes.
+`build_batch` is the pure core, one function per step (group, shape, filter, cap to target, estimate, mask) on
+numpy columns of the rows in (round, prompt, sample) order, where a group is a run of rows; `run` reads, checks
+and joins the inputs (pyarrow group-by and join), calls it and writes.
 """
 
 from __future__ import annotations
 
 import math
 from collections import Counter
+from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from schemas.config import AdvantageConfig
 from schemas.tables import ROLLOUT_KEY
 from stages.harness import StageContext, StageInputError, exit_with
-from stages.rl.advantages import compute_advantages, group_index
+from stages.rl.advantages import compute_advantages
 from stages.rl.filters import (
     DROP_OVER_TARGET,
     DROP_SUCCESS_RATE,
@@ -36,171 +41,229 @@ from stages.rl.filters import (
     is_skip_step,
     overlong_penalty,
     rounds_needed,
+    success_rate_in_range,
 )
 
-
-def _key(row: dict[str, Any]) -> tuple:
-    return tuple(row[name] for name in ROLLOUT_KEY)
-
-
-def join_scores(rollouts: list[dict], scores: list[dict], source: str = "scores") -> list[dict]:
-    """Each rollout row with its score's reward; every rollout must have exactly one score and vice versa."""
-    by_key: dict[tuple, dict] = {}
-    for row in scores:
-        key = _key(row)
-        if key in by_key:
-            raise StageInputError(
-                f"{source}: duplicate score for rollout {dict(zip(ROLLOUT_KEY, key, strict=True))}"
-            )
-        by_key[key] = row
-    joined = []
-    for rollout in rollouts:
-        key = _key(rollout)
-        score = by_key.pop(key, None)
-        if score is None:
-            raise StageInputError(
-                f"{source}: no score for rollout {dict(zip(ROLLOUT_KEY, key, strict=True))}"
-            )
-        reward = score["reward"]
-        if reward is None or not math.isfinite(reward):
-            raise StageInputError(
-                f"{source}: reward {reward!r} of rollout {dict(zip(ROLLOUT_KEY, key, strict=True))} is not a "
-                "finite number (a scorer bug: refusing to compute advantages from it)"
-            )
-        joined.append({**rollout, "reward": float(reward)})
-    if by_key:
-        extra = dict(zip(ROLLOUT_KEY, next(iter(by_key)), strict=True))
-        raise StageInputError(f"{source}: {len(by_key)} scores have no rollout, e.g. {extra}")
-    return joined
+# The batch's row order: a (round, prompt_id) group is a run of rows, and groups come in (round, prompt) order.
+BATCH_ORDER = [("round", "ascending"), ("prompt_id", "ascending"), ("sample_idx", "ascending")]
 
 
-def check_group_sizes(rollouts: list[dict], n_samples: int, source: str) -> None:
-    """Every (round, prompt) group has exactly `n_samples` rollouts: a short group (a lost sample) would give
-    its members a baseline over fewer samples than the estimator assumes, silently."""
-    sizes: dict[tuple, int] = {}
-    for row in rollouts:
-        key = (row["round"], row["prompt_id"])
-        sizes[key] = sizes.get(key, 0) + 1
-    for (round_index, prompt_id), size in sizes.items():
-        if size != n_samples:
-            raise StageInputError(
-                f"{source}: prompt {prompt_id} (round {round_index}) has {size} rollouts, but generate.n_samples "
-                f"is {n_samples}: the table is incomplete or from another config"
-            )
+def key_of(table: pa.Table, row: int) -> dict[str, Any]:
+    """The rollout key of `table`'s row `row`, as errors name a rollout."""
+    return {name: table[name][row].as_py() for name in ROLLOUT_KEY}
 
 
-def build_batch(
-    samples: list[dict], cfg: AdvantageConfig, max_new_tokens: int
-) -> tuple[list[dict], dict[str, Any]]:
-    """Batch rows (one per sample, BATCH schema) and the manifest metrics, from joined rollout+score rows.
+def duplicate_key(table: pa.Table) -> dict[str, Any] | None:
+    """A rollout key that more than one row of `table` has (the first such in row order), or None."""
+    counts = table.group_by(list(ROLLOUT_KEY), use_threads=False).aggregate([([], "count_all")])
+    repeated = counts.filter(pc.greater(counts["count_all"], 1))
+    return key_of(repeated, 0) if repeated.num_rows else None
 
-    `samples` need the rollout key, `reward`, `num_tokens` and `truncated`.
-    """
-    samples = sorted(samples, key=lambda r: (r["round"], r["prompt_id"], r["sample_idx"]))
-    rewards_N = np.array([r["reward"] for r in samples], dtype=np.float64)
-    lengths_N = np.array([r["num_tokens"] for r in samples], dtype=np.float64)
-    shaped_N = rewards_N.copy()
-    if cfg.overlong_buffer > 0:
-        max_length = cfg.overlong_max_length or max_new_tokens
-        shaped_N = shaped_N + overlong_penalty(
-            lengths_N, max_length, cfg.overlong_buffer, cfg.overlong_penalty_factor
+
+def check_group_sizes(rollouts: pa.Table, n_samples: int, source: str) -> None:
+    """Every (round, prompt) group has exactly `n_samples` rollouts, each key once: a short group (a lost sample)
+    would give its members a baseline over fewer samples than the estimator assumes, silently."""
+    if (key := duplicate_key(rollouts)) is not None:
+        raise StageInputError(f"{source}: duplicate rollout {key}")
+    sizes = rollouts.group_by(["round", "prompt_id"], use_threads=False).aggregate([([], "count_all")])
+    wrong = sizes.filter(pc.not_equal(sizes["count_all"], n_samples))
+    if wrong.num_rows:
+        prompt_id, round_index, size = (wrong[name][0].as_py() for name in ("prompt_id", "round", "count_all"))
+        raise StageInputError(
+            f"{source}: prompt {prompt_id} (round {round_index}) has {size} rollouts, but generate.n_samples "
+            f"is {n_samples}: the table is incomplete or from another config"
         )
 
-    group_keys = [(r["round"], r["prompt_id"]) for r in samples]
-    groups: dict[tuple, list[int]] = {}
-    for i, key in enumerate(group_keys):
-        groups.setdefault(key, []).append(i)
 
-    # Group filters, in a fixed order: the first that fails names the reason.
-    group_reason: dict[tuple, str | None] = {}
-    for key, members in groups.items():
-        reason = None
-        if cfg.drop_zero_variance_groups and not has_variance(shaped_N[members]):
-            reason = DROP_ZERO_VARIANCE
-        else:
-            mean = float(rewards_N[members].mean())
-            low = -math.inf if cfg.min_group_mean is None else cfg.min_group_mean
-            high = math.inf if cfg.max_group_mean is None else cfg.max_group_mean
-            if not low <= mean <= high:
-                reason = DROP_SUCCESS_RATE
-        group_reason[key] = reason
+def join_scores(rollouts: pa.Table, scores: pa.Table, source: str = "scores") -> pa.Table:
+    """`rollouts` with their score's `reward`: every rollout has exactly one score, with a finite reward, and every
+    score a rollout. An error names `source` (the scores) and the first rollout at fault in `rollouts` order."""
+    if (key := duplicate_key(scores)) is not None:
+        raise StageInputError(f"{source}: duplicate score for rollout {key}")
+    rollouts = rollouts.append_column("rollout_row", pa.array(np.arange(rollouts.num_rows)))
+    scores = scores.select([*ROLLOUT_KEY, "reward"])
+    scores = scores.append_column("score_row", pa.array(np.arange(scores.num_rows)))
+    joined = rollouts.join(scores, keys=list(ROLLOUT_KEY), join_type="full outer")
+    joined = joined.sort_by([("rollout_row", "ascending"), ("score_row", "ascending")])
+    has_rollout = pc.is_valid(joined["rollout_row"])
+    unusable = joined.filter(pc.and_(has_rollout, pc.invert(pc.fill_null(pc.is_finite(joined["reward"]), False))))
+    if unusable.num_rows:
+        key = key_of(unusable, 0)
+        if not unusable["score_row"][0].is_valid:
+            raise StageInputError(f"{source}: no score for rollout {key}")
+        raise StageInputError(
+            f"{source}: reward {unusable['reward'][0].as_py()!r} of rollout {key} is not a finite number "
+            "(a scorer bug: refusing to compute advantages from it)"
+        )
+    orphans = joined.filter(pc.invert(has_rollout))
+    if orphans.num_rows:
+        raise StageInputError(f"{source}: {orphans.num_rows} scores have no rollout, e.g. {key_of(orphans, 0)}")
+    return joined.drop_columns(["rollout_row", "score_row"])
 
-    kept_groups = [key for key in groups if group_reason[key] is None]  # (round, prompt) order
-    rounds_done = len({key[0] for key in groups})
-    groups_needed = 0
-    if cfg.target_groups is not None:
-        for key in kept_groups[cfg.target_groups :]:
-            group_reason[key] = DROP_OVER_TARGET
-        kept_groups = kept_groups[: cfg.target_groups]
-        try:
-            groups_needed = rounds_needed(
-                len(kept_groups), cfg.target_groups, rounds_done, cfg.max_generation_rounds
-            )
-        except DynamicSamplingExhausted as error:
-            raise StageInputError(str(error)) from None
 
-    # Advantages over the samples of kept groups (truncated ones included: they are part of the baseline).
+@dataclass(frozen=True)
+class Groups:
+    """The (round, prompt_id) groups of samples in BATCH_ORDER: group k is rows bounds_K1[k] : bounds_K1[k + 1]."""
+
+    id_N: np.ndarray  # each sample's group, 0..K-1 in (round, prompt) order
+    bounds_K1: np.ndarray  # K + 1 row offsets
+    round_K: np.ndarray
+
+    @staticmethod
+    def of(samples: pa.Table) -> Groups:
+        round_N = samples["round"].to_numpy()
+        prompt_N = samples["prompt_id"].to_numpy(zero_copy_only=False)
+        starts_N = np.ones(len(round_N), dtype=bool)
+        starts_N[1:] = (round_N[1:] != round_N[:-1]) | (prompt_N[1:] != prompt_N[:-1])
+        bounds_K1 = np.append(np.flatnonzero(starts_N), len(starts_N))
+        return Groups(np.cumsum(starts_N) - 1, bounds_K1, round_N[starts_N])
+
+    @property
+    def size_K(self) -> np.ndarray:
+        return np.diff(self.bounds_K1)
+
+    def split(self, values_N: np.ndarray) -> list[np.ndarray]:
+        """`values_N` cut into one array per group."""
+        return [values_N[start:end] for start, end in zip(self.bounds_K1[:-1], self.bounds_K1[1:], strict=True)]
+
+
+def build_batch(samples: pa.Table, cfg: AdvantageConfig, max_new_tokens: int) -> tuple[pa.Table, dict[str, Any]]:
+    """The batch table (one row per sample, BATCH's columns) and the manifest metrics, from joined rollouts and
+    scores (the rollout key, `reward`, `num_tokens`, `truncated`): group, shape, filter, cap to target, estimate,
+    mask, each step one function below. Reasons are per group (`_K`, None = kept), then per sample (`_N`)."""
+    samples = samples.sort_by(BATCH_ORDER)
+    groups = Groups.of(samples)
+    rewards_N = samples["reward"].to_numpy()
+    lengths_N = samples["num_tokens"].to_numpy().astype(np.float64)
+    shaped_N = shape_rewards(rewards_N, lengths_N, cfg, max_new_tokens)
+    drop_K = filter_groups(groups, rewards_N, shaped_N, cfg)
+    drop_K, groups_needed = cap_to_target(drop_K, groups, cfg)
+    in_kept_group_N = np.equal(drop_K, None)[groups.id_N]
+    advantages_N = estimate(shaped_N, lengths_N, groups, in_kept_group_N, cfg)
+    drop_N = mask_samples(drop_K[groups.id_N], samples["truncated"].to_numpy(zero_copy_only=False), cfg)
+    shaped_by_group = groups.split(shaped_N)
+    batch = pa.table(
+        {
+            **{name: samples[name] for name in ROLLOUT_KEY},
+            "reward": rewards_N,
+            "shaped_reward": shaped_N,
+            "advantage": advantages_N,
+            "kept": np.equal(drop_N, None),
+            "drop_reason": pa.array(drop_N, pa.string()),
+            "group_size": groups.size_K[groups.id_N],
+            "group_mean": np.array([shaped_G.mean() for shaped_G in shaped_by_group])[groups.id_N],
+            "group_std": np.array([shaped_G.std(ddof=0) for shaped_G in shaped_by_group])[groups.id_N],
+        }
+    )
+    return batch, batch_metrics(batch, drop_K, groups, groups_needed, cfg)
+
+
+def shape_rewards(
+    rewards_N: np.ndarray, lengths_N: np.ndarray, cfg: AdvantageConfig, max_new_tokens: int
+) -> np.ndarray:
+    """shaped = reward + DAPO's overlong penalty (filters.overlong_penalty) when `overlong_buffer` > 0, over
+    `overlong_max_length` (default generate.max_new_tokens); else the reward."""
+    if cfg.overlong_buffer == 0:
+        return rewards_N
+    max_length = cfg.overlong_max_length or max_new_tokens
+    return rewards_N + overlong_penalty(lengths_N, max_length, cfg.overlong_buffer, cfg.overlong_penalty_factor)
+
+
+def filter_groups(groups: Groups, rewards_N: np.ndarray, shaped_N: np.ndarray, cfg: AdvantageConfig) -> np.ndarray:
+    """Each group's drop reason (None = kept), the first failing filter naming it: `zero_variance` when its shaped
+    rewards are all equal (filters.has_variance, if `drop_zero_variance_groups`), `success_rate_out_of_range` when
+    its mean reward is outside [min_group_mean, max_group_mean] (filters.success_rate_in_range, if either is set)."""
+    filters = []
+    if cfg.drop_zero_variance_groups:
+        filters.append((DROP_ZERO_VARIANCE, has_variance, groups.split(shaped_N)))
+    if cfg.min_group_mean is not None or cfg.max_group_mean is not None:
+        low = -math.inf if cfg.min_group_mean is None else cfg.min_group_mean
+        high = math.inf if cfg.max_group_mean is None else cfg.max_group_mean
+        if low > high:
+            raise StageInputError(f"advantage.min_group_mean {low} > advantage.max_group_mean {high}: no group passes")
+        in_range = partial(success_rate_in_range, low=low, high=high)
+        filters.append((DROP_SUCCESS_RATE, in_range, groups.split(rewards_N)))
+    drop_K = np.full(len(groups.round_K), None, dtype=object)
+    for reason, keep, values_by_group in filters:
+        for k, values_G in enumerate(values_by_group):
+            if drop_K[k] is None and not keep(values_G):
+                drop_K[k] = reason
+    return drop_K
+
+
+def cap_to_target(drop_K: np.ndarray, groups: Groups, cfg: AdvantageConfig) -> tuple[np.ndarray, int]:
+    """Dynamic sampling: with `target_groups`, keep the first that many kept groups in (round, prompt) order and
+    drop the rest (`over_target`); and the groups the next round must generate (filters.rounds_needed: 0 when
+    the batch is full, an error naming the cap once `max_generation_rounds` rounds are in the table)."""
+    if cfg.target_groups is None:
+        return drop_K, 0
+    kept_K = np.flatnonzero(np.equal(drop_K, None))
+    drop_K = drop_K.copy()
+    drop_K[kept_K[cfg.target_groups :]] = DROP_OVER_TARGET
+    rounds = len(np.unique(groups.round_K))
+    try:
+        needed = rounds_needed(
+            min(len(kept_K), cfg.target_groups), cfg.target_groups, rounds, cfg.max_generation_rounds
+        )
+    except DynamicSamplingExhausted as error:
+        raise StageInputError(str(error)) from None
+    return drop_K, needed
+
+
+def estimate(
+    shaped_N: np.ndarray, lengths_N: np.ndarray, groups: Groups, kept_N: np.ndarray, cfg: AdvantageConfig
+) -> np.ndarray:
+    """Advantages by `cfg.estimator` over the samples of kept groups, truncated ones included (they are part of
+    their group's baseline); 0 for the samples of dropped groups. `kept_N`: the sample's group is kept."""
     advantages_N = np.zeros_like(shaped_N)
-    in_kept = np.array([group_reason[k] is None for k in group_keys], dtype=bool)
-    if in_kept.any():
-        index = np.flatnonzero(in_kept)
-        group_ids, _ = group_index([group_keys[i] for i in index])
-        advantages_N[index] = compute_advantages(
-            cfg.estimator, shaped_N[index], group_ids, lengths_N[index], cfg.std_epsilon
-        )
+    advantages_N[kept_N] = compute_advantages(
+        cfg.estimator, shaped_N[kept_N], groups.id_N[kept_N], lengths_N[kept_N], cfg.std_epsilon
+    )
+    return advantages_N
 
-    rows, reasons = [], Counter()
-    for i, sample in enumerate(samples):
-        key = group_keys[i]
-        members = groups[key]
-        reason = group_reason[key]
-        if reason is None and cfg.mask_truncated and sample["truncated"]:
-            reason = DROP_TRUNCATED
-        reasons[reason or "kept"] += 1
-        rows.append(
-            {
-                **{name: sample[name] for name in ROLLOUT_KEY},
-                "reward": float(rewards_N[i]),
-                "shaped_reward": float(shaped_N[i]),
-                "advantage": float(advantages_N[i]),
-                "kept": reason is None,
-                "drop_reason": reason,
-                "group_size": len(members),
-                "group_mean": float(shaped_N[members].mean()),
-                "group_std": float(shaped_N[members].std(ddof=0)),
-            }
-        )
 
-    kept_N = np.array([row["kept"] for row in rows], dtype=bool)
-    group_reasons = Counter(group_reason.values())
-    metrics = {
+def mask_samples(drop_N: np.ndarray, truncated_N: np.ndarray, cfg: AdvantageConfig) -> np.ndarray:
+    """Each sample's drop reason: its group's, or `truncated` for a truncated response in a kept group when
+    `mask_truncated` (out of the loss, after it served in the baseline)."""
+    if not cfg.mask_truncated:
+        return drop_N
+    return np.where(np.equal(drop_N, None) & truncated_N, DROP_TRUNCATED, drop_N)
+
+
+def batch_metrics(
+    batch: pa.Table, drop_K: np.ndarray, groups: Groups, groups_needed: int, cfg: AdvantageConfig
+) -> dict[str, Any]:
+    """The batch manifest's metrics; `skipped` (filters.is_skip_step) tells train to record a skipped step."""
+    kept_N = batch["kept"].to_numpy(zero_copy_only=False)
+    advantages_N = batch["advantage"].to_numpy()
+    rewards_N, shaped_N = batch["reward"].to_numpy(), batch["shaped_reward"].to_numpy()
+    return {
         "estimator": cfg.estimator,
-        "samples": len(rows),
+        "samples": batch.num_rows,
         "samples_kept": int(kept_N.sum()),
-        "samples_dropped": {k: v for k, v in sorted(reasons.items()) if k != "kept"},
-        "groups": len(groups),
-        "groups_kept": len(kept_groups),
-        "groups_dropped": {k: v for k, v in sorted(group_reasons.items(), key=str) if k is not None},
-        "rounds": rounds_done,
+        "samples_dropped": dict(sorted(Counter(batch["drop_reason"].drop_null().to_pylist()).items())),
+        "groups": len(drop_K),
+        "groups_kept": int(np.equal(drop_K, None).sum()),
+        "groups_dropped": dict(sorted(Counter(reason for reason in drop_K if reason is not None).items())),
+        "rounds": len(np.unique(groups.round_K)),
         "groups_needed": groups_needed,
         "nonzero_advantages": int(np.count_nonzero(advantages_N[kept_N])),
-        "mean_reward": float(rewards_N.mean()) if len(rows) else 0.0,
-        "mean_shaped_reward": float(shaped_N.mean()) if len(rows) else 0.0,
+        "mean_reward": float(rewards_N.mean()) if batch.num_rows else 0.0,
+        "mean_shaped_reward": float(shaped_N.mean()) if batch.num_rows else 0.0,
         "skipped": is_skip_step(advantages_N, kept_N),
     }
-    return rows, metrics
 
 
 def run(ctx: StageContext) -> None:
     # Every generation round of the iteration (round 0, plus the rounds dynamic sampling asked for).
-    rollouts = ctx.read_rounds("rollouts", [*ROLLOUT_KEY, "num_tokens", "truncated"]).to_pylist()
-    scores = ctx.read_rounds("scores", [*ROLLOUT_KEY, "reward"]).to_pylist()
+    rollouts = ctx.read_rounds("rollouts", [*ROLLOUT_KEY, "num_tokens", "truncated"])
+    scores = ctx.read_rounds("scores", [*ROLLOUT_KEY, "reward"])
     rollouts_paths = ", ".join(ctx.inputs[name].path for name in ctx.round_input_names("rollouts"))
     scores_paths = ", ".join(ctx.inputs[name].path for name in ctx.round_input_names("scores"))
     check_group_sizes(rollouts, ctx.config.generate.n_samples, rollouts_paths)
     samples = join_scores(rollouts, scores, scores_paths)
-    rows, metrics = build_batch(samples, ctx.config.advantage, ctx.config.generate.max_new_tokens)
-    ctx.write_table("batch", pa.Table.from_pylist(rows), metrics)
+    batch, metrics = build_batch(samples, ctx.config.advantage, ctx.config.generate.max_new_tokens)
+    ctx.write_table("batch", batch, metrics)
 
 
 if __name__ == "__main__":

@@ -12,13 +12,14 @@ exactly 0 (the std-normalised estimators compute 0 / (0 + eps)).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Literal
+from collections.abc import Callable
 
 import numpy as np
 
-Estimator = Literal["grpo", "dr_grpo", "rloo", "reinforce_pp_baseline", "opo", "mean_centered"]
-ESTIMATORS: tuple[str, ...] = ("grpo", "dr_grpo", "rloo", "reinforce_pp_baseline", "opo", "mean_centered")
+# (rewards_G, lengths_G or None, eps) -> advantages_G: one group's formula
+GroupFormula = Callable[[np.ndarray, np.ndarray | None, float], np.ndarray]
+# (rewards_N, group_ids_N, lengths_N or None, eps) -> advantages_N: a flat batch of groups
+BatchEstimator = Callable[[np.ndarray, np.ndarray, np.ndarray | None, float], np.ndarray]
 
 
 def check_finite(rewards_N: np.ndarray, what: str = "reward") -> np.ndarray:
@@ -92,7 +93,7 @@ def rloo_advantages(rewards_G: np.ndarray) -> np.ndarray:
     return rewards_G - baseline_G
 
 
-def opo_advantages(rewards_G: np.ndarray, lengths_G: np.ndarray) -> np.ndarray:
+def opo_advantages(rewards_G: np.ndarray, lengths_G: np.ndarray | None) -> np.ndarray:
     """A_i = r_i - b, b = sum_j L_j r_j / sum_j L_j. OPO, Hao et al. 2025 ("On-Policy RL with Optimal
     reward baseline").
 
@@ -100,6 +101,8 @@ def opo_advantages(rewards_G: np.ndarray, lengths_G: np.ndarray) -> np.ndarray:
     grows with its token count L. Lengths are response token counts; a group whose lengths sum to 0
     (every response empty) falls back to the plain mean.
     """
+    if lengths_G is None:
+        raise ValueError("the opo estimator needs response lengths")
     rewards_G = check_finite(rewards_G)
     lengths_G = np.asarray(lengths_G, dtype=np.float64)
     if lengths_G.shape != rewards_G.shape:
@@ -121,55 +124,72 @@ def whiten(values_N: np.ndarray, eps: float = 1e-6) -> np.ndarray:
     return (values_N - values_N.mean()) / (values_N.std(ddof=0) + eps)
 
 
-def group_index(group_keys_N: Sequence[object]) -> tuple[np.ndarray, int]:
-    """Map each sample's group key to a dense group id 0..K-1 in order of first appearance."""
-    ids: dict[object, int] = {}
-    group_ids_N = np.fromiter((ids.setdefault(key, len(ids)) for key in group_keys_N), dtype=np.int64)
-    return group_ids_N, len(ids)
+def per_group(formula: GroupFormula) -> BatchEstimator:
+    """The batch estimator that applies `formula` to each group (the samples sharing a group id) on its own."""
+
+    def estimate(
+        rewards_N: np.ndarray, group_ids_N: np.ndarray, lengths_N: np.ndarray | None, eps: float
+    ) -> np.ndarray:
+        advantages_N = np.zeros_like(rewards_N)
+        for group in np.unique(group_ids_N):
+            members = np.flatnonzero(group_ids_N == group)
+            lengths_G = None if lengths_N is None else lengths_N[members]
+            advantages_N[members] = formula(rewards_N[members], lengths_G, eps)
+        return advantages_N
+
+    return estimate
+
+
+def reinforce_pp_baseline_advantages(
+    rewards_N: np.ndarray, group_ids_N: np.ndarray, lengths_N: np.ndarray | None, eps: float
+) -> np.ndarray:
+    """A = whiten_batch(r_i - mean_group(r)). REINFORCE++-baseline, Hu et al. 2025: the one batch-level estimator.
+
+    The group mean removes the prompt's difficulty and the whitening over every sample passed in sets the
+    scale. Whitening is per sample, not per token (verl whitens over response tokens, which weights long
+    responses more). Pass only the samples that will be trained on (after filtering), so dropped groups do
+    not set the scale. Singleton groups contribute a 0 before whitening and stay exactly 0 after it; an
+    all-zero batch stays all zero.
+    """
+    advantages_N = per_group(lambda rewards_G, lengths_G, eps: mean_centered_advantages(rewards_G))(
+        rewards_N, group_ids_N, lengths_N, eps
+    )
+    # The batch mean of group-centred values is 0 up to rounding, so whitening would turn an exact 0
+    # (an all-equal group) into +-1e-17: keep exact zeros exact, the skip rule tests `== 0`.
+    zero_N = advantages_N == 0.0
+    advantages_N = whiten(advantages_N, eps)
+    advantages_N[zero_N] = 0.0
+    return advantages_N
+
+
+# Every estimator by name, each name written here once: `advantage.estimator` in schemas/config.py lists the
+# same names (tests/rl/test_advantages.py checks the two agree). A new estimator is one entry.
+ESTIMATORS: dict[str, BatchEstimator] = {
+    "grpo": per_group(lambda rewards_G, lengths_G, eps: grpo_advantages(rewards_G, eps)),
+    "dr_grpo": per_group(lambda rewards_G, lengths_G, eps: dr_grpo_advantages(rewards_G)),
+    "rloo": per_group(lambda rewards_G, lengths_G, eps: rloo_advantages(rewards_G)),
+    "opo": per_group(lambda rewards_G, lengths_G, eps: opo_advantages(rewards_G, lengths_G)),
+    "mean_centered": per_group(lambda rewards_G, lengths_G, eps: mean_centered_advantages(rewards_G)),
+    "reinforce_pp_baseline": reinforce_pp_baseline_advantages,
+}
 
 
 def compute_advantages(
-    estimator: Estimator,
+    estimator: str,
     rewards_N: np.ndarray,
     group_ids_N: np.ndarray,
     lengths_N: np.ndarray | None = None,
     eps: float = 1e-6,
 ) -> np.ndarray:
-    """Advantages for a flat batch: apply `estimator` to each group (samples sharing a group id).
-
-    `reinforce_pp_baseline` (REINFORCE++-baseline, Hu et al. 2025) is the one batch-level estimator:
-    A = whiten_batch(r_i - mean_group(r)), i.e. the group mean removes the prompt's difficulty and the
-    whitening over every sample passed in sets the scale. Whitening is per sample, not per token (verl
-    whitens over response tokens, which weights long responses more). Pass only the samples that will be
-    trained on (after filtering), so dropped groups do not set the scale. Singleton groups contribute a 0
-    before whitening and stay exactly 0 after it; an all-zero batch stays all zero.
-    """
+    """Advantages of a flat batch by the estimator named `estimator` (a key of ESTIMATORS); samples that
+    share a group id are one group. `lengths_N` (response token counts) is needed by opo only."""
+    estimate = ESTIMATORS.get(estimator)
+    if estimate is None:
+        raise ValueError(f"unknown advantage estimator {estimator!r}; expected one of {sorted(ESTIMATORS)}")
     rewards_N = check_finite(rewards_N)
     group_ids_N = np.asarray(group_ids_N)
     if group_ids_N.shape != rewards_N.shape:
         raise ValueError(f"group_ids shape {group_ids_N.shape} != rewards shape {rewards_N.shape}")
-    if estimator == "opo":
-        if lengths_N is None:
-            raise ValueError("the opo estimator needs response lengths")
+    if lengths_N is not None:
         lengths_N = np.asarray(lengths_N, dtype=np.float64)
-    advantages_N = np.zeros_like(rewards_N)
-    for group in np.unique(group_ids_N):
-        members = np.flatnonzero(group_ids_N == group)
-        rewards_G = rewards_N[members]
-        if estimator == "grpo":
-            advantages_N[members] = grpo_advantages(rewards_G, eps)
-        elif estimator in ("dr_grpo", "mean_centered", "reinforce_pp_baseline"):
-            advantages_N[members] = mean_centered_advantages(rewards_G)
-        elif estimator == "rloo":
-            advantages_N[members] = rloo_advantages(rewards_G)
-        elif estimator == "opo":
-            advantages_N[members] = opo_advantages(rewards_G, lengths_N[members])
-        else:
-            raise ValueError(f"unknown advantage estimator {estimator!r}; expected one of {ESTIMATORS}")
-    if estimator == "reinforce_pp_baseline":
-        # The batch mean of group-centred values is 0 up to rounding, so whitening would turn an exact 0
-        # (an all-equal group) into +-1e-17: keep exact zeros exact, the skip rule tests `== 0`.
-        zero_N = advantages_N == 0.0
-        advantages_N = whiten(advantages_N, eps)
-        advantages_N[zero_N] = 0.0
-    return advantages_N
+    return estimate(rewards_N, group_ids_N, lengths_N, eps)

@@ -1,13 +1,17 @@
-"""The advantage stage's pure core (`build_batch`, `join_scores`) on hand-made groups."""
+"""The advantage stage's pure core (`build_batch`, `join_scores`, `check_group_sizes`) on hand-made groups."""
 
 from __future__ import annotations
 
 import math
+import random
 
+import pyarrow as pa
 import pytest
 
 from schemas.config import AdvantageConfig
-from stages.advantage import build_batch, join_scores
+from schemas.tables import BATCH, conform
+from stages import advantage
+from stages.advantage import check_group_sizes, join_scores
 from stages.harness import StageInputError
 
 
@@ -24,6 +28,12 @@ def sample(
         "num_tokens": num_tokens,
         "truncated": truncated,
     }
+
+
+def build_batch(samples: list[dict], cfg: AdvantageConfig, max_new_tokens: int) -> tuple[list[dict], dict]:
+    """`advantage.build_batch` on rows given as dicts; its table (checked against BATCH) back as dicts."""
+    batch, metrics = advantage.build_batch(pa.Table.from_pylist(samples), cfg, max_new_tokens)
+    return conform(batch, BATCH, "batch").to_pylist(), metrics
 
 
 def by_key(rows):
@@ -97,22 +107,89 @@ def test_dynamic_sampling_target():
         build_batch(samples, AdvantageConfig(target_groups=5, max_generation_rounds=1), 96)
 
 
+ROLLOUT_SCHEMA = pa.schema([("run_id", pa.string()), ("iteration", pa.int32()), ("round", pa.int32()),
+                            ("prompt_id", pa.string()), ("sample_idx", pa.int32()), ("num_tokens", pa.int32()),
+                            ("truncated", pa.bool_())])
+SCORE_SCHEMA = pa.schema([*(ROLLOUT_SCHEMA.field(name) for name in ROLLOUT_SCHEMA.names[:5]), ("reward", pa.float64())])
+
+
+def rollouts(*rows: dict) -> pa.Table:
+    return pa.Table.from_pylist([{k: v for k, v in r.items() if k != "reward"} for r in rows], schema=ROLLOUT_SCHEMA)
+
+
+def scores(*rows: dict) -> pa.Table:
+    return pa.Table.from_pylist(list(rows), schema=SCORE_SCHEMA)
+
+
 def test_join_scores_errors():
-    rollout = {k: v for k, v in sample("a", 0, 0.0).items() if k != "reward"}
-    score = {"run_id": "r", "iteration": 0, "round": 0, "prompt_id": "a", "sample_idx": 0, "reward": math.nan}
-    with pytest.raises(StageInputError, match="not a finite number"):
-        join_scores([rollout], [score])
-    with pytest.raises(StageInputError, match="no score for rollout"):
-        join_scores([rollout], [])
-    with pytest.raises(StageInputError, match="have no rollout"):
-        join_scores([], [{**score, "reward": 1.0}])
-    assert join_scores([rollout], [{**score, "reward": 1.0}])[0]["reward"] == 1.0
+    a0, a1 = sample("a", 0, 0.0), sample("a", 1, 1.0)
+    nan_message = r"s.parquet: reward nan of rollout \{.*'prompt_id': 'a', 'sample_idx': 0\} is not a finite number"
+    with pytest.raises(StageInputError, match=nan_message):
+        join_scores(rollouts(a0), scores({**a0, "reward": math.nan}), "s.parquet")
+    with pytest.raises(StageInputError, match=r"no score for rollout \{.*'sample_idx': 1\}"):
+        join_scores(rollouts(a0, a1), scores(a0))
+    with pytest.raises(StageInputError, match=r"1 scores have no rollout, e.g. \{.*'sample_idx': 1\}"):
+        join_scores(rollouts(a0), scores(a0, a1))
+    with pytest.raises(StageInputError, match=r"duplicate score for rollout \{.*'sample_idx': 1\}"):
+        join_scores(rollouts(a0, a1), scores(a0, a1, a1))
+    # the first rollout at fault, in rollout order, is the one named
+    with pytest.raises(StageInputError, match=r"reward inf of rollout \{.*'sample_idx': 1\}"):
+        join_scores(rollouts(a1, a0), scores({**a1, "reward": math.inf}))
+    joined = join_scores(rollouts(a1, a0), scores(a0, a1)).sort_by("sample_idx")
+    assert joined["reward"].to_pylist() == [0.0, 1.0] and joined["num_tokens"].to_pylist() == [10, 10]
 
 
 def test_group_sizes_must_equal_n_samples_in_every_round():
-    from stages.advantage import check_group_sizes
-
     full = [sample("a", i, 1.0) for i in range(4)] + [sample("a", i, 0.0, round_=1) for i in range(4)]
-    check_group_sizes(full, 4, "rollouts.parquet")
+    check_group_sizes(rollouts(*full), 4, "rollouts.parquet")
     with pytest.raises(StageInputError, match=r"rollouts.parquet: prompt a \(round 1\) has 3 rollouts.*n_samples is 4"):
-        check_group_sizes(full[:-1], 4, "rollouts.parquet")
+        check_group_sizes(rollouts(*full[:-1]), 4, "rollouts.parquet")
+    # a repeated rollout with a lost one keeps the count right: the repeat itself is refused
+    repeat = r"rollouts.parquet: duplicate rollout \{.*'round': 1, .*'sample_idx': 2\}"
+    with pytest.raises(StageInputError, match=repeat):
+        check_group_sizes(rollouts(*full[:-1], full[-2]), 4, "rollouts.parquet")
+
+
+def test_every_column_by_hand_from_shuffled_rows():
+    # Two rounds; max length 100, overlong buffer 20 (penalty -(L - 80) / 20), mask_truncated, target 2 groups.
+    #   round 0, "b": rewards [1, 0, 1], lengths [90, 50, 100 truncated] -> shaped [0.5, 0, 0]: mean 1/6,
+    #     population std sqrt(((1/3)^2 + 2 (1/6)^2) / 3) = sqrt(1/18); kept; rloo A_i = r_i - mean(others):
+    #     [0.5 - 0, 0 - 0.25, 0 - 0.25] = [0.5, -0.25, -0.25]; the truncated one masked, still in the baseline
+    #   round 0, "a" sorts first: rewards [1, 1, 1], lengths 10 -> shaped all 1: zero_variance, advantage 0
+    #   round 1, "a": rewards [0, 1, 1], lengths 10 -> kept: rloo [0 - 1, 1 - 0.5, 1 - 0.5] = [-1, 0.5, 0.5]
+    #   round 1, "c": rewards [1, 0, 0] -> would be kept, but the target of 2 groups is full: over_target
+    #   mean reward (2 + 3 + 2 + 1) / 12, mean shaped reward (0.5 + 3 + 2 + 1) / 12
+    rows = [sample("b", i, r, n, truncated=n == 100) for i, (r, n) in enumerate([(1.0, 90), (0.0, 50), (1.0, 100)])]
+    rows += [sample("a", i, 1.0) for i in range(3)]
+    rows += [sample("a", i, r, round_=1) for i, r in enumerate([0.0, 1.0, 1.0])]
+    rows += [sample("c", i, r, round_=1) for i, r in enumerate([1.0, 0.0, 0.0])]
+    random.Random(0).shuffle(rows)
+    cfg = AdvantageConfig(estimator="rloo", overlong_buffer=20, mask_truncated=True, target_groups=2,
+                          max_generation_rounds=2)
+    got, metrics = build_batch(rows, cfg, 100)
+    assert [(r["round"], r["prompt_id"], r["sample_idx"]) for r in got] == [
+        (0, "a", 0), (0, "a", 1), (0, "a", 2), (0, "b", 0), (0, "b", 1), (0, "b", 2),
+        (1, "a", 0), (1, "a", 1), (1, "a", 2), (1, "c", 0), (1, "c", 1), (1, "c", 2),
+    ]
+    assert [r["shaped_reward"] for r in got] == [1.0, 1.0, 1.0, 0.5, 0.0, 0.0, 0.0, 1.0, 1.0, 1.0, 0.0, 0.0]
+    assert [r["advantage"] for r in got] == pytest.approx([0, 0, 0, 0.5, -0.25, -0.25, -1, 0.5, 0.5, 0, 0, 0])
+    assert [r["drop_reason"] for r in got] == ["zero_variance"] * 3 + [None, None, "truncated"] + [None] * 3 + [
+        "over_target"] * 3
+    assert [r["kept"] for r in got] == [False] * 3 + [True, True, False] + [True] * 3 + [False] * 3
+    assert {r["group_size"] for r in got} == {3}
+    assert [got[i]["group_mean"] for i in (0, 3, 6, 9)] == pytest.approx([1.0, 1 / 6, 2 / 3, 1 / 3])
+    assert [got[i]["group_std"] for i in (0, 3, 6, 9)] == pytest.approx([0.0, math.sqrt(1 / 18), math.sqrt(2 / 9),
+                                                                        math.sqrt(2 / 9)])
+    assert metrics == {
+        "estimator": "rloo", "samples": 12, "samples_kept": 5,
+        "samples_dropped": {"over_target": 3, "truncated": 1, "zero_variance": 3},
+        "groups": 4, "groups_kept": 2, "groups_dropped": {"over_target": 1, "zero_variance": 1},
+        "rounds": 2, "groups_needed": 0, "nonzero_advantages": 5,
+        "mean_reward": pytest.approx(8 / 12), "mean_shaped_reward": pytest.approx(6.5 / 12), "skipped": False,
+    }
+
+
+def test_an_empty_success_rate_range_is_a_config_error():
+    with pytest.raises(StageInputError, match="min_group_mean 0.8 > advantage.max_group_mean 0.2"):
+        cfg = AdvantageConfig(min_group_mean=0.8, max_group_mean=0.2)
+        build_batch([sample("a", 0, 1.0), sample("a", 1, 0.0)], cfg, 96)

@@ -11,7 +11,7 @@ import torch
 
 from schemas.config import TrainConfig
 from stages.rl.advantages import ESTIMATORS, compute_advantages
-from stages.rl.trainer import PolicyTrainer, TorchStepper, TrainSample, lr_at, make_adamw
+from stages.rl.trainer import PolicyTrainer, StepTotals, TorchStepper, TrainSample, lr_at, make_adamw, metrics_row
 
 from .conftest import make_tiny_model
 
@@ -161,6 +161,35 @@ def test_metrics_by_hand_with_a_known_mismatch(overrides, expected):
     assert row["loss"] == pytest.approx(row["policy_loss"])  # no KL, no entropy term
 
 
+def test_step_totals_weigh_micro_batches_and_count_each_ratio_once():
+    # Two micro-batches, then a repeat of the first with loss weight 0 (a rank with fewer micro-batches than
+    # the others runs one again): it adds nothing, and its importance ratios are not counted twice.
+    # a: 3 loss tokens of 4 (1 rejected), ratios [0.5, 1, 2, 1]; b: 1 token, ratio 1.5.
+    a = {"loss": 0.5, "policy_loss": 0.4, "kl_ref_sum": 0.3, "entropy_sum": 6.0, "approx_kl_sum": 0.2,
+         "clip_low": 1.0, "clip_high": 0.0, "clip_dual": 0.0, "loss_tokens": 3.0, "response_tokens": 4.0,
+         "rejected": 1.0, "tokens": 10.0, "padded_tokens": 12.0,
+         "w_sum": 4.5, "w_sq_sum": 6.25, "w_count": 4.0, "w_min": 0.5, "w_max": 2.0}
+    b = {"loss": -0.25, "policy_loss": -0.3, "kl_ref_sum": 0.1, "entropy_sum": 2.0, "approx_kl_sum": 0.6,
+         "clip_low": 0.0, "clip_high": 1.0, "clip_dual": 0.0, "loss_tokens": 1.0, "response_tokens": 1.0,
+         "rejected": 0.0, "tokens": 5.0, "padded_tokens": 6.0,
+         "w_sum": 1.5, "w_sq_sum": 2.25, "w_count": 1.0, "w_min": 1.5, "w_max": 1.5}
+    totals = StepTotals()
+    for stats, weight in ((a, 1.0), (b, 1.0), (a, 0.0)):
+        totals.add(stats, weight)
+    linear = torch.nn.Linear(1, 1)
+    one_rank = TorchStepper(linear, torch.optim.SGD(linear.parameters()), max_grad_norm=1.0)
+    row = metrics_row(totals.all_reduce(one_rank), kl_ref_on=True)
+    # 4 loss tokens, 5 response tokens; ratios [0.5, 1, 2, 1, 1.5]: mean 6 / 5, ESS 6^2 / (5 * 8.5)
+    expected = {
+        "loss": 0.25, "policy_loss": 0.1, "approx_kl": 0.8 / 4, "kl_ref": 0.4 / 4, "entropy": 8.0 / 4,
+        "clip_frac_low": 1 / 4, "clip_frac_high": 1 / 4, "clip_frac_dual": 0.0, "rejected_frac": 1 / 5,
+        "is_ratio_mean": 1.2, "is_ratio_min": 0.5, "is_ratio_max": 2.0, "is_ess": 36 / 42.5,
+        "tokens": 15, "loss_tokens": 4, "padding_frac": 1 - 15 / 18,
+    }  # fmt: skip
+    assert row == pytest.approx(expected)
+    assert metrics_row(totals.all_reduce(one_rank), kl_ref_on=False)["kl_ref"] == 0.0
+
+
 def test_train_sample_refuses_a_non_finite_advantage():
     for bad in (math.nan, math.inf, -math.inf):
         with pytest.raises(ValueError, match=rf"advantage {bad} is not finite"):
@@ -198,7 +227,7 @@ def _answer_probs(model) -> torch.Tensor:
         return torch.softmax(logits, -1)
 
 
-@pytest.mark.parametrize("estimator", ESTIMATORS)
+@pytest.mark.parametrize("estimator", list(ESTIMATORS))
 def test_toy_problem_moves_policy_toward_reward(estimator):
     model = make_tiny_model(seed=1)
     cfg = TrainConfig(lr=3e-2, max_grad_norm=10.0, seed=0)
