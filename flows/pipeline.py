@@ -40,6 +40,7 @@ from flows.runner.process import (  # noqa: E402
     run_stage_process,
     stage_environment,
 )
+from flows.trackers import log_iterations  # noqa: E402
 from schemas import settings  # noqa: E402
 from schemas.config import ConfigError, load_config, parse_config  # noqa: E402
 from stages.registry import RUN_STAGES, instance, is_done_now, iteration_stages  # noqa: E402
@@ -146,6 +147,7 @@ def _run_iteration(run: Run, iteration: int | None, mode: str) -> list[StageOutc
                 run, iteration, execute=lambda target: stage_task(run, target, mode), log=get_run_logger().info
             )
     publish_iteration_artifacts(run, iteration)
+    log_iterations(run, warn=get_run_logger().warning)  # log.trackers: each finished iteration once (step = k)
     return outcomes
 
 

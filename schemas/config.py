@@ -400,6 +400,31 @@ class EvaluateConfig(Section):
         return sorted(set(k))
 
 
+class LogConfig(Section):
+    """Experiment trackers: per-iteration metrics and the run config, logged by the flow (flows/trackers.py)."""
+
+    trackers: list[Literal["tensorboard", "mlflow", "wandb"]] = Field(
+        default_factory=list, description="Trackers to log to after each iteration (step = iteration): "
+        "`tensorboard`, `mlflow`, `wandb` (optional extras: pip install 'rlpipe[trackers]'); empty: none.",
+    )
+    dir: str | None = Field(
+        None, description="Local folder for the trackers' files (TensorBoard event files, MLflow's file store, "
+        "W&B's run files); null: `<run dir>/trackers`, or `~/.cache/rlpipe/trackers/<run>` for an s3:// root.",
+    )
+    project: str = Field("rlpipe", description="W&B project and MLflow experiment the run is logged under.")
+    mlflow_tracking_uri: str | None = Field(
+        None, description="MLflow tracking server or store; null: $MLFLOW_TRACKING_URI, else a file store in "
+        "`<dir>/mlruns`.",
+    )
+
+    @field_validator("trackers")
+    @classmethod
+    def _trackers_once(cls, trackers: list[str]) -> list[str]:
+        if len(set(trackers)) < len(trackers):
+            raise ValueError(f"names a tracker twice: {trackers}")
+        return trackers
+
+
 
 
 class RunConfig(Section):
@@ -422,6 +447,7 @@ class RunConfig(Section):
     advantage: AdvantageConfig = Field(default_factory=AdvantageConfig, description="Advantages (section).")
     train: TrainConfig = Field(default_factory=TrainConfig, description="Training (section).")
     evaluate: EvaluateConfig = Field(default_factory=EvaluateConfig, description="Evaluation (section).")
+    log: LogConfig = Field(default_factory=LogConfig, description="Experiment trackers (section).")
 
     @field_validator("run_id")
     @classmethod

@@ -36,6 +36,9 @@ def _validate_data(config: RunConfig) -> None:
         validate_sources(config.data)
     except DataError as error:
         raise ConfigError(str(error)) from None
+    from flows.trackers import check_trackers
+
+    check_trackers(config.log)  # a tracker library missing here is exit 2 now, not a warning per iteration
 
 
 def _drive(run: Run) -> int:
