@@ -166,7 +166,7 @@ def test_extra_rounds_fill_the_batch_and_nothing_is_lost(tmp_path: Path) -> None
     assert counts == {r: PER_ROUND * N_SAMPLES for r in range(n_rounds)}
 
     # Status has a row per extra round; the Prefect metrics' mean reward covers every round.
-    assert extra_rounds(layout, config, 0) == list(range(1, n_rounds))
+    assert extra_rounds(Run(layout, config), 0) == list(range(1, n_rounds))
     rewards = [r["reward"] for k in range(n_rounds)
                for r in pa.parquet.read_table(layout.table_path("scores", 0, k)).to_pylist()]
     metrics = {(m["stage"], m["metric"]): m["value"] for m in iteration_metrics(Run(layout, config), 0)}
@@ -251,7 +251,7 @@ def test_a_round_whose_score_did_not_finish_is_finished_on_resume(tmp_path: Path
 
     ran: list[tuple[str, int]] = []
     run = in_process(layout, ran)
-    run("advantage", 0)  # what the iteration flow runs first
+    run(instance("advantage", 0))  # what the iteration flow runs first
     dynamic_sampling_rounds(Run(layout, config), 0, execute=run, log=lambda *a: None)
     assert ran == [("advantage", 0), ("score", 1), ("advantage", 0)]
     after = batch_manifest(layout)
