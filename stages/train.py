@@ -7,25 +7,31 @@ model for k = 0) by stages/rl/session.py (plain torch, in this process) or stage
 the sampler's are the behaviour policy for rollout correction (or the old policy, `bypass_old_logprobs`).
 The KL reference is the base model, verified against the run's base-model hash. A skipped batch (no kept
 nonzero advantage) trains nothing: the checkpoint is a copy of the input policy, so iteration k+1 has one,
-and the table holds one row with skipped = True. Seeds are fixed by (train.seed, iteration).
+and the table holds one row with skipped = True. Seeds are fixed by (train.seed, iteration). A progress bar
+counts the optimizer steps with loss, KL and tokens/s; DeepSpeed's rank 0 reports each step through a file.
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
 import math
 import tempfile
+import threading
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
 import torch  # noqa: F401 - imported first so the harness sets torch's thread count (stages/harness.py)
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from schemas.tables import ROLLOUT_KEY
 from stages.harness import StageContext, StageInputError, exit_with
 from stages.rl.checkpoint import TrainerState, copy_policy, read_state
 from stages.rl.filters import is_skip_step
 from stages.rl.session import TrainJob, peak_rss_mb, run_job
-from stages.rl.trainer import lr_at
+from stages.rl.trainer import lr_at, optimizer_steps
 
 
 def _key(row: dict[str, Any]) -> tuple:
@@ -93,6 +99,57 @@ def skipped_row(global_step: int, lr: float) -> dict[str, Any]:
     }
 
 
+@contextlib.contextmanager
+def step_progress(total: int, label: str) -> Iterator[Callable[[dict], None]]:
+    """A progress bar over `total` optimizer steps; yields the callback each step's metrics row goes to. It shows
+    the step's loss and KL (to the sampling policy; to the reference too when the loss has it) and tokens/s over
+    the steps so far (tokens forwarded / seconds of the steps)."""
+    with Progress(TextColumn(f"[bold]{label}[/]"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  TextColumn("{task.fields[stats]}"), transient=False) as progress:
+        task = progress.add_task(label, total=total, stats="")
+        totals = {"tokens": 0.0, "seconds": 0.0}
+
+        def on_step(row: dict) -> None:
+            totals["tokens"] += row["tokens"]
+            totals["seconds"] += row["seconds"]
+            rate = totals["tokens"] / totals["seconds"] if totals["seconds"] > 0 else 0.0
+            kl_ref = row.get("kl_ref")
+            to_ref = f" · KL ref {kl_ref:.2e}" if kl_ref and math.isfinite(kl_ref) else ""  # 0: no KL term
+            stats = f"loss {row['loss']:+.4f} · KL {row['approx_kl']:.2e}{to_ref} · {rate:.0f} tok/s"
+            progress.update(task, advance=1, stats=stats)
+
+        yield on_step
+
+
+@contextlib.contextmanager
+def following(path: Path, on_line: Callable[[dict], None], poll_s: float = 0.5) -> Iterator[None]:
+    """While the block runs, hand each complete JSON line appended to `path` to `on_line` (polled every `poll_s`),
+    and the rest once it ends: how the stage sees the steps DeepSpeed's rank 0 reports (PROGRESS_SUFFIX)."""
+    stop = threading.Event()
+
+    def follow() -> None:
+        offset = 0
+        while True:
+            stopping = stop.wait(poll_s)
+            with contextlib.suppress(FileNotFoundError), open(path, "rb") as handle:
+                handle.seek(offset)
+                chunk = handle.read()
+                complete = chunk[: chunk.rfind(b"\n") + 1]  # a line being written waits for the next poll
+                offset += len(complete)
+                for line in complete.splitlines():
+                    on_line(json.loads(line))
+            if stopping:
+                return
+
+    thread = threading.Thread(target=follow, daemon=True, name="rlpipe train progress")
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
+
+
 def reference_dir(ctx: StageContext) -> Path | None:
     """The frozen KL reference: the base model, re-resolved on this machine and checked against its hash."""
     if ctx.config.train.kl_coef <= 0:
@@ -135,13 +192,16 @@ def run(ctx: StageContext) -> None:
             threads=ctx.config.threads,
             samples=samples,
         )
-        if cfg.backend == "deepspeed":
-            from stages.rl.deepspeed_backend import launch
+        with step_progress(optimizer_steps(cfg, len(samples)), ctx.instance.label) as on_step:
+            if cfg.backend == "deepspeed":
+                from stages.rl.deepspeed_backend import PROGRESS_SUFFIX, launch
 
-            with tempfile.TemporaryDirectory(prefix="rlpipe-ds-") as scratch:
-                rows, metrics = launch(job, Path(scratch) / "job.json", cfg.processes)
-        else:
-            rows, metrics = run_job(job)
+                with tempfile.TemporaryDirectory(prefix="rlpipe-ds-") as scratch:
+                    job_path = Path(scratch) / "job.json"
+                    with following(Path(f"{job_path}{PROGRESS_SUFFIX}"), on_step):
+                        rows, metrics = launch(job, job_path, cfg.processes)
+            else:
+                rows, metrics = run_job(job, on_step)
 
     metrics.update({"skipped": skipped, "samples": len(samples), "empty_responses": empty})
     table_rows = [{"run_id": ctx.run_id, "iteration": ctx.iteration, **row} for row in rows]

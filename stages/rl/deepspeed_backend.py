@@ -43,6 +43,7 @@ DS_DIR = "deepspeed"
 DS_TAG = "optimizer"
 DS_META = "deepspeed_meta.json"
 READY = "rlpipe deepspeed rank ready:"  # each rank prints it to the launcher log once its engine is built
+PROGRESS_SUFFIX = ".progress.jsonl"  # rank 0 appends each optimizer step's metrics row (the stage's progress bar)
 STAGE_ENV = settings.DS_STAGE.name  # "<pid>:<start time>" of the train stage that launched the ranks
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -162,7 +163,9 @@ def worker(job_path: Path) -> None:
         global_step=state.global_step,
         policy=engine,
     )
-    rows = trainer.train(job.train_samples(), job.iteration)
+    progress = Path(str(job_path) + PROGRESS_SUFFIX)
+    report = (lambda row: _append_line(progress, row)) if rank == 0 else None  # steps' rows are all-reduced
+    rows = trainer.train(job.train_samples(), job.iteration, report)
     trained = time.monotonic()
     _save(engine, model, job, cfg, TrainerState(trainer.global_step, job.iteration, cfg.lora_rank > 0))
     saved = time.monotonic()
@@ -172,6 +175,11 @@ def worker(job_path: Path) -> None:
         )
         metrics["zero_stage"] = cfg.zero_stage
         Path(str(job_path) + ".result.json").write_text(json.dumps({"rows": rows, "metrics": metrics}))
+
+
+def _append_line(path: Path, row: dict) -> None:
+    with open(path, "a") as handle:
+        handle.write(json.dumps(row) + "\n")
 
 
 def _free_port() -> int:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import resource
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -66,7 +67,7 @@ def seed_everything(cfg: TrainConfig, iteration: int) -> None:
     torch.manual_seed(cfg.seed * 1_000_003 + iteration)
 
 
-def run_job(job: TrainJob) -> tuple[list[dict], dict[str, Any]]:
+def run_job(job: TrainJob, on_step: Callable[[dict], None] | None = None) -> tuple[list[dict], dict[str, Any]]:
     """Train in this process with the plain torch backend; returns (metrics rows, session metrics)."""
     cfg = job.cfg
     torch.set_num_threads(job.threads)
@@ -89,7 +90,7 @@ def run_job(job: TrainJob) -> tuple[list[dict], dict[str, Any]]:
         ref_model=ref,
         global_step=state.global_step,
     )
-    rows = trainer.train(job.train_samples(), job.iteration)
+    rows = trainer.train(job.train_samples(), job.iteration, on_step)
     trained = time.monotonic()
     cpu_seconds = time.process_time() - cpu_started
     save_policy(

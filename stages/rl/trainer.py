@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Protocol
@@ -54,6 +54,11 @@ class TrainSample:
             )
         if not math.isfinite(self.advantage):
             raise ValueError(f"advantage {self.advantage} is not finite")
+
+
+def optimizer_steps(cfg: TrainConfig, samples: int) -> int:
+    """Optimizer steps of one `train` call: epochs x minibatches (at most one minibatch per sample)."""
+    return cfg.epochs * min(cfg.minibatches, samples)
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
@@ -282,14 +287,17 @@ class PolicyTrainer:
 
     # ----------------------------------------------------------------------------------------------------
 
-    def train(self, samples: list[TrainSample], iteration: int = 0) -> list[dict]:
-        """Run the configured optimizer steps on `samples`; one metrics dict per step."""
+    def train(
+        self, samples: list[TrainSample], iteration: int = 0, on_step: Callable[[dict], None] | None = None
+    ) -> list[dict]:
+        """Run the configured optimizer steps on `samples`; one metrics dict per step, also handed to `on_step`
+        as each step ends (the train stage's progress bar)."""
         cfg = self.cfg
         if not samples:
             raise ValueError("no samples to train on")
         # Filters can leave fewer samples than minibatches: then each minibatch is one sample, none empty.
         minibatches = min(cfg.minibatches, len(samples))
-        total_steps = cfg.epochs * minibatches
+        total_steps = optimizer_steps(cfg, len(samples))
         behaviour = [torch.tensor(s.behaviour_logprobs, dtype=torch.float32) for s in samples]
         # The fast path: one step, trainer logprobs recomputed in the training forward itself.
         self.fast_old = total_steps == 1 and not cfg.bypass_old_logprobs and not cfg.rejection
@@ -312,6 +320,8 @@ class PolicyTrainer:
                 order = torch.randperm(len(samples), generator=generator).tolist()
             for minibatch in np.array_split(np.array(order), minibatches):
                 rows.append(self._step([int(i) for i in minibatch], batch, epoch))
+                if on_step is not None:
+                    on_step(rows[-1])
         self.model.eval()
         return rows
 
