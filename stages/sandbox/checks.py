@@ -14,7 +14,9 @@ When the body cannot be cut (a `return` or `yield` in `check`, no assert at the 
 from __future__ import annotations
 
 import ast
+import dataclasses
 import functools
+import json
 from dataclasses import dataclass
 from types import CodeType
 
@@ -137,3 +139,65 @@ def humaneval_reward_spec(problem: dict) -> dict:
         "preamble": humaneval_preamble(problem["prompt"], problem["entry_point"]),
         "test": problem["test"],
     }
+
+
+# -- call-based cases (code_call) -------------------------------------------------------------------------
+
+# Test code for call-based cases. It runs on the trusted side like any check (judge.py): the candidate's
+# return value arrives as plain values, tuples become lists (JSON has no tuples), and an expected `[v]` also
+# accepts `v` (APPS and TACO wrap many expected returns in a list).
+_CALL_HELPERS = '''
+def _as_json(value):
+    if isinstance(value, (list, tuple)):
+        return [_as_json(item) for item in value]
+    if isinstance(value, dict):
+        return {key: _as_json(item) for key, item in value.items()}
+    return value
+
+
+def _same(got, want, case):
+    got = _as_json(got)
+    if got == want or (isinstance(want, list) and len(want) == 1 and got == want[0]):
+        return True
+    raise AssertionError(("case %d: expected %r, got %r" % (case, want, got))[:300])
+'''
+
+# Appended to the candidate's program (it runs in the sandbox): LeetCode-style answers define the function
+# as a method of `class Solution`.
+_SOLUTION_METHOD = (
+    "\n\nif {fn!r} not in globals() and 'Solution' in globals():\n    {fn} = getattr(Solution(), {fn!r})\n"
+)
+
+
+def call_program(code: str, fn_name: str) -> str:
+    """The candidate's code plus the lookup of `fn_name` on a `Solution` class when it has no such function."""
+    return code + _SOLUTION_METHOD.format(fn=fn_name)
+
+
+def call_test_source(fn_name: str, inputs: object, outputs: object) -> str:
+    """`check(candidate)` with one assert per case: `candidate(*inputs[i])` must give `outputs[i]`."""
+    if not isinstance(fn_name, str) or not fn_name.isidentifier():
+        raise CheckSpecError(f"fn_name must be a Python identifier, got {fn_name!r}")
+    if not isinstance(inputs, list) or not inputs or not all(isinstance(args, list) for args in inputs):
+        raise CheckSpecError("inputs must be a non-empty list of argument lists")
+    if not isinstance(outputs, list) or len(outputs) != len(inputs):
+        raise CheckSpecError("outputs must be a list as long as inputs")
+    cases = json.dumps([inputs, outputs])
+    lines = ["import json as _json", _CALL_HELPERS, f"_INPUTS, _OUTPUTS = _json.loads({cases!r})", "",
+             "def check(candidate):"]
+    lines += [f"    assert _same(candidate(*_INPUTS[{i}]), _OUTPUTS[{i}], {i})" for i in range(len(inputs))]
+    return "\n".join(lines) + "\n"
+
+
+def plan_calls(fn_name: str, inputs: object, outputs: object) -> tuple[str, CheckPlan]:
+    """(test source, plan) of call-based cases; the tests are named `case 0`, `case 1`, ..."""
+    test = call_test_source(fn_name, inputs, outputs)
+    return test, _named_case_plan(test)
+
+
+@functools.lru_cache(maxsize=256)
+def _named_case_plan(test: str) -> CheckPlan:
+    plan = plan_checks("", test)
+    names = iter(range(len(plan.test_names)))
+    steps = tuple(dataclasses.replace(s, name=f"case {next(names)}") if s.is_test else s for s in plan.steps)
+    return dataclasses.replace(plan, steps=steps)

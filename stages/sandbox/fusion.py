@@ -7,7 +7,8 @@ whitespace. `code_tests`: one request per sample running preamble, candidate, te
 prints a nonce-tagged line per passing test and a final `done` line (nothing counts without it, so an early
 `sys.exit(0)` earns nothing). The harness shares the candidate's process, so a candidate that reads the
 nonce could forge lines; the local backend's judge (judge.py) has no such weakness: use it when the reward
-must resist hacking. `math`: compared here with math-verify, as the local backend does.
+must resist hacking. `code_call`: the same, its check generated from the cases. `math`: compared here with
+math-verify, as the local backend does.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import httpx
 
 from schemas.config import ScoreConfig
 
-from .checks import CheckPlan, CheckSpecError, plan_checks
+from .checks import CheckPlan, CheckSpecError, call_program, plan_calls, plan_checks
 from .extract import extract_code
 from .jobs import ScoreJob, ScoreResult
 from .judge import TestOutcome, summarize
@@ -126,6 +127,8 @@ class FusionSandbox:
                 result = self._stdio(extract_code(job.response_text), spec, started)
             elif kind == "code_tests":
                 result = self._tests(extract_code(job.response_text), spec, started)
+            elif kind == "code_call":
+                result = self._calls(extract_code(job.response_text), spec, started)
             else:
                 outcome = TestOutcome("reward_spec", "error", f"unknown kind {kind!r}")
                 result = make_result(self.cfg, "error", [outcome], None, started)
@@ -155,13 +158,27 @@ class FusionSandbox:
             plan = plan_checks(preamble, spec.get("test") or "")
         except CheckSpecError as error:
             return make_result(self.cfg, "error", [TestOutcome("check", "error", str(error))], code, started)
-        if code is None:
+        test, entry_point = spec.get("test") or "", spec.get("entry_point") or ""
+        return self._run_plan(code, code, preamble, test, entry_point, plan, started)
+
+    def _calls(self, code: str | None, spec: dict, started: float) -> dict:
+        fn_name = spec.get("fn_name") or ""
+        try:
+            test, plan = plan_calls(fn_name, spec.get("inputs"), spec.get("outputs"))
+        except CheckSpecError as error:
+            return make_result(self.cfg, "error", [TestOutcome("cases", "error", str(error))], code, started)
+        program_code = call_program(code, fn_name) if code is not None else None
+        return self._run_plan(code, program_code, "", test, fn_name, plan, started)
+
+    def _run_plan(
+        self, code: str | None, program_code: str | None, preamble: str, test: str, entry_point: str,
+        plan: CheckPlan, started: float,
+    ) -> dict:
+        if code is None or program_code is None:
             outcomes = [TestOutcome(name, "fail", "no code block") for name in plan.test_names]
             return make_result(self.cfg, "no_code", outcomes, None, started)
         nonce = secrets.token_hex(16)
-        program = harness_program(
-            preamble, code, spec.get("test") or "", spec.get("entry_point") or "", plan, nonce
-        )
+        program = harness_program(preamble, program_code, test, entry_point, plan, nonce)
         body = self.run_code(
             {"code": program, "stdin": "", "language": "python", "run_timeout": self.cfg.timeout_s}
         )

@@ -3,6 +3,8 @@
 - `code_tests` (HumanEval style): the program (preamble + candidate code) is loaded in a sandboxed child
   in `serve` mode; the judge (judge.py) runs the dataset's check statements here and calls the
   candidate through the channel. One wall-clock budget (`timeout_s`) covers loading and every test.
+- `code_call`: call-based cases (`fn_name`, `inputs`, `outputs`), judged exactly like `code_tests`: the
+  trusted side runs one generated assert per case (checks.call_test_source) and compares plain values.
 - `code_stdio`: one sandboxed run of the program per case, stdin fed, stdout compared after normalising
   trailing whitespace (each line right-stripped, trailing blank lines dropped); `timeout_s` per case.
 - `math`: the last \\boxed{} or <answer> is compared with the reference by math-verify.
@@ -21,7 +23,7 @@ from typing import Any
 
 from schemas.config import ScoreConfig
 
-from .checks import CheckPlan, CheckSpecError, plan_checks
+from .checks import CheckPlan, CheckSpecError, call_program, plan_calls, plan_checks
 from .extract import extract_answer, extract_code
 from .isolation import Isolation, SpawnError
 from .judge import JobTimeout, TestOutcome, run_checks, summarize
@@ -77,6 +79,8 @@ def score_job(job: dict, cfg: ScoreConfig, isolation: Isolation) -> Result:
         return score_code_tests(code, spec, cfg, isolation, started)
     if kind == "code_stdio":
         return score_stdio(code, spec, cfg, isolation, started)
+    if kind == "code_call":
+        return score_code_call(code, spec, cfg, isolation, started)
     return make_result(
         cfg, "error", [TestOutcome("reward_spec", "error", f"unknown kind {kind!r}")], code, started
     )
@@ -103,6 +107,23 @@ def score_code_tests(
         program, spec.get("entry_point") or "", plan, isolation, deadline, cfg.timeout_s
     )
     passed, total, status = summarize(outcomes)
+    return make_result(cfg, status, outcomes, code, started)
+
+
+def score_code_call(
+    code: str | None, spec: dict, cfg: ScoreConfig, isolation: Isolation, started: float
+) -> Result:
+    fn_name = spec.get("fn_name") or ""
+    try:
+        _, plan = plan_calls(fn_name, spec.get("inputs"), spec.get("outputs"))
+    except CheckSpecError as error:
+        return make_result(cfg, "error", [TestOutcome("cases", "error", str(error))], code, started)
+    if code is None:
+        return make_result(cfg, "no_code", _all(plan.test_names, "fail", "no code block"), None, started)
+    outcomes = run_in_sandbox(
+        call_program(code, fn_name), fn_name, plan, isolation, started + cfg.timeout_s, cfg.timeout_s
+    )
+    _, _, status = summarize(outcomes)
     return make_result(cfg, status, outcomes, code, started)
 
 

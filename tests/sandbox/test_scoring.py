@@ -1,4 +1,5 @@
-"""Rewards, statuses and per-test results, through the real local sandbox (shared warm workers)."""
+"""Rewards, statuses and per-test results, through the real local sandbox (shared warm workers): function tests,
+stdin/stdout cases, call-based cases and math."""
 
 from __future__ import annotations
 
@@ -229,3 +230,42 @@ def test_broken_test_code_is_an_error_not_a_crash(sandbox: Sandbox):
     )
     # `raise SystemExit` is setup (no assert in it): it cannot stop the judge or the worker
     assert (second.status, second.passed, second.total) == ("ok", 1, 1)
+
+
+# -- call-based cases (code_call) --------------------------------------------------------------------------
+
+CALL_SPEC = {
+    "kind": "code_call", "fn_name": "pair", "inputs": [[1, 2], [3, 4], [0, 0]], "outputs": [[1, 2], [[3, 4]], [0, 0]],
+}
+
+
+def test_call_cases_compare_plain_values_on_the_trusted_side(sandbox: Sandbox):
+    # A tuple comes back as a list (JSON has none); an expected [v] also accepts v (APPS' wrapped outputs).
+    right = "def pair(a, b):\n    return (a, b)"
+    wrong = "def pair(a, b):\n    return [b, a]"
+    ok, partial = sandbox.score([ScoreJob(code(right), CALL_SPEC), ScoreJob(code(wrong), CALL_SPEC)])
+    assert (ok.status, ok.reward, ok.passed, ok.total) == ("ok", 1.0, 3, 3)
+    assert [test["name"] for test in ok.tests] == ["case 0", "case 1", "case 2"]
+    assert (partial.status, partial.passed, partial.total) == ("fail", 1, 3)  # (0, 0) reversed is (0, 0)
+    assert partial.reward == pytest.approx(1 / 3)
+    assert partial.tests[0]["message"] == "AssertionError: case 0: expected [1, 2], got [2, 1]"
+
+
+def test_call_cases_find_a_solution_method_and_report_exceptions_and_timeouts(sandbox: Sandbox):
+    method = "class Solution:\n    def pair(self, a, b):\n        return [a, b]"
+    raises = "def pair(a, b):\n    if a == 3:\n        raise KeyError(a)\n    return [a, b]"
+    loops = "def pair(a, b):\n    while a == 3:\n        pass\n    return [a, b]"
+    from_class, raised, looped = sandbox.score([ScoreJob(code(body), CALL_SPEC) for body in (method, raises, loops)])
+    assert (from_class.status, from_class.passed) == ("ok", 3)
+    assert [test["status"] for test in raised.tests] == ["ok", "fail", "ok"]
+    assert raised.tests[1]["message"].startswith("KeyError")
+    assert looped.status == "timeout" and [test["status"] for test in looped.tests] == ["ok", "timeout", "timeout"]
+
+
+def test_call_cases_without_code_or_with_a_broken_spec(sandbox: Sandbox):
+    nothing, broken = sandbox.score([
+        ScoreJob("no code here", CALL_SPEC),
+        ScoreJob(code("def pair(a, b):\n    return a"), dict(CALL_SPEC, outputs=[1])),
+    ])
+    assert (nothing.status, nothing.total) == ("no_code", 3)
+    assert (broken.status, broken.tests[0]["message"]) == ("error", "outputs must be a list as long as inputs")

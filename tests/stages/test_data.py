@@ -1,4 +1,5 @@
-"""stages/data/sources.py: HumanEval's deterministic split, the three user formats, and errors that name the spot."""
+"""stages/data: HumanEval's deterministic split, rlpipe's and the field's row formats (verl, Colossal-RL, AReaL, TRL,
+APPS/TACO/LiveCodeBench, MBPP, Hugging Face datasets), and errors that name the file, row and field."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from schemas.config import DataConfig
+from schemas.config import DataConfig, DataSource
 from schemas.tables import PROMPTS
 from stages.data.sources import DataError, hash_split, load_prompts, validate_sources
 
@@ -399,9 +400,9 @@ def test_same_problem_in_train_and_test_is_an_error(tmp_path: Path) -> None:
 def test_missing_unsupported_and_empty_files(tmp_path: Path) -> None:
     with pytest.raises(DataError, match=r"nope\.jsonl: file does not exist"):
         load_prompts(str(tmp_path / "nope.jsonl"), "train", DataConfig())
-    (tmp_path / "data.csv").write_text("prompt,gt_answer\n")
-    with pytest.raises(DataError, match=r"data\.csv: unsupported file type"):
-        load_prompts(str(tmp_path / "data.csv"), "train", DataConfig())
+    (tmp_path / "data.xlsx").write_text("prompt,gt_answer\n")
+    with pytest.raises(DataError, match=r"data\.xlsx: unsupported file type"):
+        load_prompts(str(tmp_path / "data.xlsx"), "train", DataConfig())
     (tmp_path / "empty.jsonl").write_text("\n")
     with pytest.raises(DataError, match=r"empty\.jsonl: holds no rows"):
         load_prompts(str(tmp_path / "empty.jsonl"), "train", DataConfig())
@@ -430,3 +431,263 @@ def test_validate_sources_checks_train_and_test(tmp_path: Path) -> None:
         f.write(json.dumps({"prompt": "x", "inputs": ["1"], "outputs": []}) + "\n")
     with pytest.raises(DataError, match=r"late\.jsonl line 5: field 'outputs' has 0 items but inputs has 1"):
         validate_sources(DataConfig(train=str(late)))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The field's formats (stages/data/formats.py)
+
+
+def fixture_rows(name: str) -> list[dict]:
+    return [json.loads(line) for line in (FIXTURES / name).read_text().splitlines() if line.strip()]
+
+
+def one_source(source: object, **overrides: object) -> DataConfig:
+    """A config that uses `source` for training only, so all its rows are train prompts."""
+    return DataConfig(train=[source], **overrides)
+
+
+def test_verl_parquet_rows_become_math_stdio_call_and_custom_prompts(tmp_path: Path) -> None:
+    # verl's RL Parquet: prompt a list of {role, content}, reward_model and extra_info nested structs.
+    source = _write_parquet(tmp_path / "gsm8k_code.parquet", fixture_rows("verl_rl.jsonl"))
+    for named in (source, DataSource(path=source, format="verl")):  # detected, and named
+        got = rows(load_prompts(named, "train", one_source(named)))
+        assert [r["reward_spec"] for r in got] == [
+            {"kind": "math", "answer": "72"},
+            {"kind": "code_stdio", "inputs": ["1 2\n", "5 5\n"], "outputs": ["3\n", "10\n"]},
+            {"kind": "code_call", "fn_name": "add", "inputs": [[1, 2], [3, 4]], "outputs": [3, 7]},
+            {"kind": "code_stdio", "inputs": ["abc\n"], "outputs": ["ABC\n"]},  # LiveCodeBench test list
+            # style: model. Parquet structs give every row every key: extra_info's `split` is null here.
+            {"kind": "custom", "columns": {"data_source": "hh_rlhf", "ability": "chat", "ground_truth": None,
+                                           "extra_info": {"split": None, "index": 4}}},
+        ]
+        assert [r["source_row"] for r in got] == [0, 1, 2, 3, 4]
+        # What a verl compute_score receives travels in the metadata, as the file gave it.
+        assert got[0]["metadata"] == {"data_source": "openai/gsm8k", "ability": "math", "ground_truth": "72",
+                                      "extra_info": {"split": "train", "index": 0}}
+        assert got[2]["metadata"]["ground_truth"] == json.dumps(
+            {"fn_name": "add", "inputs": [[1, 2], [3, 4]], "outputs": [3, 7]}
+        )
+        assert got[1]["messages"] == [{"role": "system", "content": "Write a Python program."},
+                                      {"role": "user", "content": "Read two integers and print their sum."}]
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"data_source": None}, "row 1: field 'data_source' must be a string"),
+        ({"reward_model": "rule"}, "row 1: field 'reward_model' must be an object"),
+        ({"reward_model": {"style": "rule", "ground_truth": "print the sum"}},
+         "row 1: field 'reward_model.ground_truth' ability is 'code' but the ground truth is not test cases"),
+        ({"reward_model": {"style": "rule", "ground_truth": None}}, "row 1: field 'reward_model.ground_truth' is null"),
+        ({"reward_model": {"ground_truth": json.dumps({"inputs": ["1\n"], "outputs": []})}},
+         "row 1: field 'reward_model.ground_truth.outputs' has 0 items but reward_model.ground_truth.inputs has 1"),
+        ({"prompt": [{"role": "user", "content": 3}]}, "row 1: field 'prompt[0].content' must be a string"),
+        ({"extra_info": [1]}, "row 1: field 'extra_info' must be an object, got list"),
+    ],
+)
+def test_verl_row_errors_name_the_file_row_and_field(tmp_path: Path, change: dict, message: str) -> None:
+    records = fixture_rows("verl_rl.jsonl")[:2]
+    records[1] = records[1] | change
+    source = tmp_path / "bad_verl.jsonl"
+    source.write_text("".join(json.dumps(r) + "\n" for r in records))
+    with pytest.raises(DataError) as error:
+        load_prompts(DataSource(path=str(source), format="verl"), "train", DataConfig())
+    text = str(error.value).replace("line 2", "row 1")  # JSONL counts lines from 1, Parquet rows from 0
+    assert str(source) in text and message in text
+
+
+def test_colossal_rl_messages_as_one_object_or_a_list() -> None:
+    source = fixture("colossal_rl.jsonl")
+    for named in (source, DataSource(path=source, format="colossal")):
+        got = rows(load_prompts(named, "train", one_source(named)))
+        assert got[0]["messages"] == [{"role": "user", "content": "What is 12 * 12? Answer in \\boxed{}."}]
+        assert [r["reward_spec"] for r in got] == [
+            {"kind": "math", "answer": "144"},
+            {"kind": "code_stdio", "inputs": ["1 2 3\n"], "outputs": ["6\n"]},
+        ]
+
+
+def test_colossal_rl_row_without_answer_or_tests_is_an_error(tmp_path: Path) -> None:
+    source = tmp_path / "c.jsonl"
+    source.write_text(json.dumps({"messages": {"role": "user", "content": "hi"}, "answer": "1"}) + "\n")
+    with pytest.raises(DataError, match=r"c\.jsonl line 1: needs gt_answer \(math\) or test_cases \(code\)"):
+        load_prompts(DataSource(path=str(source), format="colossal"), "train", DataConfig())
+
+
+def test_areal_prompts_with_id2info_beside_them() -> None:
+    source = fixture("areal/prompts.jsonl")
+    for named in (source, DataSource(path=source, format="areal"),
+                  DataSource(path=source, format="areal", id2info=fixture("areal/id2info.json"))):
+        got = rows(load_prompts(named, "train", one_source(named)))
+        assert [r["reward_spec"] for r in got] == [
+            {"kind": "math", "answer": "1024"},  # the first solution's \boxed{}
+            {"kind": "code_stdio", "inputs": ["3\n", "12\n"], "outputs": ["9\n", "144\n"]},
+        ]
+        assert got[0]["messages"] == [{"role": "user", "content": "Compute 2^10. Put the answer in \\boxed{}."}]
+        assert [r["metadata"] for r in got] == [
+            {"query_id": "m-1", "task": "math"}, {"query_id": "c-1", "task": "code"},
+        ]
+
+
+def test_areal_errors_name_the_id_and_the_id2info_file(tmp_path: Path) -> None:
+    prompts = tmp_path / "prompts.jsonl"
+    lines = [json.dumps({"query_id": "m-1", "prompt": "a"}), json.dumps({"query_id": 7, "prompt": "b"})]
+    prompts.write_text("\n".join(lines) + "\n")
+    with pytest.raises(DataError, match=r"id2info\.json: id2info file does not exist"):
+        load_prompts(DataSource(path=str(prompts), format="areal"), "train", DataConfig())
+    (tmp_path / "id2info.json").write_text(json.dumps({"m-1": {"solutions": ["\\boxed{2}"]}}))
+    with pytest.raises(DataError, match=r"prompts\.jsonl line 2: field 'query_id' 7 has no entry \(an object\) in "):
+        load_prompts(DataSource(path=str(prompts), format="areal"), "train", DataConfig())
+    (tmp_path / "id2info.json").write_text(json.dumps({"m-1": {"solutions": []}, "7": {"solutions": ["3"]}}))
+    with pytest.raises(DataError, match=r"line 1: field 'id2info\[m-1\]\.solutions' must be a non-empty .*id2info"):
+        load_prompts(DataSource(path=str(prompts), format="areal"), "train", DataConfig())
+
+
+def test_trl_rows_keep_their_columns_for_reward_functions() -> None:
+    source = DataSource(path=fixture("trl_prompts.jsonl"), format="trl")
+    got = rows(load_prompts(source, "train", one_source(source)))
+    assert [r["messages"] for r in got] == [
+        [{"role": "user", "content": "Name a prime number between 10 and 20."}],
+        [{"role": "user", "content": "Say hello in French."}],
+    ]
+    assert [r["metadata"] for r in got] == [
+        {"solution": "11, 13, 17 or 19", "level": 1},
+        {"solution": "bonjour", "tags": ["greeting", "fr"]},  # non-scalar columns too
+    ]
+    assert got[1]["reward_spec"] == {"kind": "custom", "columns": {"solution": "bonjour", "tags": ["greeting", "fr"]}}
+    # Any row with a prompt fits TRL's format, so it is never guessed: unnamed, the same file is refused.
+    with pytest.raises(DataError, match=r"trl_prompts\.jsonl line 1: no tests or answer \(unknown format\)"):
+        load_prompts(fixture("trl_prompts.jsonl"), "train", DataConfig())
+
+
+def test_apps_taco_and_livecodebench_rows() -> None:
+    source = fixture("apps.jsonl")
+    for named in (source, DataSource(path=source, format="apps")):
+        got = rows(load_prompts(named, "train", one_source(named)))
+        assert [r["reward_spec"] for r in got] == [
+            {"kind": "code_stdio", "inputs": ["4\n", "0\n"], "outputs": ["8\n", "0\n"]},
+            {"kind": "code_call", "fn_name": "biggest", "inputs": [[[1, 5, 2]], [[-3]]], "outputs": [[5], [-3]]},
+            {"kind": "code_stdio", "inputs": ["a\nb"], "outputs": ["a b"]},  # TACO: lists of lines
+            # LiveCodeBench functional: one JSON argument per line; the compressed private tests are skipped.
+            {"kind": "code_call", "fn_name": "countAbove", "inputs": [[[1, 5, 7], 4], [[], 0]], "outputs": [2, 0]},
+        ]
+        assert [r["metadata"] for r in got] == [
+            {"problem_id": 1, "difficulty": "introductory"}, {"problem_id": 2}, {"source": "taco"},
+            {"platform": "leetcode"},
+        ]
+        user = got[1]["messages"][1]["content"]
+        assert "Write the function `biggest` starting from:" in user and "def biggest(xs):" in user
+        assert "reads the input from standard input" in got[0]["messages"][1]["content"]
+
+
+@pytest.mark.parametrize(
+    ("row", "message"),
+    [
+        ({"question": "q", "input_output": json.dumps({"inputs": ["1"], "outputs": ["1", "2"]})},
+         "field 'input_output.outputs' has 2 items but input_output.inputs has 1"),
+        ({"question": "q", "input_output": json.dumps({"fn_name": "f", "inputs": [1], "outputs": [1]})},
+         "field 'input_output.inputs[0]' must be a list of arguments, got int"),
+        ({"question": "q", "input_output": json.dumps({"fn_name": "1f", "inputs": [[1]], "outputs": [1]})},
+         "field 'input_output.fn_name' must be a Python identifier"),
+        ({"question": "q", "public_test_cases": json.dumps(
+            [{"input": "1", "output": "1", "testtype": "stdin"},
+             {"input": "1", "output": "1", "testtype": "functional"}]
+        )}, "field 'public_test_cases' mixes test types ['functional', 'stdin']"),
+        ({"question": "q", "metadata": json.dumps({"func_name": "f"}), "public_test_cases": json.dumps(
+            [{"input": "[1", "output": "1", "testtype": "functional"}])},
+         "field 'public_test_cases[0]' a functional test's input is one JSON value per line"),
+        ({"question": "", "input_output": json.dumps({"inputs": ["1"], "outputs": ["1"]})},
+         "field 'question' is empty"),
+    ],
+)
+def test_apps_row_errors(tmp_path: Path, row: dict, message: str) -> None:
+    source = tmp_path / "apps_bad.jsonl"
+    source.write_text(json.dumps(fixture_rows("apps.jsonl")[0]) + "\n" + json.dumps(row) + "\n")
+    with pytest.raises(DataError, match=r"apps_bad\.jsonl line 2: ") as error:
+        load_prompts(DataSource(path=str(source), format="apps"), "train", DataConfig())
+    assert message in str(error.value)
+
+
+def test_mbpp_rows_become_check_functions_on_the_called_name() -> None:
+    source = fixture("mbpp.jsonl")
+    got = rows(load_prompts(source, "train", one_source(source)))
+    first, second = (r["reward_spec"] for r in got)
+    assert first == {
+        "kind": "code_tests", "entry_point": "similar_elements", "preamble": "",
+        "test": "def check(candidate):\n"
+                "    assert set(similar_elements((3, 4, 5, 6),(5, 7, 4, 10))) == set((4, 5))\n"
+                "    assert set(similar_elements((1, 2, 3, 4),(5, 4, 3, 7))) == set((3, 4))\n",
+    }
+    assert second["entry_point"] == "is_not_prime" and second["preamble"] == "import math\n"
+    assert got[0]["metadata"] == {"task_id": 2}  # the reference solution (`code`) is not kept
+    assert "Your code should pass these tests:" in got[0]["messages"][1]["content"]
+    assert "assert is_not_prime(10) == True" in got[1]["messages"][1]["content"]
+
+
+def test_mbpp_errors(tmp_path: Path) -> None:
+    source = tmp_path / "mbpp_bad.jsonl"
+    good = fixture_rows("mbpp.jsonl")[0]
+    for change, message in [
+        ({"test_list": []}, "line 2: field 'test_list' must be a non-empty list of assert statements"),
+        ({"test_list": ["assert len([1]) == 1"]}, "line 2: field 'test_list[0]' calls no function by name"),
+        ({"test_list": ["assert f(1) =="]}, "line 2: field 'test_list[0]' is not valid Python"),
+    ]:
+        source.write_text(json.dumps(good) + "\n" + json.dumps(good | change) + "\n")
+        with pytest.raises(DataError) as error:
+            load_prompts(str(source), "train", DataConfig())
+        assert message in str(error.value) and str(source) in str(error.value)
+
+
+def test_hugging_face_dataset_saved_to_disk(tmp_path: Path) -> None:
+    from datasets import Dataset, DatasetDict
+
+    records = fixture_rows("colossal_rl.jsonl")
+    records[0]["messages"] = [records[0]["messages"]]  # one column type: a list of messages
+    records[0]["test_cases"], records[1]["gt_answer"] = None, None  # from_list takes its columns from row 0
+    Dataset.from_list(records).save_to_disk(str(tmp_path / "single"))
+    got = rows(load_prompts(str(tmp_path / "single"), "train", one_source(str(tmp_path / "single"))))
+    assert [r["reward_spec"]["kind"] for r in got] == ["math", "code_stdio"]
+    assert [r["source_row"] for r in got] == [0, 1] and {r["dataset"] for r in got} == {"single"}
+
+    math_rows = fixture_rows("math.jsonl")
+    both = DatasetDict({
+        "train": Dataset.from_list([{"prompt": r["prompt"] if "prompt" in r else "x", "gt_answer": str(i)}
+                                    for i, r in enumerate(math_rows)]),
+        "test": Dataset.from_list([{"prompt": "What is 5 + 5?", "gt_answer": "10"}]),
+    })
+    both.save_to_disk(str(tmp_path / "dict"))
+    with pytest.raises(DataError, match=r"dict: name one of its splits \['test', 'train'\] as the source's hf_split"):
+        load_prompts(str(tmp_path / "dict"), "train", DataConfig())
+    train_source = DataSource(path=str(tmp_path / "dict"), hf_split="train")
+    test_source = DataSource(path=str(tmp_path / "dict"), hf_split="test")
+    cfg = DataConfig(train=[train_source], test=[test_source], max_test_prompts=None)
+    # Two splits of one directory are two sources: each gives its split all of its rows.
+    assert load_prompts(train_source, "train", cfg).num_rows == len(math_rows)
+    (test_row,) = rows(load_prompts(test_source, "test", cfg))
+    assert test_row["reward_spec"] == {"kind": "math", "answer": "10"}
+
+
+def test_local_json_and_csv_files_through_load_dataset(tmp_path: Path) -> None:
+    (tmp_path / "probs.json").write_text(json.dumps([
+        {"prompt": "What is 2 + 2?", "gt_answer": "4"}, {"prompt": "What is 3 + 3?", "gt_answer": "6"},
+    ]))
+    (tmp_path / "probs.csv").write_text("prompt,gt_answer\nWhat is 2 + 2?,4\nWhat is 3 + 3?,6\n")
+    from_json = rows(load_prompts(str(tmp_path / "probs.json"), "train", one_source(str(tmp_path / "probs.json"))))
+    from_csv = rows(load_prompts(str(tmp_path / "probs.csv"), "train", one_source(str(tmp_path / "probs.csv"))))
+    assert [r["reward_spec"] for r in from_json] == [{"kind": "math", "answer": "4"}, {"kind": "math", "answer": "6"}]
+    # CSV reads the answers as numbers; the same problems, the same ids.
+    assert [r["prompt_id"] for r in from_csv] == [r["prompt_id"] for r in from_json]
+    (tmp_path / "bad.csv").write_text("prompt,gt_answer\nWhat is 2 + 2?,4\nWhat is 3 + 3?,\n")
+    with pytest.raises(DataError, match=r"bad\.csv row 1: field 'gt_answer' is null"):
+        load_prompts(str(tmp_path / "bad.csv"), "train", DataConfig())
+
+
+def test_named_sources_in_the_config_and_validation(tmp_path: Path) -> None:
+    verl = _write_parquet(tmp_path / "v.parquet", fixture_rows("verl_rl.jsonl")[:3])
+    cfg = DataConfig(train=[{"path": verl, "format": "verl"}], test=fixture("colossal_rl.jsonl"))
+    train, test = validate_sources(cfg)
+    assert train.num_rows == 3 and test.num_rows == 2
+    with pytest.raises(ValueError, match="names a source twice"):
+        DataConfig(train=[{"path": verl, "format": "verl"}, {"path": verl, "format": "verl"}])
+    with pytest.raises(ValueError, match="format"):
+        DataConfig(train=[{"path": verl, "format": "openai"}])

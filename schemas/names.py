@@ -1,0 +1,140 @@
+"""Names people already know: rlpipe's config fields beside TRL's GRPOConfig and verl's keys.
+
+One table (`NAMES`) serves two purposes: docs/names.md is generated from it (`python -m schemas.names >
+docs/names.md`; tests/schemas/test_names.py fails when they disagree), and a config or `--set` key that rlpipe
+does not know but a peer does gets a hint naming rlpipe's field (`num_generations` -> "did you mean
+generate.n_samples"). rlpipe does not accept the peer's key as an alias: one name per setting, and some peer
+keys differ in units or meaning (the `note` says how), which a silent alias would hide.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Name:
+    rlpipe: str  # the dotted config field
+    trl: str = ""  # GRPOConfig field ("" when TRL has none)
+    verl: str = ""  # verl's Hydra key ("" when verl has none)
+    note: str = ""  # where meaning or units differ
+
+
+NAMES: tuple[Name, ...] = (
+    Name("model.name_or_path", "model (GRPOTrainer's first argument)", "actor_rollout_ref.model.path"),
+    Name("data.train", "train_dataset (GRPOTrainer)", "data.train_files"),
+    Name("data.test", "eval_dataset (GRPOTrainer)", "data.val_files"),
+    Name("iterations", "max_steps", "trainer.total_training_steps",
+         "an rlpipe iteration is one generate-score-train round, which may take several optimizer steps"),
+    Name("run_id", "run_name", "trainer.experiment_name"),
+    Name("seed", "seed", "data.seed"),
+    Name("generate.n_samples", "num_generations", "actor_rollout_ref.rollout.n"),
+    Name("generate.prompts_per_iteration", "", "data.train_batch_size",
+         "TRL's batch is per_device_train_batch_size x devices x steps_per_generation completions, not prompts"),
+    Name("generate.temperature", "temperature", "actor_rollout_ref.rollout.temperature"),
+    Name("generate.top_p", "top_p", "actor_rollout_ref.rollout.top_p"),
+    Name("generate.top_k", "top_k", "actor_rollout_ref.rollout.top_k"),
+    Name("generate.max_new_tokens", "max_completion_length", "data.max_response_length"),
+    Name("generate.max_prompt_tokens", "max_prompt_length", "data.max_prompt_length"),
+    Name("generate.vllm_tensor_parallel_size", "vllm_tensor_parallel_size",
+         "actor_rollout_ref.rollout.tensor_model_parallel_size"),
+    Name("generate.vllm_kv_cache_gib", "vllm_gpu_memory_utilization",
+         "actor_rollout_ref.rollout.gpu_memory_utilization", "GiB of KV cache here, a fraction of GPU memory there"),
+    Name("score.rewards", "reward_funcs / reward_weights", "custom_reward_function.path + .name",
+         "a list of {fn, weight}; fn takes either peer's signature"),
+    Name("advantage.estimator", "scale_rewards / loss_type", "algorithm.adv_estimator",
+         "rlpipe names the estimator (grpo, dr_grpo, rloo, ...); TRL's dr_grpo is scale_rewards=false"),
+    Name("advantage.drop_zero_variance_groups", "", "algorithm.filter_groups.enable"),
+    Name("advantage.max_generation_rounds", "", "algorithm.filter_groups.max_num_gen_batches"),
+    Name("advantage.mask_truncated", "mask_truncated_completions", ""),
+    Name("advantage.overlong_buffer", "", "reward_model.overlong_buffer.len"),
+    Name("advantage.overlong_penalty_factor", "", "reward_model.overlong_buffer.penalty_factor"),
+    Name("train.lr", "learning_rate", "actor_rollout_ref.actor.optim.lr"),
+    Name("train.weight_decay", "weight_decay", "actor_rollout_ref.actor.optim.weight_decay"),
+    Name("train.warmup_steps", "warmup_steps", "actor_rollout_ref.actor.optim.lr_warmup_steps"),
+    Name("train.lr_schedule", "lr_scheduler_type", "actor_rollout_ref.actor.optim.lr_scheduler_type"),
+    Name("train.adam_beta1", "adam_beta1", ""),
+    Name("train.adam_beta2", "adam_beta2", ""),
+    Name("train.adam_eps", "adam_epsilon", ""),
+    Name("train.max_grad_norm", "max_grad_norm", "actor_rollout_ref.actor.grad_clip"),
+    Name("train.epochs", "num_iterations", "actor_rollout_ref.actor.ppo_epochs"),
+    Name("train.minibatches", "steps_per_generation", "actor_rollout_ref.actor.ppo_mini_batch_size",
+         "rlpipe counts optimizer steps per batch; verl gives the minibatch's size in prompts"),
+    Name("train.micro_batch_tokens", "", "actor_rollout_ref.actor.ppo_max_token_len_per_gpu"),
+    Name("train.clip_low", "epsilon", "actor_rollout_ref.actor.clip_ratio_low"),
+    Name("train.clip_high", "epsilon_high", "actor_rollout_ref.actor.clip_ratio_high"),
+    Name("train.dual_clip", "", "actor_rollout_ref.actor.clip_ratio_c"),
+    Name("train.loss_aggregation", "loss_type", "actor_rollout_ref.actor.loss_agg_mode",
+         "values as verl's (token-mean, seq-mean-token-sum, ...); TRL names losses (grpo, bnpo, dr_grpo, dapo)"),
+    Name("train.kl_coef", "beta", "actor_rollout_ref.actor.kl_loss_coef"),
+    Name("train.kl_estimator", "", "actor_rollout_ref.actor.kl_loss_type", "k1 = kl, k2 = mse, k3 = low_var_kl"),
+    Name("train.entropy_coef", "", "actor_rollout_ref.actor.entropy_coeff"),
+    Name("train.is_threshold", "vllm_importance_sampling_cap", ""),
+    Name("train.gradient_checkpointing", "gradient_checkpointing",
+         "actor_rollout_ref.model.enable_gradient_checkpointing"),
+    Name("train.lora_rank", "", "actor_rollout_ref.model.lora_rank", "TRL takes a peft_config (LoraConfig r)"),
+    Name("train.lora_alpha", "", "actor_rollout_ref.model.lora_alpha"),
+    Name("train.dtype", "bf16", "actor_rollout_ref.actor.fsdp_config.mixed_precision"),
+    Name("evaluate.every", "eval_steps", "trainer.test_freq"),
+)
+
+
+def _keys(text: str) -> list[str]:
+    """The keys a table cell names: `a / b` alternatives, without `(...)` remarks or `+ .more` parts."""
+    return [part.split(" (")[0].split(" + ")[0].strip() for part in text.split(" / ") if part.strip()]
+
+
+TRL_KEYS = {key: name for name in NAMES for key in _keys(name.trl)}
+VERL_KEYS = {key: name for name in NAMES for key in _keys(name.verl)}
+
+
+def hint_for(dotted: str, fields: list[str]) -> str:
+    """A hint for a config key rlpipe does not know: the rlpipe field a peer's name stands for (a verl key
+    as written or its dotted tail, a TRL name as the last part), else the field of that name in another
+    section or a close spelling among `fields` (rlpipe's dotted fields); '' when nothing fits."""
+    import difflib
+
+    last = dotted.rsplit(".", 1)[-1]
+    verl = next((key for key in VERL_KEYS if key == dotted or ("." in dotted and key.endswith("." + dotted))), None)
+    if verl is not None:
+        name, peer = VERL_KEYS[verl], f"{verl} is verl's name for it"
+    elif last in TRL_KEYS:
+        name, peer = TRL_KEYS[last], f"{last} is TRL's GRPOConfig name for it"
+    else:
+        moved = [field for field in fields if field.rsplit(".", 1)[-1] == last and field != dotted]
+        close = moved or difflib.get_close_matches(dotted, fields, n=1, cutoff=0.75)
+        return f"did you mean {close[0]}?" if close else ""
+    note = f"; {name.note}" if name.note else ""
+    return f"did you mean {name.rlpipe}? ({peer}{note})"
+
+
+def _cell(text: str) -> str:
+    """Keys in backticks, remarks after them: `a` / `b` (remark)."""
+    if not text:
+        return "-"
+    parts = []
+    for part in text.split(" / "):
+        key = part.split(" (")[0]
+        parts.append(f"`{key}`{part[len(key):]}")
+    return " / ".join(parts)
+
+
+def names_markdown() -> str:
+    rows = [
+        "# Names people already know",
+        "",
+        "rlpipe's config fields beside TRL's `GRPOConfig` and verl's Hydra keys. rlpipe takes only its own names;",
+        "a peer's name in a config file or in `rlpipe run --set` is refused with a hint naming rlpipe's field,",
+        "e.g. `--set num_generations=8` -> `did you mean generate.n_samples?`. Generated from schemas/names.py",
+        "(`python -m schemas.names > docs/names.md`).",
+        "",
+        "| rlpipe | TRL (GRPOConfig) | verl | note |",
+        "|---|---|---|---|",
+    ]
+    for name in NAMES:
+        rows.append("| " + " | ".join([f"`{name.rlpipe}`", _cell(name.trl), _cell(name.verl), name.note]) + " |")
+    return "\n".join(rows) + "\n"
+
+
+if __name__ == "__main__":
+    print(names_markdown(), end="")

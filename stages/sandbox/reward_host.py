@@ -1,0 +1,158 @@
+"""The process that runs user reward functions for the score stage, and `run_code` for those functions.
+
+Started by rewards.RewardHost (`main()`, from `python -c`) in the stage's working directory. It
+imports the entries it is given, reports their signature styles, then answers one call per frame: the
+function's value reduced to a float (verl: a number or a dict's `score`; TRL: the one item of the returned
+list, None meaning "does not apply"), or the error. A separate process because a user function can hang or
+crash: the stage kills and restarts this process and goes on.
+
+`run_code(code, stdin, timeout_s, files)` is the documented way for a reward function to execute model-written
+code: inside a reward call it asks the score stage, which runs it in its sandbox (the same isolation as the
+built-in verifiers); called anywhere else it starts a one-worker sandbox of its own. Never exec model code in
+a reward function: it would run with the function's (the stage's) privileges.
+"""
+
+from __future__ import annotations
+
+import atexit
+import base64
+import inspect
+import json
+import os
+import traceback
+from dataclasses import dataclass, field
+from typing import Any
+
+from ._runner import read_frame, write_frame
+from .rewards import load_function, signature_style
+
+# (requests fd, replies fd) while serving the score stage; None in any other process.
+_STAGE: tuple[int, int] | None = None
+_OWN_SANDBOX: Any = None
+
+
+@dataclass
+class CodeRun:
+    """What a `run_code` call gives back."""
+
+    status: str  # ok (exit code 0) | failed (another exit code) | timeout | error (the sandbox could not run it)
+    exit_code: int | None
+    stdout: str
+    stderr: str
+    seconds: float
+    files: dict[str, bytes] = field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "ok"
+
+
+def run_code(
+    code: str, stdin: str = "", timeout_s: float | None = None, files: dict[str, bytes] | None = None,
+    fetch: list[str] | None = None,
+) -> CodeRun:
+    """Run Python `code` as a program in rlpipe's sandbox with `stdin`; `files` are written into its working
+    directory first and the `fetch` files read back (relative paths). `timeout_s` defaults to score.timeout_s
+    (at most 60 s)."""
+    request = {
+        "code": code, "stdin": stdin, "language": "python", "run_timeout": timeout_s,
+        "files": {name: base64.b64encode(data).decode() for name, data in (files or {}).items()},
+        "fetch_files": list(fetch or []),
+    }
+    return _code_run(_ask_stage(request) if _STAGE is not None else _own_sandbox().run_code(request))
+
+
+def _ask_stage(request: dict[str, Any]) -> dict[str, Any]:
+    assert _STAGE is not None
+    requests, replies = _STAGE
+    write_frame(replies, json.dumps({"run_code": request}).encode())
+    raw = read_frame(requests)
+    if raw is None:
+        raise SystemExit(0)  # the stage is gone
+    return json.loads(raw)["run_code_reply"]
+
+
+def _own_sandbox() -> Any:  # noqa: ANN401 - a started Sandbox
+    global _OWN_SANDBOX
+    if _OWN_SANDBOX is None:
+        from schemas.config import ScoreConfig
+
+        from .sandbox import Sandbox
+
+        _OWN_SANDBOX = Sandbox(ScoreConfig(workers=1)).start()
+        atexit.register(_OWN_SANDBOX.close)
+    return _OWN_SANDBOX
+
+
+def _code_run(response: dict[str, Any]) -> CodeRun:
+    run = response.get("run_result") or {}
+    files = {name: base64.b64decode(data) for name, data in (response.get("files") or {}).items()}
+    if not run:
+        return CodeRun("error", None, "", response.get("message", ""), 0.0)
+    exit_code = run.get("return_code")
+    status = "timeout" if run.get("status") == "TimeLimitExceeded" else "ok" if exit_code == 0 else "failed"
+    return CodeRun(status, exit_code, run.get("stdout", ""), run.get("stderr", ""),
+                   float(run.get("execution_time") or 0.0), files)
+
+
+def reward_value(style: str, result: Any) -> float | None:  # noqa: ANN401 - what the user's function returned
+    """A verl result (a number, or a dict with `score`) or a TRL result (a list of one float or None) as a
+    float, None for "does not apply"; TypeError for anything else."""
+    if style == "verl" and isinstance(result, dict):
+        if "score" not in result:
+            raise TypeError(f"returned a dict without 'score': keys {sorted(result)}")
+        result = result["score"]
+    elif style == "trl":
+        if not isinstance(result, list | tuple) or len(result) != 1:
+            raise TypeError(f"must return a list with one value per completion (1), got {result!r:.100}")
+        result = result[0]
+        if result is None:
+            return None
+    if isinstance(result, bool | int | float) or hasattr(result, "__float__"):
+        return float(result)
+    raise TypeError(f"returned {type(result).__name__}, not a number")
+
+
+def accepted(function: Any, arguments: dict[str, Any]) -> dict[str, Any]:  # noqa: ANN401 - a callable
+    """The arguments `function` takes: all of them with **kwargs, else those it names (verl passes extra_info
+    and TRL every column; a function need not declare what it does not use)."""
+    parameters = inspect.signature(function).parameters.values()
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
+        return arguments
+    names = {p.name for p in parameters}
+    return {key: value for key, value in arguments.items() if key in names}
+
+
+def main() -> None:
+    global _STAGE
+    # The protocol owns the original stdin/stdout; a function's prints go to stderr instead of into a frame.
+    requests, replies = os.dup(0), os.dup(1)
+    os.dup2(2, 1)
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(devnull, 0)
+    os.close(devnull)
+    hello = json.loads(read_frame(requests) or b"{}")
+    styles = []
+    functions = []
+    for index, fn in enumerate(hello["entries"]):
+        try:
+            functions.append(load_function(fn))
+            styles.append(signature_style(functions[-1]))
+        except Exception as error:
+            write_frame(replies, json.dumps({"fatal": f"reward function {index} {fn!r}: {error}"}).encode())
+            return
+    write_frame(replies, json.dumps({"styles": styles}).encode())
+    _STAGE = (requests, replies)
+    while (raw := read_frame(requests)) is not None:
+        message = json.loads(raw)
+        index = message["call"]
+        try:
+            function = functions[index]
+            reply: dict[str, Any] = {
+                "value": reward_value(styles[index], function(**accepted(function, message["arguments"])))
+            }
+        except Exception as error:  # the user's code: any exception marks the row, never this process
+            where = traceback.extract_tb(error.__traceback__)[-1:]
+            line = f" ({where[0].filename}:{where[0].lineno})" if where else ""
+            reply = {"error": f"{type(error).__name__}: {error}{line}"[:1000]}
+        write_frame(replies, json.dumps(reply).encode())

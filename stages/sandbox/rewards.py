@@ -1,0 +1,403 @@
+"""score.rewards: a response's reward as the weighted sum of built-in verifiers, a format reward and user functions.
+
+Entries are `{fn, weight}`. Built-ins: `code_tests`, `code_stdio`, `code_call`, `math` (each the sandbox verifier
+of rows of that kind, skipped for other rows) and `think_format` (1 when the response is
+`<think>...</think><answer>...</answer>`, else 0). Anything else is a user function `package.module:function`
+or `path/to/file.py:function` (relative to the working directory), called with verl's
+`compute_score(data_source, solution_str, ground_truth, extra_info)` (-> float, or a dict with `score`) or TRL's
+`reward_func(prompts, completions, **columns)` (-> list with one float or None per completion), told apart by
+parameter names. An empty list keeps the default: each row's verifier of its kind, weight 1.
+
+User functions run in a separate process (reward_host.py), one row per call: one that raises, runs past
+score.timeout_s (that process is then killed and restarted) or returns a non-finite value makes that row
+`error` with the message, and the stage goes on. A function that must run model-written code calls
+`stages.sandbox.run_code(...)`, which borrows this stage's sandbox; nothing here execs model code.
+
+Combining: reward = sum of weight x value over the entries that apply (None from a TRL function: does not
+apply). A row whose verifier found no code or answer keeps `no_code` and exactly score.no_code_penalty. The
+row's status, passed/total and tests are its verifier's, plus one test entry per other term; a row without a
+verifier (kind `custom`) is `ok` when its reward is > 0 and counts its terms as tests.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import inspect
+import json
+import math
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+from schemas.config import BUILTIN_REWARDS, VERIFIER_REWARDS, RewardEntry, ScoreConfig
+
+from ._runner import HEADER
+from .jobs import ScoreJob, ScoreResult
+from .judge import JobTimeout
+from .process import read_exact, write_all
+
+PROJECT_ROOT = str(Path(__file__).resolve().parents[2])
+_THINK_ANSWER = re.compile(r"\s*<think>.*?</think>\s*<answer>.*?</answer>\s*", re.DOTALL)
+# Beyond score.timeout_s for a user function: the host's own start (interpreter + the user's imports).
+START_TIMEOUT_S = 60.0
+
+
+class RewardSetupError(ValueError):
+    """A reward entry that cannot be used (import error, no known signature, a kind nothing scores)."""
+
+
+@dataclass(frozen=True)
+class RewardInput:
+    """What a reward function may read beyond the response: the prompt's messages, metadata and dataset."""
+
+    messages: list[dict[str, str]]
+    metadata: dict[str, Any]
+    dataset: str
+
+    @classmethod
+    def of_prompt(cls, prompt: dict[str, Any]) -> RewardInput:
+        """From a row of the prompts table (JSON text columns)."""
+        return cls(json.loads(prompt["messages"]), json.loads(prompt["metadata"]), prompt["dataset"])
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Loading user functions (here for the checks at `rlpipe run`, and in reward_host.py for the calls)
+
+
+def load_function(fn: str) -> Callable[..., Any]:
+    """Import `package.module:function` or `path/to/file.py:function` (relative to the working directory)."""
+    target, _, name = fn.rpartition(":")
+    if target.endswith(".py"):
+        path = Path(target).expanduser().resolve()
+        if not path.is_file():
+            raise RewardSetupError(f"{path} does not exist")
+        spec = importlib.util.spec_from_file_location(f"rlpipe_reward_{abs(hash(str(path)))}", path)
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    else:
+        if os.getcwd() not in sys.path:  # as `python -m` would: modules beside the working directory import
+            sys.path.insert(0, os.getcwd())
+        module = importlib.import_module(target)
+    function = getattr(module, name, None)
+    if not callable(function):
+        raise RewardSetupError(f"{target} has no function {name!r}")
+    return function
+
+
+def signature_style(function: Callable[..., Any]) -> str:
+    """"verl" for compute_score(data_source, solution_str, ground_truth, extra_info), "trl" for
+    reward_func(prompts, completions, **kwargs); told apart by parameter names."""
+    parameters = inspect.signature(function).parameters
+    names = set(parameters)
+    if "solution_str" in names:
+        return "verl"
+    if "completions" in names:
+        return "trl"
+    raise RewardSetupError(
+        f"parameters ({', '.join(parameters)}) match neither verl's compute_score(data_source, solution_str, "
+        "ground_truth, extra_info) nor TRL's reward_func(prompts, completions, **kwargs)"
+    )
+
+
+def user_entries(cfg: ScoreConfig) -> list[tuple[int, RewardEntry]]:
+    return [(index, entry) for index, entry in enumerate(cfg.rewards) if entry.fn not in BUILTIN_REWARDS]
+
+
+def entry_label(index: int, entry: RewardEntry) -> str:
+    return f"score.rewards[{index}] {entry.fn!r}"
+
+
+def check_rewards(cfg: ScoreConfig, kinds: set[str]) -> None:
+    """Every user function imports and has a known signature, and every reward kind in `kinds` (the
+    prompts') is scored by something; a RewardSetupError naming the entry or the kind otherwise."""
+    for index, entry in user_entries(cfg):
+        try:
+            signature_style(load_function(entry.fn))
+        except Exception as error:  # import errors of any type, raised by the user's module
+            message = str(error) if isinstance(error, RewardSetupError) else f"{type(error).__name__}: {error}"
+            raise RewardSetupError(f"{entry_label(index, entry)}: {message}") from None
+    verifiers = set(VERIFIER_REWARDS) if not cfg.rewards else {e.fn for e in cfg.rewards if e.fn in VERIFIER_REWARDS}
+    if user_entries(cfg):
+        return  # a user function scores every row
+    unscored = sorted(kinds - verifiers)
+    if unscored:
+        hint = ("name a reward function for them in score.rewards" if "custom" in unscored
+                else f"add {', '.join(k for k in unscored)} to score.rewards")
+        raise RewardSetupError(f"prompts of kind {', '.join(unscored)} have no reward: {hint}")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The inputs each signature receives
+
+
+def ground_truth_of(spec: dict[str, Any], metadata: dict[str, Any]) -> Any:  # noqa: ANN401 - verl's is any
+    """verl's `ground_truth`: the source's own where it had one (verl rows), else the spec's in verl's
+    spelling (a math answer; code cases as JSON text; HumanEval test code)."""
+    if "ground_truth" in metadata:
+        return metadata["ground_truth"]
+    kind = spec.get("kind")
+    if kind == "math":
+        return spec.get("answer")
+    if kind in ("code_stdio", "code_call"):
+        return json.dumps({key: spec[key] for key in ("fn_name", "inputs", "outputs") if key in spec})
+    if kind == "code_tests":
+        return spec.get("test")
+    return (spec.get("columns") or {}).get("ground_truth")
+
+
+def call_arguments(style: str, job: ScoreJob, row: RewardInput) -> dict[str, Any]:
+    if style == "verl":
+        return {
+            "data_source": row.metadata.get("data_source", row.dataset),
+            "solution_str": job.response_text,
+            "ground_truth": ground_truth_of(job.reward_spec, row.metadata),
+            "extra_info": row.metadata.get("extra_info", row.metadata),
+        }
+    # TRL: a batch of one; conversational prompts and completions, every metadata column as a list.
+    columns = {key: [value] for key, value in row.metadata.items() if key not in ("prompts", "completions")}
+    completion = [{"role": "assistant", "content": job.response_text}]
+    return {"prompts": [row.messages], "completions": [completion], **columns}
+
+
+def think_format(text: str) -> float:
+    """1.0 when the response is <think>...</think> then <answer>...</answer> (and nothing else), else 0.0."""
+    return 1.0 if _THINK_ANSWER.fullmatch(text) else 0.0
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The host process
+
+
+@dataclass
+class Call:
+    """One user function's answer for one row: a value (None: does not apply) or an error."""
+
+    value: float | None = None
+    error: str = ""
+    seconds: float = 0.0
+
+
+class RewardHost:
+    """The process that runs user reward functions (reward_host.py), restarted after a timeout.
+
+    `run_code` requests from the functions are answered with `run_code(request)` (the stage's sandbox);
+    time spent there does not count against the function's timeout (each run has its own)."""
+
+    def __init__(self, entries: list[str], timeout_s: float, run_code: Callable[[dict], dict] | None) -> None:
+        self.entries = entries
+        self.timeout_s = timeout_s
+        self.run_code = run_code
+        self.process: subprocess.Popen[bytes] | None = None
+        self.styles: list[str] = []
+
+    def __enter__(self) -> RewardHost:
+        return self
+
+    def __exit__(
+        self, kind: type[BaseException] | None, error: BaseException | None, trace: TracebackType | None
+    ) -> None:
+        self.stop()
+
+    def start(self) -> None:
+        path = os.environ.get("PYTHONPATH")
+        env = dict(os.environ, PYTHONPATH=PROJECT_ROOT + (os.pathsep + path if path else ""))
+        self.process = subprocess.Popen(
+            # `-c`, not `-m`: the package imports reward_host too, and `-m` would make a second copy of it, whose
+            # run_code would not know the stage. `-c` also puts the working directory first on sys.path.
+            [sys.executable, "-c", "import sys; from stages.sandbox.reward_host import main; sys.exit(main())"],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            env=env, cwd=os.getcwd(), start_new_session=True,
+        )
+        assert self.process.stdin is not None and self.process.stdout is not None
+        for stream in (self.process.stdin, self.process.stdout):
+            os.set_blocking(stream.fileno(), False)
+        self._send({"entries": self.entries})
+        try:
+            reply = self._receive(time.monotonic() + START_TIMEOUT_S)
+        except JobTimeout:
+            reply = None
+        if reply is None or "fatal" in reply:
+            self.stop()
+            raise RewardSetupError((reply or {}).get("fatal") or "the reward function process did not start")
+        self.styles = reply["styles"]
+
+    def stop(self) -> None:
+        if self.process is None:
+            return
+        process, self.process = self.process, None
+        try:
+            os.killpg(process.pid, signal.SIGKILL)  # its own session: whatever the functions started goes too
+        except ProcessLookupError:
+            pass
+        process.wait()
+        for stream in (process.stdin, process.stdout):
+            if stream is not None:
+                stream.close()
+
+    def _send(self, message: dict[str, Any]) -> None:
+        assert self.process is not None and self.process.stdin is not None
+        payload = json.dumps(message).encode()
+        if not write_all(self.process.stdin.fileno(), HEADER.pack(len(payload)) + payload, time.monotonic() + 30):
+            raise JobTimeout("the reward function process stopped reading")
+
+    def _receive(self, deadline: float) -> dict[str, Any] | None:
+        """The next message; None when the process ended; JobTimeout at the deadline."""
+        assert self.process is not None and self.process.stdout is not None
+        fd = self.process.stdout.fileno()
+        header = read_exact(fd, HEADER.size, deadline)
+        if header is None:
+            return None
+        (length,) = HEADER.unpack(header)
+        body = read_exact(fd, length, deadline)
+        return json.loads(body) if body is not None else None
+
+    def call(self, index: int, arguments: dict[str, Any]) -> Call:
+        """Call entry `index` with `arguments`; never raises for the function's faults."""
+        if self.process is None:
+            self.start()
+        started = time.monotonic()
+        deadline = started + self.timeout_s
+        try:
+            self._send({"call": index, "arguments": arguments})
+            while True:
+                reply = self._receive(deadline)
+                if reply is None:
+                    self.stop()
+                    return Call(error="the reward function's process exited", seconds=time.monotonic() - started)
+                if "run_code" not in reply:
+                    break
+                paused = time.monotonic()
+                answer = self.run_code(reply["run_code"]) if self.run_code else _no_sandbox()
+                deadline += time.monotonic() - paused
+                self._send({"run_code_reply": answer})
+        except JobTimeout:
+            self.stop()  # the next call starts a fresh process
+            return Call(error=f"no result within score.timeout_s = {self.timeout_s:g} s", seconds=self.timeout_s)
+        seconds = time.monotonic() - started
+        if "error" in reply:
+            return Call(error=reply["error"], seconds=seconds)
+        value = reply.get("value")
+        if value is not None and not math.isfinite(value):
+            return Call(error=f"returned a non-finite value {value}", seconds=seconds)
+        return Call(value=value, seconds=seconds)
+
+
+def _no_sandbox() -> dict[str, Any]:
+    return {"status": "SandboxError", "message": "no sandbox in this process", "run_result": None, "files": {}}
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Scoring with the configured entries
+
+
+@dataclass
+class Term:
+    name: str
+    weight: float
+    value: float | None  # None: does not apply to the row
+    error: str = ""
+    seconds: float = 0.0
+
+    def as_test(self) -> dict[str, Any]:
+        if self.error:
+            return {"name": f"reward {self.name}", "passed": False, "status": "error", "message": self.error[:500]}
+        passed = self.value is not None and self.value > 0
+        return {"name": f"reward {self.name}", "passed": passed, "status": "ok",
+                "message": f"{self.value:g} x weight {self.weight:g}"}
+
+
+@dataclass
+class RewardPlan:
+    """The configured entries, split into verifiers (by kind), format rewards and user functions."""
+
+    verifiers: dict[str, float] = field(default_factory=dict)
+    formats: list[RewardEntry] = field(default_factory=list)
+    users: list[RewardEntry] = field(default_factory=list)
+
+    @classmethod
+    def from_config(cls, cfg: ScoreConfig) -> RewardPlan:
+        plan = cls()
+        for entry in cfg.rewards:
+            if entry.fn in VERIFIER_REWARDS:
+                plan.verifiers[entry.fn] = entry.weight
+            elif entry.fn in BUILTIN_REWARDS:
+                plan.formats.append(entry)
+            else:
+                plan.users.append(entry)
+        return plan
+
+
+def progress_total(cfg: ScoreConfig, jobs: list[ScoreJob]) -> int:
+    """Steps `score` reports: one per verifier job, plus one per row when user functions run."""
+    if not cfg.rewards:
+        return len(jobs)
+    plan = RewardPlan.from_config(cfg)
+    verified = sum((job.reward_spec or {}).get("kind") in plan.verifiers for job in jobs)
+    return verified + (len(jobs) if plan.users else 0)
+
+
+def score(
+    sandbox: Any,  # noqa: ANN401 - Sandbox or FusionSandbox: score(jobs, progress) and run_code(request)
+    cfg: ScoreConfig,
+    jobs: list[ScoreJob],
+    rows: list[RewardInput],
+    progress: Callable[[int], None] | None = None,
+) -> list[ScoreResult]:
+    """The reward of every job under score.rewards (the sandbox's verdicts alone when it is empty)."""
+    if not cfg.rewards:
+        return sandbox.score(jobs, progress=progress)
+    plan = RewardPlan.from_config(cfg)
+    indices = [i for i, job in enumerate(jobs) if (job.reward_spec or {}).get("kind") in plan.verifiers]
+    verified = dict(zip(indices, sandbox.score([jobs[i] for i in indices], progress=progress), strict=True))
+    user_terms: dict[int, list[Term]] = {}
+    if plan.users:
+        with RewardHost([entry.fn for entry in plan.users], cfg.timeout_s, sandbox.run_code) as host:
+            for i, (job, row) in enumerate(zip(jobs, rows, strict=True)):
+                if i not in verified or verified[i].status != "no_code":
+                    user_terms[i] = [_user_term(host, k, entry, job, row) for k, entry in enumerate(plan.users)]
+                if progress is not None:
+                    progress(1)
+    return [
+        combine(cfg, plan, job, verified.get(i), user_terms.get(i, [])) for i, job in enumerate(jobs)
+    ]
+
+
+def _user_term(host: RewardHost, index: int, entry: RewardEntry, job: ScoreJob, row: RewardInput) -> Term:
+    if not host.styles:
+        host.start()
+    call = host.call(index, call_arguments(host.styles[index], job, row))
+    return Term(entry.fn, entry.weight, call.value, call.error, call.seconds)
+
+
+def combine(
+    cfg: ScoreConfig, plan: RewardPlan, job: ScoreJob, verified: ScoreResult | None, user_terms: list[Term]
+) -> ScoreResult:
+    if verified is not None and verified.status == "no_code":
+        return verified  # nothing to grade: exactly the penalty, whatever else is configured
+    terms = [Term(entry.fn, entry.weight, think_format(job.response_text)) for entry in plan.formats] + user_terms
+    applied = [term for term in terms if term.error or term.value is not None]
+    reward = sum(term.weight * term.value for term in applied if term.value is not None and not term.error)
+    tests = [term.as_test() for term in applied]
+    if verified is not None:
+        kind = (job.reward_spec or {}).get("kind")
+        reward += plan.verifiers[kind] * verified.reward
+        passed, total, status = verified.passed, verified.total, verified.status
+        tests = verified.tests + tests
+    else:
+        passed, total = sum(test["passed"] for test in tests), len(tests)
+        status = "ok" if reward > 0 else "fail"
+    if any(term.error for term in applied):
+        status = "error"
+    seconds = (verified.seconds if verified else 0.0) + sum(term.seconds for term in terms)
+    code = verified.code if verified else None
+    return ScoreResult(float(reward), passed, total, status, tests, code, seconds)
