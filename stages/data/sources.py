@@ -149,6 +149,9 @@ def _rows_of_file(path: Path, hf_split: str | None) -> Iterator[tuple[int, str, 
         return _hf_dataset_rows(path, hf_split)
     if not path.is_file():
         raise DataError(f"{path}: not a file")
+    if hf_split is not None:
+        raise DataError(f"{path}: hf_split {hf_split!r} applies to Hugging Face datasets only (directories, .json, "
+                        ".csv)")
     if name.endswith((".jsonl", ".jsonl.gz")):
         return _raw_jsonl_rows(path)
     if name.endswith(".parquet"):

@@ -677,6 +677,14 @@ def test_local_json_and_csv_files_through_load_dataset(tmp_path: Path) -> None:
     assert [r["reward_spec"] for r in from_json] == [{"kind": "math", "answer": "4"}, {"kind": "math", "answer": "6"}]
     # CSV reads the answers as numbers; the same problems, the same ids.
     assert [r["prompt_id"] for r in from_csv] == [r["prompt_id"] for r in from_json]
+    # A directory of data files (not save_to_disk's) is read by load_dataset too.
+    (tmp_path / "parts").mkdir()
+    part_file = tmp_path / "parts" / "part-0.parquet"
+    pq.write_table(pa.Table.from_pylist([{"prompt": "What is 2 + 2?", "gt_answer": "4"}]), part_file)
+    (part,) = rows(load_prompts(str(tmp_path / "parts"), "train", one_source(str(tmp_path / "parts"))))
+    assert part["prompt_id"] == from_json[0]["prompt_id"]
+    with pytest.raises(DataError, match=r"math\.jsonl: hf_split 'train' applies to Hugging Face datasets only"):
+        load_prompts(DataSource(path=fixture("math.jsonl"), hf_split="train"), "train", DataConfig())
     (tmp_path / "bad.csv").write_text("prompt,gt_answer\nWhat is 2 + 2?,4\nWhat is 3 + 3?,\n")
     with pytest.raises(DataError, match=r"bad\.csv row 1: field 'gt_answer' is null"):
         load_prompts(str(tmp_path / "bad.csv"), "train", DataConfig())
