@@ -42,7 +42,31 @@ def status_table(run: Run) -> Group:
         for r in extra_rounds(run, k):
             table.add_row(f"{k}.{r}", *[_cell(run, s, k, r) if STAGES[s].per_round else ""
                                          for s in ITERATION_STAGES])
-    return Group(run_table, table, held_out_table(run))
+    return Group(run_table, table, training_table(run), held_out_table(run))
+
+
+def training_table(run: Run) -> Table:
+    """Training reward by iteration, from the scores tables of every generation round: samples, mean reward,
+    share solved (status ok, every test passed), and the groups the batch kept (the others had no reward
+    variance: nothing to learn from). The curve a first run shows moving."""
+    table = Table(title="training reward by iteration")
+    for column in ["iteration", "samples", "mean reward", "solved", "groups kept"]:
+        table.add_column(column, justify="right")
+    for k in range(run.config.iterations):
+        rows = []
+        for round_idx in [0, *extra_rounds(run, k)]:
+            if stage_state(run, instance("score", k, round_idx)).done:
+                path = run.layout.table_path("scores", k, round_idx)
+                rows += read_table(run.fs, path, TABLES["scores"]).select(["reward", "status"]).to_pylist()
+        if not rows:
+            continue
+        batch = stage_state(run, instance("advantage", k))
+        kept = f"{batch.manifests[-1].metrics['groups_kept']}/{batch.manifests[-1].metrics['groups']}" if (
+            batch.done) else ""
+        solved = sum(row["status"] == "ok" for row in rows) / len(rows)
+        table.add_row(str(k), str(len(rows)), f"{sum(row['reward'] for row in rows) / len(rows):.3f}", f"{solved:.3f}",
+                      kept)
+    return table
 
 
 def held_out_table(run: Run) -> Group:
