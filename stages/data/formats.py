@@ -1,28 +1,17 @@
-"""The field's row formats, each turned into rlpipe's prompt (messages + reward spec + metadata).
+"""The field's row formats, each turned into rlpipe's prompt (messages + reward spec + metadata); docs/data.md.
 
-A source names its format (`{path, format}` in data.train / data.test) or leaves it `auto`: each row is then
-detected by its fields, in this order: verl (`reward_model`), AReaL (`query_id`, when the source has an
-id2info.json), APPS / TACO / LiveCodeBench (`input_output` or `public_test_cases`), MBPP (`test_list`), else
-rlpipe's own (stages/data/rows.py). TRL rows fit any prompt, so `trl` is used only when named.
+A source names its format (`{path, format}`) or leaves it `auto`: each row is then detected by its fields, in
+this order: verl (`reward_model`), AReaL (`query_id`, when the source has an id2info.json), APPS / TACO /
+LiveCodeBench (`input_output`, `public_test_cases`), MBPP (`test_list`), else rlpipe's own (rows.py). TRL rows
+fit any prompt, so `trl` is used only when named.
 
-- `verl`: RL Parquet rows `data_source`, `prompt` (list of {role, content}), `ability`,
-  `reward_model: {style, ground_truth}`, `extra_info`. A rule ground truth that is a JSON object of cases
-  (`{inputs, outputs}`, + `fn_name`: call-based) or a LiveCodeBench list of `{input, output, testtype}` is a
-  code problem; a string or number is a math answer; anything else (and `style: model`) has no built-in
-  verifier (kind `custom`, scored by score.rewards). Metadata keeps data_source, ability, ground_truth and
-  extra_info as given, which is what a verl `compute_score` receives.
-- `colossal`: Colossal-RL JSONL: `messages` (one {role, content} object or a list) with `gt_answer` (math)
-  or `test_cases: {inputs, outputs}` (code).
-- `areal`: a prompts JSONL (`query_id`, `prompt`) and an id2info.json mapping each id to `{solutions}` (math;
-  the answer is the first solution's last \\boxed{}) or `{input_output}` (code, APPS-style).
-- `trl`: `prompt` (a string or messages) plus any columns; the columns go, as given, into the metadata, which
-  is what a TRL reward function receives as keyword arguments (kind `custom`).
-- `apps`: `question` (or `question_content` / `problem` / `prompt`), optional `starter_code`, and
-  `input_output` JSON (`{inputs, outputs}`: stdin/stdout; + `fn_name`: call-based, each input a list of
-  arguments), or LiveCodeBench's `public_test_cases` (+ `private_test_cases` where it is plain JSON; the
-  compressed form is skipped: it unpickles, and nothing here unpickles data).
-- `mbpp`: `text` (or `prompt`), `test_list` (assert statements calling the function by name),
-  `test_setup_code` / `test_imports`: a `code_tests` problem whose entry point is the function the asserts call.
+Choices: a verl rule ground truth that is JSON cases (`{inputs, outputs[, fn_name]}` or LiveCodeBench's
+`[{input, output, testtype}]`) is code, a string or number a math answer, anything else (and `style: model`)
+kind `custom`, left to score.rewards. What a peer's reward function receives (verl's data_source, ability,
+ground_truth and extra_info; TRL's columns) travels in the metadata as the file gave it. AReaL's math answer is
+its first solution's last \\boxed{}. LiveCodeBench's compressed private tests are skipped: decoding them
+unpickles, and nothing here unpickles data. MBPP's entry point is the first non-builtin function its first
+assert calls.
 """
 
 from __future__ import annotations

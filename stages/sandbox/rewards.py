@@ -1,22 +1,17 @@
 """score.rewards: a response's reward as the weighted sum of built-in verifiers, a format reward and user functions.
 
-Entries are `{fn, weight}`. Built-ins: `code_tests`, `code_stdio`, `code_call`, `math` (each the sandbox verifier
-of rows of that kind, skipped for other rows) and `think_format` (1 when the response is
-`<think>...</think><answer>...</answer>`, else 0). Anything else is a user function `package.module:function`
-or `path/to/file.py:function` (relative to the working directory), called with verl's
-`compute_score(data_source, solution_str, ground_truth, extra_info)` (-> float, or a dict with `score`) or TRL's
-`reward_func(prompts, completions, **columns)` (-> list with one float or None per completion), told apart by
-parameter names. An empty list keeps the default: each row's verifier of its kind, weight 1.
+Entries are `{fn, weight}`: `code_tests`, `code_stdio`, `code_call`, `math` (the sandbox verifier of rows of
+that kind, skipped for others), `think_format` (1 for `<think>...</think><answer>...</answer>`), or a user
+function `package.module:function` / `path/to/file.py:function` with verl's `compute_score(data_source,
+solution_str, ground_truth, extra_info)` or TRL's `reward_func(prompts, completions, **columns)` signature, told
+apart by parameter names. Empty: each row's verifier of its kind, weight 1 (the default before this existed).
 
-User functions run in a separate process (reward_host.py), one row per call: one that raises, runs past
-score.timeout_s (that process is then killed and restarted) or returns a non-finite value makes that row
-`error` with the message, and the stage goes on. A function that must run model-written code calls
-`stages.sandbox.run_code(...)`, which borrows this stage's sandbox; nothing here execs model code.
-
-Combining: reward = sum of weight x value over the entries that apply (None from a TRL function: does not
-apply). A row whose verifier found no code or answer keeps `no_code` and exactly score.no_code_penalty. The
-row's status, passed/total and tests are its verifier's, plus one test entry per other term; a row without a
-verifier (kind `custom`) is `ok` when its reward is > 0 and counts its terms as tests.
+User functions run in another process (reward_host.py), one row per call, so one that raises, runs past
+score.timeout_s (the process is then replaced) or returns a non-finite value marks only that row `error`. Model
+code reaches the sandbox through `stages.sandbox.run_code`, never an exec here. A row's reward is the sum of
+weight x value over the terms that apply (a TRL None does not); a `no_code` row keeps exactly
+score.no_code_penalty; status, passed/total and tests are the verifier's plus one test entry per other term, and
+a row without a verifier (kind `custom`) is `ok` when its reward is > 0.
 """
 
 from __future__ import annotations
