@@ -158,9 +158,12 @@ class StageContext:
 
     def _policy_dir(self, manifest: Manifest) -> Path:
         if manifest.metrics.get("local_path"):  # the base model: resolved on this machine, then verified
-            from stages.generation.models import resolve_model
+            from stages.generation.models import ModelError, resolve_model
 
-            local = resolve_model(self.config.model)
+            try:
+                local = resolve_model(self.config.model)
+            except ModelError as error:  # e.g. a hub model this machine's cache lacks, offline
+                raise StageInputError(str(error)) from None
             digest, _, _ = checkpoint_digest(local)
             if digest != manifest.sha256:
                 raise StageInputError(

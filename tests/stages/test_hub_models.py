@@ -164,3 +164,21 @@ def test_the_templated_copy_loads_and_renders_with_the_configured_template(hub_c
     linked, original = load_model(copy), load_model(snapshot)
     assert all(torch.equal(a, b) for a, b in zip(linked.state_dict().values(), original.state_dict().values(),
                                                   strict=True))
+
+
+def test_the_base_model_stage_stops_with_exit_2_and_the_one_line(hub_cache: Path, tmp_path: Path) -> None:
+    """The first stage of a run resolves the model: a hub model this machine cannot get is bad input (exit 2),
+    reported as the one line, not a traceback."""
+    from schemas.config import load_config
+    from tests.support.stages import start_run
+
+    start_run(load_config(None, ["run_id=r", "model.name_or_path=tiny-org/absent"]), str(tmp_path))
+    env = {**os.environ, "HF_HUB_CACHE": str(hub_cache), "HF_HUB_OFFLINE": "1", "HF_ENDPOINT": NO_NETWORK,
+           "COLUMNS": "400"}
+    done = subprocess.run([sys.executable, "-m", "flows.cli", "stage", "base_model", "--run", "r", "--root",
+                           str(tmp_path)], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "Traceback" not in done.stdout + done.stderr
+    [line] = [line for line in (done.stdout + done.stderr).splitlines() if "tiny-org/absent" in line]
+    assert line.startswith("✗ base_model: model tiny-org/absent is not in the Hugging Face cache")
+    assert line.endswith("or point HF_HUB_CACHE at it")
