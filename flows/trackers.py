@@ -319,10 +319,10 @@ def finished_iterations(run: Run, skip: set[int]) -> list[int]:
     return finished
 
 
-def log_iterations(run: Run, warn: Callable[[str], None] = log.warning,
-                   make: Callable[[str, Path, LogConfig], Tracker] = make_tracker) -> dict[str, list[int]]:
+def log_iterations(run: Run, warn: Callable[[str], None] = log.warning) -> dict[str, list[int]]:
     """Log every finished iteration each configured tracker has not received yet; returns tracker -> the
-    iterations logged now. A tracker's failure is passed to `warn` and leaves its missing steps for next time."""
+    iterations logged now. A failure (a tracker's, or reading the run's numbers) is passed to `warn` and leaves
+    the missing steps for next time."""
     config = run.config
     if not config.log.trackers:
         return {}
@@ -335,14 +335,19 @@ def log_iterations(run: Run, warn: Callable[[str], None] = log.warning,
     from reports.html import collect, read_config
     from storage.catalog import Catalog
 
-    with Catalog(run.root, [run.run_id]) as catalog:
-        data = collect(catalog, run.run_id, read_config(run.layout))
+    try:
+        with Catalog(run.root, [run.run_id]) as catalog:
+            data = collect(catalog, run.run_id, read_config(run.layout))
+    except Exception as error:  # noqa: BLE001 - as below: the trackers are a view of the run
+        warn(f"trackers: the run's metrics could not be read ({type(error).__name__}: {error}); "
+             f"iterations {sorted(set().union(*todo.values()))} will be logged after the next iteration")
+        return {name: [] for name in pending}
     done: dict[str, list[int]] = {}
     for name, marker in pending.items():
         done[name] = []
         if not todo[name]:
             continue
-        tracker = make(name, tracker_dir(run), config.log)
+        tracker = make_tracker(name, tracker_dir(run), config.log)
         try:
             marker.handle = tracker.open(run, marker.handle, params, marker.config_digest not in (None, digest))
             marker.config_digest = digest
