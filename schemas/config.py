@@ -251,15 +251,37 @@ class ScoreConfig(Section):
         "fraction", description="`fraction`: share of tests passed; `binary`: 1 when all pass, else 0."
     )
     no_code_penalty: float = Field(0.0, le=0.0, description="Reward of a response with no code in it (<= 0).")
-    isolation: Literal["auto", "native", "bwrap", "minimal"] = Field(
+    isolation: Literal["auto", "native", "bwrap", "uid", "minimal"] = Field(
         "auto",
-        description="Job isolation: `native` (namespaces + cgroups, as root), `bwrap` (bubblewrap), `minimal` "
-        "(rlimits only); `auto` takes the strongest this machine gives and logs it; a named mode is an error where "
-        "this machine cannot give it.",
+        description="Job isolation: `native` (namespaces + cgroups, as root), `bwrap` (bubblewrap), `uid` (as root "
+        "without namespaces, e.g. in a container: a uid per job, Landlock, cgroups where writable), `minimal` (jobs "
+        "share this uid). Every mode adds rlimits and a seccomp filter. `auto` tries native, bwrap (by running a "
+        "job), uid, in that order, and refuses to start when none works; `minimal` runs only when named. A named "
+        "mode this machine cannot give is refused.",
     )
+    require: list[Literal[
+        "separate_uid", "no_network", "process_limit", "memory_limit", "wall_timeout", "read_only_system",
+        "scratch_limit",
+    ]] = Field(
+        default_factory=lambda: [
+            "separate_uid", "no_network", "process_limit", "memory_limit", "wall_timeout", "read_only_system"
+        ],
+        description="Protections the sandbox must give, or it refuses to start (exit code 2, naming what is "
+        "missing): `separate_uid` (a uid or user namespace of the job's own), `no_network` (network namespace or "
+        "seccomp), `process_limit` (pids cgroup or RLIMIT_NPROC), `memory_limit` (memory cgroup or RLIMIT_AS), "
+        "`wall_timeout`, `read_only_system` (mount namespace or Landlock), `scratch_limit` (a size-limited tmpfs "
+        "/tmp). Remove an entry to run without it.",
+    )
+    cgroup: Literal["auto", "v1", "v2"] = Field(
+        "auto",
+        description="Control groups for a job's process and memory limits and its final kill: `auto` takes v2 "
+        "where its hierarchy has the pids or memory controller, else v1 where mounted and writable, else v2 for "
+        "freeze and kill alone. Absent controllers are reported as missing layers.",
+    )
+    scratch_mb: int = Field(64, ge=1, description="Size in MiB of a job's own tmpfs /tmp (its only writable "
+                            "directory); filling it is a job error.")
     max_processes: int = Field(32, ge=1, description="Processes and threads per job (pids cgroup).")
-    file_size_mb: int = Field(16, ge=1, description="Largest file a job may write, and the size of its tmpfs "
-                              "/tmp, in MiB.")
+    file_size_mb: int = Field(16, ge=1, description="Largest file a job may write, in MiB.")
     open_files: int = Field(64, ge=16, description="Open files per job.")
     output_limit_kb: int = Field(1024, ge=1, description="KiB of stdout+stderr kept before a job is ended.")
     python: str | None = Field(

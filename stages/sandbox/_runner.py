@@ -298,9 +298,11 @@ def run_mode(mode: str) -> None:
 # -- isolation applied by the job's own process (exec path and zygote path alike) -------------------
 
 
-def isolate(setup: dict, cpu_budget_s: float) -> None:
-    """Join the job's cgroups, lower the rlimits, drop to the job's uid: in that order, because joining
-    a root-owned cgroup and changing uid both need root, and the rlimits are meant for the job only."""
+def isolate(setup: dict, cpu_budget_s: float, workdir: str) -> None:
+    """Join the job's cgroups, enter its file view, lower the rlimits, drop to the job's uid, then restrict
+    what it may open (Landlock) and call (seccomp): in that order, because joining a root-owned cgroup,
+    chroot and changing uid need root, the rlimits are meant for the job only, and the two restrictions
+    would refuse the steps before them. `workdir` is the job's directory as it sees it."""
     import resource
 
     pid = str(os.getpid()).encode()
@@ -312,6 +314,9 @@ def isolate(setup: dict, cpu_budget_s: float) -> None:
             os.close(fd)
     if setup.get("setsid"):
         os.setsid()
+    if setup.get("root"):
+        os.chroot(setup["root"])
+        os.chdir("/")
     limits = setup["limits"]
     cpu = max(1, int(cpu_budget_s + 0.999)) + 1
     resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))
@@ -322,6 +327,99 @@ def isolate(setup: dict, cpu_budget_s: float) -> None:
         os.setgroups([])
         os.setresgid(uid, uid, uid)
         os.setresuid(uid, uid, uid)
+    if setup.get("landlock"):
+        restrict_files(setup["landlock"], workdir)
+    if setup.get("seccomp"):
+        install_seccomp(setup["seccomp"])
+
+
+# -- Landlock and seccomp, applied by the job's process to itself (the numbers are the kernel's ABI) -------
+
+PR_SET_NO_NEW_PRIVS, PR_SET_SECCOMP, SECCOMP_MODE_FILTER = 38, 22, 2
+SYS_LANDLOCK_CREATE_RULESET, SYS_LANDLOCK_ADD_RULE, SYS_LANDLOCK_RESTRICT_SELF = 444, 445, 446
+LANDLOCK_CREATE_RULESET_VERSION, LANDLOCK_RULE_PATH_BENEATH = 1, 1
+ACCESS_EXECUTE, ACCESS_WRITE_FILE, ACCESS_READ_FILE, ACCESS_READ_DIR = 1, 2, 4, 8
+ACCESS_TRUNCATE = 1 << 14
+SCOPE_ABSTRACT_UNIX_SOCKET, SCOPE_SIGNAL = 1, 2
+
+
+def _libc():  # noqa: ANN202 - ctypes' CDLL; imported here so that the runner's start-up stays lean
+    import ctypes
+
+    return ctypes, ctypes.CDLL(None, use_errno=True)
+
+
+def _no_new_privs(libc) -> None:  # noqa: ANN001
+    if libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:
+        raise OSError("prctl(PR_SET_NO_NEW_PRIVS) failed")
+
+
+def install_seccomp(program: bytes) -> None:
+    """Apply a seccomp filter (a sock_filter array) to this process and everything it starts."""
+    ctypes, libc = _libc()
+
+    class Program(ctypes.Structure):
+        _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_char_p)]
+
+    _no_new_privs(libc)
+    code = Program(len(program) // 8, program)
+    if libc.prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, ctypes.byref(code), 0, 0) != 0:
+        error = ctypes.get_errno()
+        raise OSError(error, f"seccomp filter not installed: {os.strerror(error)}")
+
+
+def landlock_abi() -> int:
+    """The Landlock ABI version this kernel offers (0: none, or refused by a filter)."""
+    ctypes, libc = _libc()
+    version = libc.syscall(SYS_LANDLOCK_CREATE_RULESET, None, ctypes.c_size_t(0),
+                           ctypes.c_uint32(LANDLOCK_CREATE_RULESET_VERSION))
+    return max(0, version)
+
+
+def restrict_files(view: dict, workdir: str) -> None:
+    """Landlock: from here on this process (and all it starts) may read and execute below `view["read"]`,
+    read and write the files `view["devices"]`, do anything below `workdir`, and open nothing else.
+    With ABI 4 it may not bind or connect TCP; with ABI 6 it may not signal processes outside its own
+    domain nor connect to abstract UNIX sockets made outside it."""
+    ctypes, libc = _libc()
+    abi = int(view["abi"])
+    handled_fs = (1 << 13) - 1  # ABI 1: execute ... make_sym
+    handled_fs |= (1 << 13) if abi >= 2 else 0  # refer
+    handled_fs |= ACCESS_TRUNCATE if abi >= 3 else 0
+    handled_fs |= (1 << 15) if abi >= 5 else 0  # ioctl on devices
+    attr = [handled_fs]
+    if abi >= 4:
+        attr.append(1 | 2)  # bind and connect TCP
+    if abi >= 6:
+        attr.append(SCOPE_ABSTRACT_UNIX_SOCKET | SCOPE_SIGNAL)
+    packed = b"".join(value.to_bytes(8, sys.byteorder) for value in attr)
+    ruleset = libc.syscall(SYS_LANDLOCK_CREATE_RULESET, packed, ctypes.c_size_t(len(packed)), ctypes.c_uint32(0))
+    if ruleset < 0:
+        error = ctypes.get_errno()
+        raise OSError(error, f"landlock_create_ruleset: {os.strerror(error)}")
+    file_rw = ACCESS_READ_FILE | ACCESS_WRITE_FILE | (ACCESS_TRUNCATE if abi >= 3 else 0)
+    rules = [(path, ACCESS_EXECUTE | ACCESS_READ_FILE | ACCESS_READ_DIR) for path in view["read"]]
+    rules += [(path, file_rw) for path in view["devices"]] + [(workdir, handled_fs)]
+    try:
+        for path, access in rules:
+            try:
+                fd = os.open(path, os.O_PATH | os.O_CLOEXEC)
+            except OSError:
+                continue  # absent, or not reachable by this uid: nothing to allow
+            try:
+                # struct landlock_path_beneath_attr {u64 allowed_access; s32 parent_fd} (packed)
+                rule = access.to_bytes(8, sys.byteorder) + fd.to_bytes(4, sys.byteorder, signed=True)
+                if libc.syscall(SYS_LANDLOCK_ADD_RULE, ruleset, LANDLOCK_RULE_PATH_BENEATH, rule, 0) != 0:
+                    error = ctypes.get_errno()
+                    raise OSError(error, f"landlock_add_rule {path}: {os.strerror(error)}")
+            finally:
+                os.close(fd)
+        _no_new_privs(libc)
+        if libc.syscall(SYS_LANDLOCK_RESTRICT_SELF, ruleset, 0) != 0:
+            error = ctypes.get_errno()
+            raise OSError(error, f"landlock_restrict_self: {os.strerror(error)}")
+    finally:
+        os.close(ruleset)
 
 
 # -- the fork server ------------------------------------------------------------------------------
@@ -420,7 +518,7 @@ def _zygote_child(
         for fd in private:
             os.close(fd)
         zygote = os.getppid()
-        isolate(setup, cpu_budget_s)
+        isolate(setup, cpu_budget_s, workdir)
         # Changing uid cleared any parent-death signal; a job whose fork server dies is killed with it.
         sys.modules["ctypes"].CDLL(None).prctl(1, 9, 0, 0, 0)
         if os.getppid() != zygote:

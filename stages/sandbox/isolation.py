@@ -1,18 +1,19 @@
-"""Isolation layers for one scoring worker, and the choice among them on this machine.
+"""Isolation layers for one scoring worker, and the modes that combine them.
 
-A worker runs one job at a time; a job's processes start from the worker's fork server (zygote.py) or, under
-bubblewrap, by fork+exec of a read-only copy of the runner in the job's own directory (`place_runner`, so a
-checkout under /tmp, hidden by the job's /tmp, still works). Layers: `rlimits` (address space, CPU, file
-size, open files, no core dumps, RLIMIT_NPROC sized per job by `nproc_limit`), `clean_env`, `output_cap` and
-`wall_timeout` always; as root (mode "native") a `uid` per worker slot, empty `netns`, read-only `mountns` with
-a fresh tmpfs /tmp per job, `ipc_uts_ns`, and cgroup v1 `pids` / `memory` / `freezer` groups per slot;
-unprivileged (mode "bwrap") bubblewrap per job with its own net, mount (system and interpreter directories
-only, read-only; not the home directories, the checkout or the storage root: `job_file_system`), pid, ipc/uts
-and user namespaces. Why each layer and its limits: docs/architecture.md, "The sandbox".
+A worker runs one job at a time; each job's processes start from the worker's fork server (zygote.py) or by
+fork+exec (bubblewrap, and the probe that checks a mode works). The job's own process applies its layers
+before the candidate's code runs (_runner.isolate): cgroup membership, its file view, rlimits, its uid,
+Landlock, and the seccomp filter of seccomp.py. Modes, strongest first (each class says what it gives):
 
-`choose_isolation` takes the strongest mode the machine gives ("native" as root, else "bwrap", else
-"minimal") and the sandbox logs the active layers, warning about the missing ones. A mode named in the config
-that cannot be had is an error, never a silent fallback.
+- `native` (root): the worker's own network, mount, IPC and UTS namespaces; each job chrooted into a tree
+  of read-only binds of the system's and the interpreter's directories, with a fresh tmpfs /tmp.
+- `bwrap`: each job under bubblewrap (user, pid, network, mount, IPC, UTS namespaces); works unprivileged.
+- `uid` (root, no namespaces: a container whose seccomp profile refuses them): a uid of the job's own, and
+  Landlock for the file view.
+- `minimal`: as `uid`, but a non-root sandbox's jobs share its uid. Only when named.
+
+Every mode adds rlimits, a clean environment, the seccomp filter, and a cgroup (cgroups.py, v1 or v2) where
+one can be had. `layers()` names what is in force; sandbox.py refuses to start when a required one is not.
 """
 
 from __future__ import annotations
@@ -33,7 +34,9 @@ from pathlib import Path
 
 from schemas.config import ScoreConfig
 
-from . import _runner
+from . import _runner, cgroups
+from .cgroups import JobGroup
+from .seccomp import SeccompUnsupported, job_filter
 from .zygote import Zygote, ZygoteError
 
 RUNNER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_runner.py")
@@ -59,6 +62,7 @@ class Limits:
     open_files: int
     processes: int
     output_bytes: int
+    scratch_bytes: int
 
     @classmethod
     def from_config(cls, cfg: ScoreConfig) -> Limits:
@@ -69,6 +73,7 @@ class Limits:
             open_files=cfg.open_files,
             processes=cfg.max_processes,
             output_bytes=cfg.output_limit_kb << 10,
+            scratch_bytes=cfg.scratch_mb << 20,
         )
 
 
@@ -221,8 +226,9 @@ def kill_descendants(timeout_s: float = 10.0) -> bool:
     return kill_until_gone(lambda: job_descendants(me), kill, timeout_s)
 
 
-def uid_tasks(uid: int) -> int:
-    """Tasks (threads included) whose real uid is `uid`: what RLIMIT_NPROC counts against the limit."""
+def uid_tasks(uid: int, userns: str | None = None) -> int:
+    """Tasks (threads included) whose real uid is `uid`, only those in user namespace `userns` (the link
+    /proc/PID/ns/user reads) when given: what RLIMIT_NPROC counts against the limit."""
     total = 0
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
@@ -236,70 +242,240 @@ def uid_tasks(uid: int) -> int:
                     elif line.startswith(b"Threads:"):
                         threads = int(line.split()[1])
                         break
-            if owner == uid and threads:
+            if owner == uid and threads and (userns is None or os.readlink(f"/proc/{entry}/ns/user") == userns):
                 total += threads
         except (OSError, ValueError):
             continue
     return total
 
 
-def nproc_limit(processes: int, is_root: bool) -> int:
+def nproc_limit(processes: int, is_root: bool, userns: str | None = None) -> int:
     """RLIMIT_NPROC for a job. As root the job gets a uid of its own, so the limit is `processes`. As a
     non-root user the job shares the sandbox's uid, whose other tasks count too (a trainer's threads
     alone can exceed `processes`, and bubblewrap could not even start): the limit is what the uid runs
     now plus `processes`, never above the hard limit this process already has. "Now" is where
-    setup_params runs: each job's start under fork+exec (bwrap), the fork server's start otherwise."""
+    setup_params runs: each job's start under fork+exec (bwrap), the fork server's start otherwise.
+
+    In a user namespace of the worker's own (`userns`), the kernel checks the count of each namespace up
+    the chain against the limit in force when the namespace below it was made: the job's (bubblewrap's)
+    namespace is made under this limit, so the binding count is the worker namespace's, which holds only
+    the worker and its jobs: then "what the uid runs now" is counted in that namespace alone."""
     if is_root:
         return processes
     import resource
 
-    limit = uid_tasks(os.getuid()) + processes
+    limit = uid_tasks(os.getuid(), userns) + processes
     _, hard = resource.getrlimit(resource.RLIMIT_NPROC)
     return limit if hard == resource.RLIM_INFINITY else min(limit, hard)
 
 
+# -- what a job sees of the host --------------------------------------------------------------------
+
+# The operating system's own directories: with its interpreter's, all a job sees of the host, read-only. Not the
+# home directories, the checkout, the storage root or other users' files: a job under bubblewrap or in minimal
+# mode has the sandbox user's uid, which can read that user's keys and credentials (~/.ssh, ~/.aws).
+SYSTEM_DIRS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc")
+# Device files a job may read and write.
+DEVICES = ("/dev/null", "/dev/zero", "/dev/full", "/dev/random", "/dev/urandom")
+_INTERPRETER_PATHS = "import json, sys; print(json.dumps([sys.prefix, sys.base_prefix, sys.executable, *sys.path]))"
+
+
+def interpreter_candidates(configured: str | None) -> list[str]:
+    """Interpreters to try for candidate code, best first. The one running rlpipe may live where the
+    sandbox uid cannot read it (pyenv under /root); the system's python3 is the usual fallback."""
+    if configured:
+        return [configured]
+    found = [sys.executable, os.path.realpath(sys.executable), "/usr/bin/python3", "/usr/local/bin/python3"]
+    return [path for index, path in enumerate(found) if path not in found[:index] and os.path.exists(path)]
+
+
+@functools.lru_cache(maxsize=8)
+def interpreter_dirs(argv: tuple[str, ...]) -> tuple[str, ...]:
+    """The directories the interpreter `argv` (with its flags) runs and imports from, outside SYSTEM_DIRS:
+    its prefixes, its real executable's directory and its sys.path, as it reports them once."""
+    done = subprocess.run([*argv, "-c", _INTERPRETER_PATHS], env=CLEAN_ENV, capture_output=True, text=True,
+                          timeout=120)
+    if done.returncode != 0:
+        raise OSError(f"the sandbox's interpreter {argv[0]} could not start: {done.stderr.strip()[-500:]}")
+    prefix, base_prefix, executable, *path = json.loads(done.stdout)
+    wanted = {prefix, base_prefix, os.path.dirname(executable), os.path.dirname(os.path.realpath(executable))}
+    wanted |= {entry for entry in path if entry}
+    return _outside_system_dirs(wanted, ())
+
+
+def _outside_system_dirs(paths: set[str], kept: tuple[str, ...]) -> tuple[str, ...]:
+    """`paths` that exist and are not already visible (SYSTEM_DIRS, `kept`, or each other), parents first."""
+    dirs: list[str] = list(kept)
+    for entry in sorted(os.path.abspath(entry) for entry in paths):
+        if not os.path.exists(entry) or entry == "/":
+            continue
+        entry = entry if os.path.isdir(entry) else os.path.dirname(entry)  # a zip on sys.path: its directory
+        if any(entry == seen or entry.startswith(seen.rstrip("/") + "/") for seen in (*SYSTEM_DIRS, *dirs)):
+            continue
+        dirs.append(entry)
+    return tuple(dirs[len(kept):])
+
+
+def view_dirs(interpreters: list[list[str]]) -> tuple[str, ...]:
+    """The interpreter directories a job's view needs for any of `interpreters` (argv with flags; one that does
+    not start is left out: the probe will not pick it)."""
+    dirs: tuple[str, ...] = ()
+    for argv in interpreters:
+        try:
+            found = interpreter_dirs(tuple(argv))
+        except (OSError, subprocess.SubprocessError, ValueError):
+            continue
+        dirs += _outside_system_dirs(set(found), dirs)
+    return dirs
+
+
+def job_file_system(python_argv: list[str]) -> list[str]:
+    """bubblewrap arguments for a job's view of the host: SYSTEM_DIRS (symbolic links kept as links, as on
+    merged-/usr systems) and the interpreter's directories, read-only, and nothing else."""
+    args: list[str] = []
+    for path in SYSTEM_DIRS:
+        if os.path.islink(path):
+            args += ["--symlink", os.readlink(path), path]
+        elif os.path.isdir(path):
+            args += ["--ro-bind", path, path]
+    for path in interpreter_dirs(tuple(python_argv)):
+        args += ["--ro-bind", path, path]
+    return args
+
+
+def build_job_root(root: str, interpreter: tuple[str, ...]) -> bool:
+    """In the native worker's own mount namespace: at `root`, a small tmpfs holding SYSTEM_DIRS (links kept as
+    links) and the `interpreter` directories as binds, DEVICES, an empty /tmp (each job's scratch tmpfs goes
+    there) and a /proc; a job chroots into it. The caller makes it read-only. True when /proc hides other
+    users' processes (hidepid=2)."""
+    mount("tmpfs", root, "tmpfs", MS_NOSUID | MS_NODEV, "size=1m,mode=0755")
+    for path in SYSTEM_DIRS:
+        target = root + path
+        if os.path.islink(path):
+            os.symlink(os.readlink(path), target)
+        elif os.path.isdir(path):
+            os.makedirs(target)
+            mount(path, target, None, MS_BIND | MS_REC)
+    for path in interpreter:  # not nested in each other nor in SYSTEM_DIRS (_outside_system_dirs)
+        if not _under_tmp(path):  # those are bound into each job's /tmp (NativeIsolation.begin_job)
+            os.makedirs(root + path)
+            mount(path, root + path, None, MS_BIND | MS_REC)
+    os.makedirs(root + "/dev")
+    for device in DEVICES:
+        if os.path.exists(device):
+            Path(root + device).touch()
+            mount(device, root + device, None, MS_BIND)
+    os.makedirs(root + "/tmp", exist_ok=True)
+    os.makedirs(root + "/proc")
+    try:
+        mount("proc", root + "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, "hidepid=2")
+        return True
+    except OSError:
+        mount("proc", root + "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
+        return False
+
+
+def _under_tmp(path: str) -> bool:
+    return path == "/tmp" or path.startswith("/tmp/")
+
+
+def job_root_dir(owner_pid: int, slot: int) -> str:
+    """The empty host directory a native worker mounts its jobs' root tree on (in its own namespace only)."""
+    return os.path.join(tempfile.gettempdir(), f"{cgroups.PREFIX}root-{owner_pid}-{slot}")
+
+
+def _sweep_stale_roots() -> None:
+    """Remove the root directories of native workers whose sandbox process is gone."""
+    parent = tempfile.gettempdir()
+    for name in os.listdir(parent):
+        parts = name.split("-")
+        if name.startswith(f"{cgroups.PREFIX}root-") and len(parts) == 5 and not os.path.exists(f"/proc/{parts[3]}"):
+            try:
+                os.rmdir(os.path.join(parent, name))
+            except OSError:
+                pass
+
+
+# -- the modes --------------------------------------------------------------------------------------
+
+SECCOMP_LAYER = (
+    "job filter: sockets AF_UNIX only; no ptrace, mount, bpf, perf_event_open, keyctl, unshare/setns/clone "
+    "of namespaces, kexec, module loading or io_uring"
+)
+
+
 class Isolation:
-    """The minimal mode: rlimits, a session of its own, clean environment, a temporary directory, and,
-    when the worker is root, a uid of its own. Subclasses add namespaces, cgroups or bubblewrap.
+    """The `minimal` mode, and what every mode has: rlimits, a clean environment, a fresh directory per job, the
+    seccomp filter, a cgroup where one can be had, and, without a mount namespace, Landlock: the job may read
+    and execute only below SYSTEM_DIRS and its interpreter's directories, and write only its own directory.
+    As root each job has a uid of its own; as another user the jobs share its uid (hence: only when named).
 
     Jobs start from the worker's fork server (zygote.py) when `use_zygote` is set, else by fork+exec."""
 
     name = "minimal"
     use_zygote = True
+    needs_root = False
+    uses_landlock = True  # modes with a mount namespace of their own show the job its files another way
 
     def __init__(self, cfg: ScoreConfig, limits: Limits, slot: int, owner_pid: int) -> None:
+        self.is_root = os.geteuid() == 0
+        if self.needs_root and not self.is_root:
+            raise OSError(f"isolation {self.name!r} needs root")
         self.cfg = cfg
         self.limits = limits
-        self.is_root = os.geteuid() == 0
+        self.slot = slot
+        self.owner_pid = owner_pid
         self.uid = job_uid(owner_pid, slot) if self.is_root else os.geteuid()
+        self.gid = self.uid if self.is_root else os.getegid()
         self.python = cfg.python or sys.executable
         self.workdir: str | None = None
         self.zygote: Zygote | None = None
         self.finished: dict[int, int] = {}  # exit codes of reaped job processes, until end_job
         self.runner_source = Path(RUNNER).read_bytes()  # read while the project is in view (JOB_RUNNER_NAME)
+        self.group: JobGroup | None = None
+        self.view: tuple[str, ...] = ()  # interpreter directories a job sees (besides SYSTEM_DIRS)
+        self.landlock_abi = 0
+        self.userns: str | None = None  # the worker's own user namespace, where it made one (BwrapIsolation)
+        try:
+            self.seccomp: bytes | None = job_filter()
+        except SeccompUnsupported:
+            self.seccomp = None  # reported: no "seccomp" layer
 
     # -- what the sandbox reports at start -------------------------------------------------------
     def layers(self) -> dict[str, str]:
-        """What each active layer gives, by name; FULL_LAYERS (sandbox.py) names those a full setup has."""
+        """What each active layer gives, by name; sandbox.py's FULL_LAYERS names those a full setup has and
+        REQUIREMENTS which layers give each protection `score.require` can ask for."""
         if self.is_root:
             nproc = f"NPROC={self.limits.processes} (the job's own uid: counts only its tasks)"
         else:
             when = "worker start" if self.use_zygote else "job start"
+            when += " in the worker's user namespace" if self.userns else ""
             nproc = (
                 f"NPROC=tasks of uid {self.uid} at {when} + {self.limits.processes} (shared with "
-                "everything else this uid runs; the only process-count limit without root)"
+                "everything else this uid runs; the only process-count limit without a pids cgroup)"
             )
         layers = {
             "rlimits": f"AS, CPU, FSIZE, NOFILE, CORE=0, {nproc}",
             "clean_env": "fixed environment",
             "output_cap": f"{self.limits.output_bytes} bytes",
             "wall_timeout": f"{self.limits.timeout_s} s, every process of the job killed",
-            "workdir": "fresh temporary directory per job",
+            "workdir": "fresh directory per job on the host's disk (each file bounded by FSIZE, not their total)",
         }
         if self.is_root:
             layers["uid"] = f"unprivileged uid {self.uid}"
         else:
             layers["user"] = f"the sandbox's own non-root uid {self.uid} (no uid of its own per job)"
+        if self.seccomp is not None:
+            layers["seccomp"] = SECCOMP_LAYER
+        if self.landlock_abi:
+            extra = ", TCP bind/connect refused" if self.landlock_abi >= 4 else ""
+            extra += ", signals and abstract UNIX sockets only within the job" if self.landlock_abi >= 6 else ""
+            layers["landlock"] = (
+                f"Landlock ABI {self.landlock_abi}: reads only the system's and the interpreter's directories, "
+                f"writes only its own directory{extra}"
+            )
+        if self.group is not None:
+            layers.update(self.group.layers())
         return layers
 
     def setup_params(self) -> dict:
@@ -311,18 +487,36 @@ class Isolation:
             "RLIMIT_CORE": 0,
             # Per real uid, machine-wide, threads and zombies counted (see nproc_limit); always set,
             # the only process-count limit where there is no pids cgroup.
-            "RLIMIT_NPROC": nproc_limit(self.limits.processes, self.is_root),
+            "RLIMIT_NPROC": nproc_limit(self.limits.processes, self.is_root, self.userns),
         }
+        landlock = None
+        if self.landlock_abi:
+            read = [path for path in SYSTEM_DIRS if os.path.exists(path)] + list(self.view)
+            landlock = {"abi": self.landlock_abi, "read": read, "devices": list(DEVICES)}
         return {
             "limits": limits,
             "uid": self.uid if self.is_root else None,
             "setsid": True,
-            "procs_files": [],
+            "procs_files": self.group.procs_files() if self.group is not None else [],
+            "root": None,
+            "landlock": landlock,
+            "seccomp": self.seccomp,
         }
 
     # -- worker lifetime -------------------------------------------------------------------------
     def start_worker(self) -> None:
+        """Once per worker, before any job: what its jobs will need (the probe then runs one)."""
         set_subreaper()
+        self.group = cgroups.find_group(self.cfg.cgroup, self.owner_pid, self.slot)
+        if self.group is not None:
+            try:
+                self.group.create(self.limits.processes, self.limits.memory_bytes)
+            except OSError:
+                self.group = None  # reported: no cgroup layer
+        candidates = interpreter_candidates(self.cfg.python)
+        self.view = view_dirs([self.interpreter_for(python) for python in candidates])
+        if self.uses_landlock:
+            self.landlock_abi = _runner.landlock_abi()
 
     def start_zygote(self) -> None:
         """Start the fork server with the interpreter chosen by the probe (one the job uid can run)."""
@@ -334,24 +528,30 @@ class Isolation:
         if self.zygote is not None:
             self.zygote.close()
             self.zygote = None
+        if self.group is not None:
+            self.group.remove()
+            self.group = None
 
     # -- job lifetime ----------------------------------------------------------------------------
     def begin_job(self) -> str:
-        """Create the job's working directory; returns it as the child will see it."""
+        """Create the job's working directory; returns it as this worker sees it."""
         self.workdir = tempfile.mkdtemp(prefix="rlpipe-job-")
         if self.is_root:
-            os.chown(self.workdir, self.uid, self.uid)
+            os.chown(self.workdir, self.uid, self.gid)
         return self.workdir
 
+    def interpreter_for(self, python: str) -> list[str]:
+        """An interpreter with the jobs' flags: isolated mode, and no site-packages unless configured."""
+        return [python, "-I"] if self.cfg.site_packages else [python, "-I", "-S"]
+
     def interpreter(self) -> list[str]:
-        """The jobs' interpreter with its flags: isolated mode, and no site-packages unless configured."""
-        return [self.python, "-I"] if self.cfg.site_packages else [self.python, "-I", "-S"]
+        return self.interpreter_for(self.python)
 
     def interpreter_argv(self, mode: str, runner: str = RUNNER) -> list[str]:
         return [*self.interpreter(), runner, mode]
 
     def job_view(self, workdir: str) -> str:
-        """The job's directory as the job sees it (bubblewrap shows it as /tmp)."""
+        """The job's directory as the job sees it (a chroot or bubblewrap shows it as /tmp)."""
         return workdir
 
     def argv(self, mode: str, workdir: str) -> list[str]:
@@ -367,15 +567,16 @@ class Isolation:
     def spawn(self, mode: str, fds: list[int], cpu_budget_s: float, workdir: str, exec_: bool = False) -> int:
         """Start the job's process with `fds` as its 0..n; returns its pid. Raises SpawnError."""
         if self.zygote is not None and not exec_:
+            view = self.job_view(workdir)
             try:
-                return self.zygote.fork(mode, fds, cpu_budget_s, workdir)
+                return self.zygote.fork(mode, fds, cpu_budget_s, view)
             except ZygoteError:
                 # A dead fork server is replaced once; a second failure is a harness fault.
                 self.zygote.close()
                 self.zygote = None
                 self.start_zygote()
                 assert self.zygote is not None
-                return self.zygote.fork(mode, fds, cpu_budget_s, workdir)
+                return self.zygote.fork(mode, fds, cpu_budget_s, view)
         self.place_runner(workdir)
         return fork_exec(self, mode, fds, cpu_budget_s, workdir)
 
@@ -414,12 +615,17 @@ class Isolation:
         self.finished.pop(pid, None)
 
     def end_job(self, pid: int) -> None:
-        """Kill every process of the job (the main one included), reap them, drop the workdir."""
+        """Kill every process of the job (the main one included), reap them, drop the workdir. As root the
+        cgroup holds every process of the job (the job cannot write a root-owned cgroup.procs); without one,
+        or as a user whose jobs share its uid, the uid or the worker's process subtree finds them too."""
         self._kill_main(pid)
-        if self.is_root:
-            kill_uid(self.uid)
-        else:
-            kill_descendants()
+        if self.group is not None:
+            self.group.empty()
+        if self.group is None or not self.is_root:
+            if self.is_root:
+                kill_uid(self.uid)
+            else:
+                kill_descendants()
         reap_children()
         self.discard_job()
 
@@ -429,14 +635,24 @@ class Isolation:
             shutil.rmtree(self.workdir, ignore_errors=True)
             self.workdir = None
 
-    def child_setup(self, cpu_budget_s: float) -> None:
+    def child_setup(self, cpu_budget_s: float, workdir: str) -> None:
         """fork+exec path: runs in the forked child, right before exec."""
-        _runner.isolate(self.setup_params(), cpu_budget_s)
+        _runner.isolate(self.setup_params(), cpu_budget_s, self.job_view(workdir))
 
     def survivors(self) -> int:
         """How many processes of this worker's jobs are alive (0 after end_job); for tests. Called in
-        the worker: by the job uid as root, else by the worker's process subtree."""
-        return len(uid_processes(self.uid)) if self.is_root else len(job_descendants(os.getpid()))
+        the worker: by the job uid as root, else by the worker's process subtree, and in its cgroup."""
+        found = set(self.group.pids()) if self.group is not None else set()
+        found |= set(uid_processes(self.uid) if self.is_root else job_descendants(os.getpid()))
+        return len(found)
+
+
+class UidIsolation(Isolation):
+    """The `uid` mode: `minimal` as root (a uid per job), what `auto` takes where namespaces are refused (a
+    container under a default seccomp profile): uid, rlimits, seccomp, Landlock, and a cgroup if writable."""
+
+    name = "uid"
+    needs_root = True
 
 
 class SpawnError(RuntimeError):
@@ -454,14 +670,14 @@ def fork_exec(isolation: Isolation, mode: str, fds: list[int], cpu_budget_s: flo
     if pid == 0:  # child: no Python-level cleanup, no return
         try:
             os.close(error_read)
-            isolation.child_setup(cpu_budget_s)
+            isolation.child_setup(cpu_budget_s, workdir)
             # Move sources out of the target range first, so that dup2 never clobbers a pending one.
             high = [os.dup(fd) for fd in fds]
             for target, fd in enumerate(high):
                 os.dup2(fd, target, inheritable=True)
             os.closerange(len(fds), error_write)
             os.closerange(error_write + 1, 65536)
-            os.chdir(workdir)
+            os.chdir(isolation.job_view(workdir))
             os.execve(argv[0], argv, CLEAN_ENV)
         except BaseException as error:  # noqa: B036 - anything here must reach the parent
             try:
@@ -487,7 +703,8 @@ CLONE_NEWNS = 0x00020000
 CLONE_NEWUTS = 0x04000000
 CLONE_NEWIPC = 0x08000000
 CLONE_NEWNET = 0x40000000
-MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REC, MS_PRIVATE = 2, 4, 8, 16384, 1 << 18
+CLONE_NEWUSER = 0x10000000
+MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_BIND, MS_REC, MS_PRIVATE = 2, 4, 8, 4096, 16384, 1 << 18
 MNT_DETACH = 2
 AT_FDCWD, AT_RECURSIVE = -100, 0x8000
 MOUNT_ATTR_RDONLY, MOUNT_ATTR_NOSUID = 1, 2
@@ -542,110 +759,6 @@ def set_mount_attr(path: str, attr_set: int, attr_clr: int) -> None:
     _check(result, f"mount_setattr {path}")
 
 
-# -- cgroup v1 -------------------------------------------------------------------------------------
-
-CGROUP_ROOT = "/sys/fs/cgroup"
-CONTROLLERS = ("pids", "memory", "freezer")
-
-
-def _own_cgroup(controller: str) -> str | None:
-    """This process's group in a v1 hierarchy; job groups nest below it, so the limits of whatever
-    contains us (a container's memory group) still apply to the jobs."""
-    try:
-        with open("/proc/self/cgroup") as lines:
-            for line in lines:
-                _, names, path = line.rstrip("\n").split(":", 2)
-                if controller in names.split(","):
-                    return path
-    except OSError:
-        return None
-    return None
-
-
-def cgroup_dirs(owner_pid: int, slot: int) -> dict[str, str]:
-    """The job groups of one worker slot, per controller that is mounted and writable here."""
-    dirs = {}
-    for controller in CONTROLLERS:
-        mounted = os.path.join(CGROUP_ROOT, controller)
-        own = _own_cgroup(controller)
-        if own is None or not os.path.exists(os.path.join(mounted, "cgroup.procs")):
-            continue
-        parent = os.path.join(mounted, own.lstrip("/"))
-        if os.access(parent, os.W_OK):
-            dirs[controller] = os.path.join(parent, f"rlpipe-sandbox-{owner_pid}-{slot}")
-    return dirs
-
-
-def _write(path: str, value: str) -> None:
-    with open(path, "w") as handle:
-        handle.write(value)
-
-
-def _read_pids(directory: str) -> list[int]:
-    try:
-        with open(os.path.join(directory, "cgroup.procs")) as handle:
-            return [int(line) for line in handle if line.strip()]
-    except OSError:
-        return []
-
-
-def empty_cgroup(dirs: dict[str, str], timeout_s: float = 10.0) -> bool:
-    """Kill every process in the job's groups; True once none is left. With the freezer, the tree is
-    frozen first so that nothing forks between reading the list and the kill."""
-    procs_dir = dirs.get("pids") or dirs.get("memory") or dirs.get("freezer")
-    if procs_dir is None:
-        return True
-    deadline = time.monotonic() + timeout_s
-    frozen = False
-    freezer = dirs.get("freezer")
-    try:
-        while True:
-            reap_children()
-            pids = _read_pids(procs_dir)
-            if not pids:
-                return True
-            if time.monotonic() > deadline:
-                return False
-            if freezer is not None and not frozen:
-                _write(os.path.join(freezer, "freezer.state"), "FROZEN")
-                frozen = True
-            for pid in pids:
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-            if frozen:
-                # SIGKILL is delivered to frozen tasks once they thaw; thaw so they can die.
-                _write(os.path.join(freezer, "freezer.state"), "THAWED")
-                frozen = False
-            time.sleep(0.0005)
-    finally:
-        if frozen:
-            _write(os.path.join(freezer, "freezer.state"), "THAWED")
-
-
-def remove_cgroups(dirs: dict[str, str]) -> None:
-    empty_cgroup(dirs)
-    for directory in dirs.values():
-        try:
-            os.rmdir(directory)
-        except OSError:
-            pass
-
-
-def slot_processes(owner_pid: int, slot: int, worker_pid: int | None = None) -> int:
-    """Live processes (zombies awaiting their reaper excluded) of a worker slot's jobs, seen from the
-    sandbox's own process: as root by the slot's uid and in the slot's cgroups; as a non-root user
-    (jobs share our uid) by the worker's process subtree outside its session (`job_descendants`),
-    which needs `worker_pid`. 0 between jobs."""
-    if os.geteuid() != 0:
-        return len(job_descendants(worker_pid)) if worker_pid is not None else 0
-    pids = set(uid_processes(job_uid(owner_pid, slot), include_zombies=False))
-    for directory in cgroup_dirs(owner_pid, slot).values():
-        pids.update(_read_pids(directory))
-    return len(pids)
-
-
 def _disable_sysv_ipc() -> bool:
     """In the worker's own IPC namespace, allow no SysV shared memory, message queues or semaphores.
     They would outlive a job (IPC objects belong to the namespace, not to a process), letting one job
@@ -653,45 +766,53 @@ def _disable_sysv_ipc() -> bool:
     settings = {"shmmni": "0", "msgmni": "0", "sem": "0 0 0 0"}
     try:
         for name, value in settings.items():
-            _write(f"/proc/sys/kernel/{name}", value)
+            with open(f"/proc/sys/kernel/{name}", "w") as handle:
+                handle.write(value)
     except OSError:
         return False
     return True
 
 
-def _sweep_stale_groups(parent: str) -> None:
-    """Remove job groups left by sandboxes whose process is gone (killed before it could clean up)."""
-    try:
-        names = os.listdir(parent)
-    except OSError:
-        return
-    for name in names:
-        parts = name.split("-")
-        if name.startswith("rlpipe-sandbox-") and len(parts) == 4 and parts[2].isdigit():
-            if not os.path.exists(f"/proc/{parts[2]}"):
-                remove_cgroups({"stale": os.path.join(parent, name)})
+def slot_processes(owner_pid: int, slot: int, worker_pid: int | None = None) -> int:
+    """Live processes (zombies awaiting their reaper excluded) of a worker slot's jobs, seen from the
+    sandbox's own process: in the slot's cgroups, and as root by the slot's uid, as a non-root user (jobs
+    share our uid) by the worker's process subtree outside its session (`job_descendants`), which needs
+    `worker_pid`. 0 between jobs."""
+    pids = cgroups.slot_pids(owner_pid, slot)
+    if os.geteuid() == 0:
+        pids |= set(uid_processes(job_uid(owner_pid, slot), include_zombies=False))
+    elif worker_pid is not None:
+        pids |= set(job_descendants(worker_pid))
+    return len(pids)
 
 
 def release_slot(owner_pid: int, slot: int) -> None:
-    """After a worker died or was killed: end whatever its job left and remove its groups."""
-    if os.geteuid() != 0:
-        return
-    remove_cgroups({name: path for name, path in cgroup_dirs(owner_pid, slot).items() if os.path.isdir(path)})
-    kill_uid(job_uid(owner_pid, slot))
+    """After a worker died or was killed: end whatever its job left, remove its groups and its root directory."""
+    cgroups.release(owner_pid, slot)
+    if os.geteuid() == 0:
+        kill_uid(job_uid(owner_pid, slot))
+        try:
+            os.rmdir(job_root_dir(owner_pid, slot))
+        except OSError:
+            pass
 
 
 class NativeIsolation(Isolation):
-    """Root without bubblewrap: the worker's own network, mount, IPC and UTS namespaces (set up once),
-    a fresh tmpfs /tmp per job, a per-job uid, rlimits, and cgroup v1 pids/memory/freezer groups."""
+    """Root, with namespaces: the worker's own network (empty: loopback down), mount, IPC (no SysV objects can be
+    created: they would outlive a job) and UTS namespaces, set up once; each job chrooted into a read-only tree
+    of the system's and the interpreter's directories (`build_job_root`) whose /tmp is a fresh tmpfs of
+    `scratch_mb` per job, mounted before it and detached after it; a uid per job; rlimits; seccomp; cgroups."""
 
     name = "native"
+    needs_root = True
+    uses_landlock = False
 
     def __init__(self, cfg: ScoreConfig, limits: Limits, slot: int, owner_pid: int) -> None:
         super().__init__(cfg, limits, slot, owner_pid)
-        if not self.is_root:
-            raise OSError("native isolation needs root (uid changes, namespaces, cgroups)")
-        self.cgroups = cgroup_dirs(owner_pid, slot)
-        self.procs_files: list[str] = []
+        reason = _probe_native()
+        if reason is not None:
+            raise OSError(f"isolation 'native' is not available: {reason}")
+        self.root = job_root_dir(owner_pid, slot)
         self.mounted = False
         self.hidepid = False
         self.sysv_ipc_off = False
@@ -700,152 +821,88 @@ class NativeIsolation(Isolation):
         layers = super().layers()
         del layers["workdir"]
         layers["netns"] = "empty network namespace (loopback down)"
-        layers["mountns"] = "read-only file system, fresh tmpfs /tmp per job" + (
-            ", /proc hides other users' processes" if self.hidepid else ""
+        layers["mountns"] = (
+            "chroot into read-only binds of the system's and the interpreter's directories only (no home, "
+            "checkout or storage root)" + (", /proc hides other users' processes" if self.hidepid else "")
         )
+        layers["scratch_tmpfs"] = f"fresh tmpfs /tmp of {self.limits.scratch_bytes >> 20} MiB per job"
         layers["ipc_uts_ns"] = "private SysV IPC and hostname" + (
             ", SysV IPC objects cannot be created" if self.sysv_ipc_off else ""
         )
-        if "pids" in self.cgroups:
-            layers["cgroup_pids"] = f"pids.max={self.limits.processes}"
-        if "memory" in self.cgroups:
-            layers["cgroup_memory"] = f"memory.limit_in_bytes={self.limits.memory_bytes}"
-        if "freezer" in self.cgroups:
-            layers["cgroup_freezer"] = "job frozen before the final kill"
         return layers
 
     def start_worker(self) -> None:
         super().start_worker()
-        self._setup_cgroups()
+        _sweep_stale_roots()
+        os.makedirs(self.root, exist_ok=True)  # on the host, empty: the tree is mounted on it in our namespace
         unshare(CLONE_NEWNET | CLONE_NEWNS | CLONE_NEWIPC | CLONE_NEWUTS)
         mount("none", "/", None, MS_REC | MS_PRIVATE)
-        try:
-            mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, "hidepid=2")
-            self.hidepid = True
-        except OSError:
-            pass  # keep the inherited /proc: the job's uid still cannot read other users' details
+        self.hidepid = build_job_root(self.root, self.view)
         self.sysv_ipc_off = _disable_sysv_ipc()
         set_mount_attr("/", MOUNT_ATTR_RDONLY | MOUNT_ATTR_NOSUID, 0)
-        # The worker itself writes cgroup files (freezer, job membership); jobs cannot: root owns them.
-        set_mount_attr(CGROUP_ROOT, 0, MOUNT_ATTR_RDONLY)
-
-    def _setup_cgroups(self) -> None:
-        for directory in self.cgroups.values():
-            _sweep_stale_groups(os.path.dirname(directory))
-        for controller, directory in list(self.cgroups.items()):
-            try:
-                if os.path.isdir(directory):
-                    remove_cgroups({controller: directory})
-                os.mkdir(directory)
-                if controller == "pids":
-                    _write(os.path.join(directory, "pids.max"), str(self.limits.processes))
-                elif controller == "memory":
-                    _write(os.path.join(directory, "memory.limit_in_bytes"), str(self.limits.memory_bytes))
-                    swap = os.path.join(directory, "memory.memsw.limit_in_bytes")
-                    if os.path.exists(swap):
-                        _write(swap, str(self.limits.memory_bytes))
-            except OSError:
-                del self.cgroups[controller]  # reported as absent by layers()
-        self.procs_files = [os.path.join(directory, "cgroup.procs") for directory in self.cgroups.values()]
-
-    def close(self) -> None:
-        remove_cgroups(self.cgroups)
-
-    def begin_job(self) -> str:
-        options = f"size={self.limits.file_bytes},mode=0700,uid={self.uid},gid={self.uid}"
-        mount("tmpfs", "/tmp", "tmpfs", MS_NOSUID | MS_NODEV, options)
-        self.mounted = True
-        self.workdir = "/tmp"
-        return self.workdir
+        # The worker itself writes cgroup files (limits, membership, kill); jobs do not see them.
+        if self.group is not None:
+            set_mount_attr(self.group.mount, 0, MOUNT_ATTR_RDONLY)
 
     def setup_params(self) -> dict:
-        # No session of its own needed: the cgroup finds every process of the job.
-        return dict(super().setup_params(), procs_files=self.procs_files, setsid=False)
+        # No session of its own needed where the cgroup finds every process of the job.
+        return dict(super().setup_params(), root=self.root, setsid=self.group is None)
 
-    def end_job(self, pid: int) -> None:
-        self._kill_main(pid)
-        if self.cgroups:
-            empty_cgroup(self.cgroups)
-        else:
-            kill_uid(self.uid)
-        reap_children()
-        self.discard_job()
+    def begin_job(self) -> str:
+        options = f"size={self.limits.scratch_bytes},mode=0700,uid={self.uid},gid={self.gid}"
+        self.workdir = os.path.join(self.root, "tmp")
+        mount("tmpfs", self.workdir, "tmpfs", MS_NOSUID | MS_NODEV, options)
+        self.mounted = True
+        # An interpreter that lives under /tmp (a checkout's virtual environment there) is bound into the job's
+        # /tmp, read-only, as bubblewrap does; the detach after the job takes these mounts with it.
+        for path in filter(_under_tmp, self.view):
+            target = self.root + path
+            os.makedirs(target, exist_ok=True)
+            mount(path, target, None, MS_BIND | MS_REC)
+            set_mount_attr(target, MOUNT_ATTR_RDONLY | MOUNT_ATTR_NOSUID, 0)
+        return self.workdir
+
+    def job_view(self, workdir: str) -> str:
+        return "/tmp"
 
     def discard_job(self) -> None:
         if self.mounted:
-            umount("/tmp")
+            umount(self.workdir or os.path.join(self.root, "tmp"))
             self.mounted = False
         self.workdir = None
-
-    def survivors(self) -> int:
-        in_groups = len(_read_pids(self.cgroups["pids"])) if "pids" in self.cgroups else 0
-        return in_groups + len(uid_processes(self.uid))
-
-
-# What a bubblewrap job sees of the host besides its interpreter: the operating system's own directories.
-# A job under bubblewrap runs as the sandbox's uid, which can read that user's keys and credentials (~/.ssh,
-# ~/.aws), the checkout and the storage root; binding all of / read-only would show it all of them.
-SYSTEM_DIRS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc")
-_INTERPRETER_PATHS = "import json, sys; print(json.dumps([sys.prefix, sys.base_prefix, sys.executable, *sys.path]))"
-
-
-@functools.lru_cache(maxsize=8)
-def interpreter_dirs(argv: tuple[str, ...]) -> tuple[str, ...]:
-    """The directories the interpreter `argv` (with its flags) runs and imports from, outside SYSTEM_DIRS:
-    its prefixes, its real executable's directory and its sys.path, as it reports them once."""
-    done = subprocess.run([*argv, "-c", _INTERPRETER_PATHS], env=CLEAN_ENV, capture_output=True, text=True,
-                          timeout=120)
-    if done.returncode != 0:
-        raise OSError(f"the sandbox's interpreter {argv[0]} could not start: {done.stderr.strip()[-500:]}")
-    prefix, base_prefix, executable, *path = json.loads(done.stdout)
-    wanted = {prefix, base_prefix, os.path.dirname(executable), os.path.dirname(os.path.realpath(executable))}
-    wanted |= {entry for entry in path if entry}
-    dirs: list[str] = []
-    for entry in sorted(os.path.abspath(entry) for entry in wanted):
-        if not os.path.exists(entry) or entry == "/":
-            continue
-        entry = entry if os.path.isdir(entry) else os.path.dirname(entry)  # a zip on sys.path: its directory
-        if any(entry == kept or entry.startswith(kept.rstrip("/") + "/") for kept in (*SYSTEM_DIRS, *dirs)):
-            continue  # already visible
-        dirs.append(entry)
-    return tuple(dirs)
-
-
-def job_file_system(python_argv: list[str]) -> list[str]:
-    """bubblewrap arguments for a job's view of the host: SYSTEM_DIRS (symbolic links kept as links, as on
-    merged-/usr systems) and the interpreter's directories, read-only, and nothing else."""
-    args: list[str] = []
-    for path in SYSTEM_DIRS:
-        if os.path.islink(path):
-            args += ["--symlink", os.readlink(path), path]
-        elif os.path.isdir(path):
-            args += ["--ro-bind", path, path]
-    for path in interpreter_dirs(tuple(python_argv)):
-        args += ["--ro-bind", path, path]
-    return args
 
 
 class BwrapIsolation(Isolation):
     """Each job under bubblewrap: user, pid, network, IPC, UTS and cgroup namespaces, of the host's files only
     the system's and the interpreter's directories, read-only (`job_file_system`), the job directory as /tmp,
-    its own /proc and read-only /dev. Works without root. When the job's main process ends, bubblewrap's pid
-    namespace takes every other process of the job with it."""
+    its own /proc and read-only /dev; the seccomp filter through `--seccomp`. Works without root. When the
+    job's main process ends, bubblewrap's pid namespace takes every other process of the job with it.
+
+    The job directory is a tmpfs of `scratch_mb` mounted by the worker in a mount namespace of its own (as a
+    non-root user inside a user namespace of its own, mapped to itself; bubblewrap nests in it); where that
+    namespace cannot be had, it is a plain directory and the layer is reported missing."""
 
     name = "bwrap"
     use_zygote = False  # a new bubblewrap per job is the point; there is nothing warm to fork
+    uses_landlock = False
 
     def __init__(self, cfg: ScoreConfig, limits: Limits, slot: int, owner_pid: int) -> None:
         super().__init__(cfg, limits, slot, owner_pid)
         self.bwrap = shutil.which("bwrap") or "/usr/bin/bwrap"
         if not os.access(self.bwrap, os.X_OK):
             raise OSError("bubblewrap (bwrap) is not installed")
+        self.scratch_tmpfs = False
+        self.mounted = False
+        self.seccomp_fd: int | None = None
 
     def layers(self) -> dict[str, str]:
-        """The namespaces bubblewrap gives each job, under the names native mode uses for the same
-        protection. No cgroups: the process count is bounded by RLIMIT_NPROC alone (see `rlimits`),
-        memory by RLIMIT_AS alone; the pid namespace bounds the job's lifetime, not its size."""
+        """The namespaces bubblewrap gives each job, under the names native mode uses for the same protection.
+        Without cgroups the process count is bounded by RLIMIT_NPROC alone (see `rlimits`), memory by
+        RLIMIT_AS alone; the pid namespace bounds the job's lifetime, not its size."""
         layers = super().layers()
-        layers["workdir"] = "fresh temporary directory per job, seen as /tmp"
+        layers["workdir"] = "fresh directory per job, seen as /tmp"
+        if self.scratch_tmpfs:
+            layers["scratch_tmpfs"] = f"the job directory is a fresh tmpfs of {self.limits.scratch_bytes >> 20} MiB"
         layers["netns"] = "empty network namespace per job (bubblewrap)"
         layers["mountns"] = (
             "only the system's and the interpreter's directories, read-only (no home, checkout or storage "
@@ -859,16 +916,51 @@ class BwrapIsolation(Isolation):
         layers["userns"] = "user namespace without capabilities (bubblewrap --cap-drop ALL)"
         return layers
 
-    # begin_job/discard_job are the base class's: a host temporary directory, which bubblewrap binds
-    # as the job's /tmp (so that /run_code's input and output files can be passed through it).
+    def start_worker(self) -> None:
+        super().start_worker()
+        self.scratch_tmpfs = _probe_scratch_namespace(self.is_root) is None and _enter_scratch_namespace(self.is_root)
+        if self.scratch_tmpfs and not self.is_root:
+            self.userns = os.readlink("/proc/self/ns/user")
+
+    def setup_params(self) -> dict:
+        # bubblewrap needs namespaces and mounts, which both restrictions refuse: it applies the filter itself.
+        return dict(super().setup_params(), seccomp=None, landlock=None)
+
+    def begin_job(self) -> str:
+        workdir = super().begin_job()
+        if self.scratch_tmpfs:
+            options = f"size={self.limits.scratch_bytes},mode=0700,uid={self.uid},gid={self.gid}"
+            mount("tmpfs", workdir, "tmpfs", MS_NOSUID | MS_NODEV, options)
+            self.mounted = True
+        return workdir
+
+    def discard_job(self) -> None:
+        if self.mounted and self.workdir is not None:
+            umount(self.workdir)
+            self.mounted = False
+        super().discard_job()
 
     def job_view(self, workdir: str) -> str:
         return "/tmp"
+
+    def spawn(self, mode: str, fds: list[int], cpu_budget_s: float, workdir: str, exec_: bool = False) -> int:
+        if self.seccomp is None:
+            return super().spawn(mode, fds, cpu_budget_s, workdir, exec_)
+        program = os.memfd_create("rlpipe-seccomp", os.MFD_CLOEXEC)
+        try:
+            os.write(program, self.seccomp)
+            os.lseek(program, 0, os.SEEK_SET)
+            self.seccomp_fd = len(fds)  # where fork_exec puts it
+            return super().spawn(mode, [*fds, program], cpu_budget_s, workdir, exec_)
+        finally:
+            os.close(program)
+            self.seccomp_fd = None
 
     def argv(self, mode: str, workdir: str) -> list[str]:
         # --die-with-parent: if the worker dies, so does the job; --new-session: no terminal injection. The
         # interpreter's directories are bound after /tmp, so one under /tmp is still seen (a mount point in
         # the job directory).
+        seccomp = ["--seccomp", str(self.seccomp_fd)] if self.seccomp_fd is not None else []
         return [
             self.bwrap,
             "--unshare-all",
@@ -876,6 +968,7 @@ class BwrapIsolation(Isolation):
             "--new-session",
             "--cap-drop",
             "ALL",
+            *seccomp,
             "--bind",
             workdir,
             "/tmp",
@@ -897,6 +990,32 @@ class BwrapIsolation(Isolation):
         ]
 
 
+def _enter_scratch_namespace(is_root: bool) -> bool:
+    """Give this process a mount namespace of its own (as a non-root user inside a user namespace of its own,
+    mapped to itself), where it may mount tmpfs; True when it has one."""
+    uid, gid = os.geteuid(), os.getegid()
+    try:
+        unshare(CLONE_NEWNS if is_root else CLONE_NEWUSER | CLONE_NEWNS)
+        if not is_root:
+            for name, value in (("setgroups", "deny"), ("uid_map", f"{uid} {uid} 1"), ("gid_map", f"{gid} {gid} 1")):
+                with open(f"/proc/self/{name}", "w") as handle:
+                    handle.write(value)
+        mount("none", "/", None, MS_REC | MS_PRIVATE)
+    except OSError:
+        return False
+    return True
+
+
+def _probe_scratch_namespace(is_root: bool) -> str | None:
+    """Why `_enter_scratch_namespace` would fail here, or None (tried in a throwaway child first: a user
+    namespace entered but left unmapped could not be undone)."""
+    pid = os.fork()
+    if pid == 0:
+        os._exit(0 if _enter_scratch_namespace(is_root) else 1)
+    _, status = os.waitpid(pid, 0)
+    return None if os.waitstatus_to_exitcode(status) == 0 else "no mount namespace for the job directory's tmpfs"
+
+
 def _probe_native() -> str | None:
     """Why native isolation cannot work here, or None when it can (tried in a throwaway child)."""
     if os.geteuid() != 0:
@@ -914,22 +1033,17 @@ def _probe_native() -> str | None:
     return None if os.waitstatus_to_exitcode(status) == 0 else "namespaces or mount_setattr unavailable"
 
 
-def choose_isolation(cfg: ScoreConfig, slot: int, owner_pid: int) -> Isolation:
-    """The isolation mode for a worker: the configured one (an error if impossible) or, for "auto",
-    the strongest this machine gives. The caller logs what is active; nothing falls back silently."""
-    limits = Limits.from_config(cfg)
-    if cfg.isolation == "native":
-        reason = _probe_native()
-        if reason is not None:
-            raise OSError(f"isolation 'native' is not available: {reason}")
-        return NativeIsolation(cfg, limits, slot, owner_pid)
-    if cfg.isolation == "bwrap":
-        return BwrapIsolation(cfg, limits, slot, owner_pid)
-    if cfg.isolation == "minimal":
-        return Isolation(cfg, limits, slot, owner_pid)
-    if _probe_native() is None:
-        return NativeIsolation(cfg, limits, slot, owner_pid)
-    try:
-        return BwrapIsolation(cfg, limits, slot, owner_pid)
-    except OSError:
-        return Isolation(cfg, limits, slot, owner_pid)
+# The modes by name, and the order `auto` tries them in: `minimal` is never tried, only named.
+MODES: dict[str, type[Isolation]] = {
+    "native": NativeIsolation, "bwrap": BwrapIsolation, "uid": UidIsolation, "minimal": Isolation,
+}
+AUTO_ORDER = ("native", "bwrap", "uid")
+
+
+def candidate_modes(cfg: ScoreConfig) -> tuple[str, ...]:
+    return AUTO_ORDER if cfg.isolation == "auto" else (cfg.isolation,)
+
+
+def make_isolation(mode: str, cfg: ScoreConfig, slot: int, owner_pid: int) -> Isolation:
+    """An isolation of `mode` for a worker slot; raises OSError naming why this machine cannot give it."""
+    return MODES[mode](cfg, Limits.from_config(cfg), slot, owner_pid)

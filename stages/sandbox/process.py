@@ -10,25 +10,15 @@ from __future__ import annotations
 
 import os
 import select
-import sys
 import time
 from dataclasses import dataclass
 
 from . import _runner
-from .isolation import Isolation, SpawnError
+from .isolation import Isolation, SpawnError, interpreter_candidates
 from .judge import CandidateGone, Channel, JobTimeout, NotPlainValue, rebuild_exception
 
 # Largest single reply we accept (a return value); bigger ones end the job as an error.
 MAX_FRAME = 16 << 20
-
-
-def interpreter_candidates(configured: str | None) -> list[str]:
-    """Interpreters to try for candidate code, best first. The one running rlpipe may live where the
-    sandbox uid cannot read it (pyenv under /root); the system's python3 is the usual fallback."""
-    if configured:
-        return [configured]
-    found = [sys.executable, os.path.realpath(sys.executable), "/usr/bin/python3", "/usr/local/bin/python3"]
-    return [path for index, path in enumerate(found) if path not in found[:index] and os.path.exists(path)]
 
 
 def probe_interpreter(isolation: Isolation, configured: str | None) -> str:

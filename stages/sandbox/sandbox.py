@@ -26,7 +26,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import TypeVar
 
-from schemas.config import ScoreConfig
+from schemas.config import ConfigError, ScoreConfig
 
 from ._runner import HEADER
 from .isolation import CLEAN_ENV, job_descendants, release_slot, slot_processes
@@ -42,9 +42,9 @@ PROJECT_ROOT = str(Path(__file__).resolve().parents[2])
 GRACE_S = 20.0
 
 
-# What the native mode gives as root with cgroup v1; anything less is logged as a warning at start. The
+# What the native mode gives as root with cgroups; anything less is logged as a warning at start. The
 # bwrap mode gives netns and mountns per job (and a pid namespace), but as a non-root user no uid of
-# its own and no cgroups: its warning names uid, cgroup_pids and cgroup_memory.
+# its own and, without a delegated cgroup, no cgroups: its warning names uid, cgroup_pids and cgroup_memory.
 FULL_LAYERS = (
     "uid",
     "rlimits",
@@ -54,7 +54,22 @@ FULL_LAYERS = (
     "cgroup_memory",
     "clean_env",
     "wall_timeout",
+    "seccomp",
+    "scratch_tmpfs",
 )
+
+# The protections `score.require` can ask for, and the layers (Isolation.layers) that give each: any one does.
+# RLIMIT_NPROC and RLIMIT_AS are always set ("rlimits"): weaker than a cgroup (NPROC counts a shared uid's
+# every task, AS is per process), so a missing cgroup is in the start warning, not a refusal.
+REQUIREMENTS: dict[str, tuple[str, ...]] = {
+    "separate_uid": ("uid", "userns"),
+    "no_network": ("netns", "seccomp"),
+    "process_limit": ("cgroup_pids", "rlimits"),
+    "memory_limit": ("cgroup_memory", "rlimits"),
+    "wall_timeout": ("wall_timeout",),
+    "read_only_system": ("mountns", "landlock"),
+    "scratch_limit": ("scratch_tmpfs",),
+}
 
 
 def missing_layers(layers: dict[str, str]) -> list[str]:
@@ -62,11 +77,21 @@ def missing_layers(layers: dict[str, str]) -> list[str]:
     return [layer for layer in FULL_LAYERS if layer not in layers]
 
 
+def unmet_requirements(layers: dict[str, str], required: list[str]) -> list[str]:
+    """The protections of `required` that no layer of `layers` gives, in that order."""
+    return [name for name in required if not any(layer in layers for layer in REQUIREMENTS[name])]
+
+
 class SandboxError(RuntimeError):
     """The sandbox could not start (a worker failed to set up its isolation)."""
 
 
-# Worker slots name a job uid and cgroups (isolation.job_uid, cgroup_dirs), so two live workers of this
+class IsolationRefused(SandboxError, ConfigError):
+    """The sandbox will not start with the isolation this machine gives and the config asks for: a config
+    matter (stage exit code 2); the message names what is missing and the setting that allows it."""
+
+
+# Worker slots name a job uid and cgroups (isolation.job_uid, cgroups.group_name), so two live workers of this
 # process, even of different Sandbox objects, must never share one: a closing sandbox would kill the
 # other's jobs and remove its groups.
 _SLOTS_IN_USE: set[int] = set()
@@ -101,6 +126,7 @@ class _Worker:
         self.slot = slot
         self.layers: dict[str, str] = {}
         self.isolation = ""
+        self.passed_over: list[str] = []  # the modes `auto` tried before this one, and why each failed
         self.process: subprocess.Popen[bytes] | None = None
         self.start()
 
@@ -118,10 +144,13 @@ class _Worker:
         reply = self._receive(60.0)
         if reply is None or "fatal" in reply:
             self.stop()
+            if reply is not None and reply.get("refused"):
+                raise IsolationRefused(refusal_without_mode(self.cfg, reply["fatal"]))
             reason = "no answer" if reply is None else reply["fatal"]
             raise SandboxError(f"sandbox worker {self.slot} failed to start: {reason}")
         self.isolation = reply["isolation"]
         self.layers = reply["layers"]
+        self.passed_over = reply["passed_over"]
 
     def _send(self, message: dict) -> None:
         assert self.process is not None and self.process.stdin is not None
@@ -216,6 +245,29 @@ class _Worker:
         release_slot(os.getpid(), self.slot)
 
 
+def refusal_without_mode(cfg: ScoreConfig, reasons: str) -> str:
+    """Why no isolation mode started, and what the config could say instead."""
+    asked = "auto (native, bwrap, uid)" if cfg.isolation == "auto" else repr(cfg.isolation)
+    return (
+        f"the sandbox cannot isolate jobs here with score.isolation={asked}: {reasons}. To run jobs with "
+        "rlimits, seccomp and Landlock only, under this user's uid, set score.isolation=minimal and remove "
+        "separate_uid from score.require"
+    )
+
+
+def refusal_for_layers(cfg: ScoreConfig, isolation: str, layers: dict[str, str]) -> str | None:
+    """Why the started sandbox falls short of `cfg.require` (None when it does not), and what to set instead."""
+    unmet = unmet_requirements(layers, cfg.require)
+    if not unmet:
+        return None
+    gives = "; ".join(f"{name} needs one of {', '.join(REQUIREMENTS[name])}" for name in unmet)
+    keep = [name for name in cfg.require if name not in unmet]
+    return (
+        f"isolation {isolation!r} on this machine lacks what score.require asks for: {', '.join(unmet)} ({gives}; "
+        f"active layers: {', '.join(layers)}). To run without them, set score.require={keep}"
+    )
+
+
 def hard_timeout(cfg: ScoreConfig, job: ScoreJob) -> float:
     spec = job.reward_spec or {}
     runs = len(spec.get("inputs") or []) if spec.get("kind") == "code_stdio" else 1
@@ -264,13 +316,19 @@ class Sandbox:
         except BaseException:
             self.close()
             raise
+        refusal = refusal_for_layers(self.cfg, self.isolation, self.layers)
+        if refusal is not None:
+            self.close()
+            raise IsolationRefused(refusal)
         self._executor = ThreadPoolExecutor(len(self.workers), thread_name_prefix="sandbox-feed")
         missing = missing_layers(self.layers)
+        passed_over = self.workers[0].passed_over
         log.log(
             logging.WARNING if missing else logging.INFO,
-            "sandbox: %d workers, isolation %r, active layers: %s%s",
+            "sandbox: %d workers, isolation %r%s, active layers: %s%s",
             len(self.workers),
             self.isolation,
+            f" (not available here: {'; '.join(passed_over)})" if passed_over else "",
             "; ".join(f"{name} ({detail})" for name, detail in self.layers.items()),
             f"; NOT active on this machine: {', '.join(missing)}" if missing else "",
         )

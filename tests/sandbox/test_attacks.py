@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import resource
+import shutil
 import socket
 import tempfile
 import time
@@ -199,6 +200,50 @@ ATTACKS: dict[str, Attack] = {
 }
 
 
+# One harmless call per rule of the job's seccomp filter (stages/sandbox/seccomp.py), as an expression over
+# `libc`: arguments the kernel rejects by itself (a missing path, a bad fd, an unknown command), so that
+# without the filter the answer is anything but EPERM (test_seccomp.py checks that, per rule, in a child of
+# the test), and under it EPERM. x86_64 system call numbers where the C library has no wrapper.
+SECCOMP_PROBES = {
+    "socket": "libc.socket(2, 1, 0)",  # AF_INET: made even in an empty network namespace
+    "ptrace": "libc.ptrace(3, 0, 0, 0)",  # PTRACE_PEEKUSER of pid 0: ESRCH
+    "mount": "libc.mount(b'none', b'/rlpipe-no-such-dir', b'tmpfs', 0, None)",  # ENOENT (before any privilege)
+    "bpf": "libc.syscall(321, 9999, None, 0)",  # an unknown command: EINVAL as root
+    "perf_event_open": "libc.syscall(298, None, 0, -1, -1, 0)",  # no attributes: EFAULT
+    "keyctl": "libc.syscall(250, 9999, 0, 0, 0, 0)",  # an unknown operation: EOPNOTSUPP
+    "namespaces": "libc.unshare(0)",  # nothing to unshare: succeeds
+    "setns": "libc.setns(-1, 0)",  # EBADF
+    "clone": "libc.syscall(56, 0x10000000 | 0x200, 0, 0, 0, 0)",  # CLONE_NEWUSER | CLONE_FS: EINVAL
+    "kexec": "libc.syscall(246, 0, 0, None, 0xDEAD0000)",  # bad flags: EINVAL (ENOSYS without kexec)
+    "modules": "libc.syscall(313, -1, b'', 0)",  # finit_module of no file: EBADF (ENOSYS without modules)
+}
+
+
+def seccomp_attack(rule: str) -> Attack:
+    """A job that makes the rule's probe and prints its errno; it is scored against "allowed", never printed."""
+    body = (
+        "import ctypes\n"
+        "libc = ctypes.CDLL(None, use_errno=True)\n"
+        f"result = {SECCOMP_PROBES[rule]}\n"
+        f"print({rule!r}, 'errno', ctypes.get_errno() if result == -1 else 'none')\n"
+    )
+    return Attack(body, expected="allowed\n")
+
+
+ATTACKS.update({f"seccomp {rule}": seccomp_attack(rule) for rule in SECCOMP_PROBES})
+
+# Fills the job's directory with 1 MiB files until a write fails. Only where the directory is a size-limited
+# tmpfs (the scratch_tmpfs layer): elsewhere it would fill the host's disk, so it is not one of ATTACKS.
+SCRATCH_FILL = Attack(
+    "count = 0\n"
+    "while True:\n"
+    "    with open(f'fill-{count}', 'wb') as handle:\n"
+    "        handle.write(b'x' * (1 << 20))\n"
+    "    count += 1\n",
+    expected="never\n",
+)
+
+
 def run_contained(sandbox: Sandbox, attack: Attack | str, limit_s: float = 8.0, port: int = 0) -> ScoreResult:
     """Score one attack (an Attack, or a function-test body); assert it failed, in time, leaving no process."""
     job = attack.job(port=port) if isinstance(attack, Attack) else ScoreJob(fenced(attack), SPEC)
@@ -215,7 +260,8 @@ def test_sandbox_reports_its_layers(sandbox: Sandbox):
     """As root, "auto" picks native isolation with every layer of a full setup (no NOT-active warning)."""
     if os.geteuid() == 0:
         assert sandbox.isolation == "native"
-        for layer in ("uid", "rlimits", "netns", "mountns", "cgroup_pids", "cgroup_memory", "clean_env"):
+        for layer in ("uid", "rlimits", "netns", "mountns", "cgroup_pids", "cgroup_memory", "clean_env", "seccomp",
+                      "scratch_tmpfs"):
             assert layer in sandbox.layers
         assert missing_layers(sandbox.layers) == []
 
@@ -228,24 +274,26 @@ def _layers(mode: type[Isolation], monkeypatch: pytest.MonkeyPatch, euid: int) -
 
 @pytest.mark.parametrize("euid", [0, 65534], ids=["root", "non-root"])
 def test_bwrap_mode_reports_the_namespaces_it_gives(monkeypatch: pytest.MonkeyPatch, euid: int):
-    """bwrap mode names the network, mount, pid, IPC/UTS and user namespaces bubblewrap gives each job,
-    says RLIMIT_NPROC is set and what it counts (the job uid as root, the whole shared uid otherwise),
-    and that the pid namespace is no count limit; only the missing cgroups (and, as a non-root user,
-    the job uid) are warned about, never netns or mountns."""
+    """bwrap mode names the network, mount, pid, IPC/UTS and user namespaces bubblewrap gives each job and
+    its seccomp filter, says RLIMIT_NPROC is set and what it counts (the job uid as root, the whole shared
+    uid otherwise), and that the pid namespace is no count limit. Before its worker starts it has no cgroup
+    and no scratch tmpfs yet: only those (and, as a non-root user, the job uid) are warned about, never netns
+    or mountns."""
     if not os.access("/usr/bin/bwrap", os.X_OK):
         pytest.skip("bubblewrap is not installed")
     layers = _layers(BwrapIsolation, monkeypatch, euid)
-    for layer in ("netns", "mountns", "pidns", "ipc_uts_ns", "userns", "rlimits", "clean_env", "wall_timeout"):
+    for layer in ("netns", "mountns", "pidns", "ipc_uts_ns", "userns", "rlimits", "clean_env", "wall_timeout",
+                  "seccomp"):
         assert layer in layers
     assert "not a count limit" in layers["pidns"]
     assert "cgroup_pids" not in layers and "cgroup_memory" not in layers
     if euid == 0:
         assert "NPROC=16 (the job's own uid" in layers["rlimits"]
-        assert missing_layers(layers) == ["cgroup_pids", "cgroup_memory"]
+        assert missing_layers(layers) == ["cgroup_pids", "cgroup_memory", "scratch_tmpfs"]
     else:
         assert "NPROC=tasks of uid 65534 at job start + 16" in layers["rlimits"]
         assert "uid" not in layers and "non-root uid 65534" in layers["user"]
-        assert missing_layers(layers) == ["uid", "cgroup_pids", "cgroup_memory"]
+        assert missing_layers(layers) == ["uid", "cgroup_pids", "cgroup_memory", "scratch_tmpfs"]
 
 
 @pytest.mark.parametrize("euid", [0, 65534], ids=["root", "non-root"])
@@ -263,7 +311,7 @@ def test_nproc_limit_counts_the_shared_uid(monkeypatch: pytest.MonkeyPatch):
     """RLIMIT_NPROC is `max_processes` for a job uid of its own (root); for a non-root user, whose jobs
     share its uid, it is what the uid already runs (threads included) plus `max_processes`."""
     assert nproc_limit(16, is_root=True) == 16
-    monkeypatch.setattr(isolation_module, "uid_tasks", lambda uid: 40)
+    monkeypatch.setattr(isolation_module, "uid_tasks", lambda uid, userns: 40)
     hard = resource.getrlimit(resource.RLIMIT_NPROC)[1]
     assert nproc_limit(16, is_root=False) == (56 if hard == resource.RLIM_INFINITY else min(56, hard))
 
@@ -359,6 +407,30 @@ def test_big_file_in_job_directory_hits_the_file_size_limit(sandbox: Sandbox):
     assert result.tests[0]["status"] == "error"
 
 
+def test_filling_the_scratch_tmpfs_is_a_job_error(sandbox: Sandbox):
+    """The job's only writable directory is a tmpfs of score.scratch_mb: filling it fails the job with ENOSPC
+    (after about scratch_mb MiB), and the host's disk does not see the bytes."""
+    if "scratch_tmpfs" not in sandbox.layers:
+        pytest.skip(f"isolation {sandbox.isolation!r} has no scratch tmpfs here: the fill would reach the disk")
+    free_before = shutil.disk_usage(tempfile.gettempdir()).free
+    result = run_contained(sandbox, SCRATCH_FILL, limit_s=15.0)
+    assert result.tests[0]["status"] == "error"
+    assert "No space left on device" in result.tests[0]["message"]
+    # scratch_mb (16 MiB here) went to the tmpfs, not to the host's /tmp (others may write a little meanwhile)
+    assert free_before - shutil.disk_usage(tempfile.gettempdir()).free < (32 << 20)
+
+
+# -- seccomp ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("rule", list(SECCOMP_PROBES))
+def test_the_seccomp_filter_refuses_each_rule_in_a_job(sandbox: Sandbox, rule: str):
+    """Each rule's probe, made by a job's own code, fails with EPERM (1); test_seccomp.py shows that the
+    kernel answers otherwise without the filter."""
+    result = run_contained(sandbox, ATTACKS[f"seccomp {rule}"])
+    assert f"got '{rule} errno 1\\n'" in result.tests[0]["message"]
+
+
 # -- file system, network, secrets, other processes ------------------------------------------------
 
 
@@ -405,24 +477,33 @@ def test_killing_the_parent_fails_and_the_sandbox_keeps_working(sandbox: Sandbox
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", ["bwrap", "minimal"])
+@pytest.mark.parametrize("mode", ["bwrap", "uid", "minimal"])
 def test_fallback_modes_contain_the_same_attacks(mode: str):
-    """bwrap and minimal modes named explicitly (here as root, so jobs get a uid of their own) contain
-    every attack of ATTACKS (minimal: those its layers can contain), leave no process behind, and still
-    score a correct answer; test_unprivileged.py runs bwrap as a non-root user."""
+    """bwrap, uid and minimal modes named explicitly (here as root, so jobs get a uid of their own) contain
+    every attack of ATTACKS, seccomp probes included, leave no process behind, and still score a correct
+    answer; test_unprivileged.py runs bwrap as a non-root user. Without a mount or network namespace, writes
+    and network are held by Landlock and seccomp; a kernel without those would show it in the layers, and
+    those two attacks are then not run."""
     if mode == "bwrap" and not os.path.exists("/usr/bin/bwrap"):
         pytest.skip("bubblewrap is not installed")
+    if mode == "uid" and os.geteuid() != 0:
+        pytest.skip("uid mode needs root")
     cfg = ScoreConfig(workers=1, timeout_s=2.0, isolation=mode, memory_mb=512, max_processes=16, output_limit_kb=64)
-    # minimal mode has no network or mount namespace (its start warning says so): a job can connect to
-    # a local listener and write to world-writable /dev/shm and /var/tmp there.
-    needs_namespaces = {"writes outside the job directory", "network connect to a local listener"}
     with Sandbox.from_config(cfg) as fallback:
+        layers = fallback.layers
         assert fallback.isolation == mode
-        assert "rlimits" in fallback.layers and ("netns" in fallback.layers) == (mode == "bwrap")
+        assert {"rlimits", "seccomp"} <= set(layers) and ("netns" in layers) == (mode == "bwrap")
+        not_held = set()
+        if not {"mountns", "landlock"} & set(layers):
+            not_held.add("writes outside the job directory")
+        if not {"netns", "seccomp"} & set(layers):
+            not_held.add("network connect to a local listener")
         listener = local_listener()
         for name, attack in ATTACKS.items():
-            if mode == "bwrap" or name not in needs_namespaces:
-                run_contained(fallback, attack, port=listener.getsockname()[1])
+            if name not in not_held:
+                result = run_contained(fallback, attack, port=listener.getsockname()[1])
+                if name.startswith("seccomp "):
+                    assert "errno 1\\n'" in result.tests[0]["message"], (name, result.tests[0]["message"])
         with pytest.raises(TimeoutError):
             listener.accept()
         listener.close()
@@ -438,8 +519,8 @@ def test_sysv_ipc_cannot_carry_data_between_jobs(sandbox: Sandbox):
     assert result.tests[0]["message"] == "expected 'never\\n', got '-1 -1\\n'"
 
 
-# Run in a bubblewrap job: what of the host it can see. Filled in with the paths the job must not see (each
-# readable by the job's uid outside the sandbox) and the exact top-level entries its root may have.
+# Run in a job of a mode with a mount namespace: what of the host it can see. Filled in with the paths the job
+# must not see (each readable by the job's uid outside the sandbox) and the top-level entries its root may have.
 SEES_ONLY = """
 import os, decimal, fractions  # the interpreter's standard library works
 seen = [path for path in {hidden!r} if os.path.exists(path)]
@@ -452,29 +533,68 @@ except OSError:
 print("contained" if not seen and not extra else f"saw {{seen}} extra {{extra}}")
 """
 
+# The same under Landlock (uid and minimal modes): the paths exist, but none can be opened or listed, nor
+# the root; the system's files can be read, and only the job's own directory written.
+OPENS_ONLY = """
+import os, decimal, fractions
+opened = []
+for path in {hidden!r} + ["/"]:
+    try:
+        os.listdir(path) if os.path.isdir(path) else open(path).close()
+        opened.append(path)
+    except PermissionError:
+        pass
+for path in ["/planted", "/var/tmp/rlpipe-planted", "/dev/shm/rlpipe-planted"]:
+    try:
+        open(path, "w").close()
+        opened.append(path)
+    except OSError:
+        pass
+open("/etc/passwd").read()
+open("inside", "w").write("fine")
+print("contained" if not opened else f"opened {{opened}}")
+"""
 
-@pytest.mark.skipif(not os.path.exists("/usr/bin/bwrap"), reason="bubblewrap is not installed")
-def test_a_bwrap_job_sees_the_system_and_its_interpreter_only() -> None:
-    """Proves: a bubblewrap job (which, run by a non-root user, has that user's uid and could read their keys,
-    credentials, checkout and storage root) sees nothing of the host but the system's directories and its
-    interpreter's: not the checkout, not a world-readable file elsewhere, not /home; its root holds exactly
-    the top-level entries of those directories plus /tmp, /proc and /dev, and is read-only; and the job's
-    interpreter still runs its standard library."""
-    cfg = ScoreConfig(workers=1, timeout_s=10.0, isolation="bwrap")
-    isolation = BwrapIsolation(cfg, Limits.from_config(cfg), 0, os.getpid())
-    interpreter = isolation_module.interpreter_dirs(tuple(isolation.interpreter()))
+
+def hidden_paths(interpreter: tuple[str, ...]) -> tuple[list[str], str]:
+    """Paths readable by any uid outside the sandbox that a job must not reach (a world-readable file made
+    here, the checkout unless the interpreter lives in it, /home), and the made file to delete after."""
+    fd, readable = tempfile.mkstemp(prefix="rlpipe-readable-", dir="/var/tmp")
+    os.close(fd)
+    os.chmod(readable, 0o644)
+    hidden = [readable, os.path.join(PROJECT_ROOT, "README.md"), os.path.join(PROJECT_ROOT, "stages"), "/home"]
+    return [path for path in hidden if not any(path.startswith(kept + "/") for kept in interpreter)], readable
+
+
+@pytest.mark.parametrize("mode", ["native", "bwrap", "uid"])
+def test_a_job_sees_the_system_and_its_interpreter_only(mode: str) -> None:
+    """Proves, in each mode this machine has: a job (which in bwrap and minimal modes has the sandbox user's uid
+    and could read their keys, credentials, checkout and storage root) reaches nothing of the host but the
+    system's directories and its interpreter's: not the checkout, not a world-readable file elsewhere, not
+    /home. With a mount namespace (native, bwrap) they are absent and the root holds only the top-level entries
+    of those directories plus /tmp, /proc and /dev, read-only; under Landlock (uid) they exist but cannot be
+    opened or listed, nor the root, and nothing outside the job's directory can be written. The interpreter
+    still runs its standard library."""
+    if mode == "bwrap" and not os.path.exists("/usr/bin/bwrap"):
+        pytest.skip("bubblewrap is not installed")
+    if mode in ("native", "uid") and os.geteuid() != 0:
+        pytest.skip(f"{mode} mode needs root")
+    cfg = ScoreConfig(workers=1, timeout_s=10.0, isolation=mode)
+    isolation = Isolation(cfg, Limits.from_config(cfg), 0, os.getpid())
+    interpreter = isolation_module.view_dirs(
+        [isolation.interpreter_for(python) for python in isolation_module.interpreter_candidates(None)]
+    )
     assert interpreter and all(os.path.isdir(path) for path in interpreter)
     tops = {path.split("/")[1] for path in (*isolation_module.SYSTEM_DIRS, *interpreter)}
     allowed = sorted({top for top in tops if os.path.lexists("/" + top)} | {"tmp", "proc", "dev"})
-    fd, readable = tempfile.mkstemp(prefix="rlpipe-readable-", dir="/var/tmp")
-    os.close(fd)
-    os.chmod(readable, 0o644)  # any uid could read it, outside the sandbox
-    hidden = [readable, os.path.join(PROJECT_ROOT, "README.md"), os.path.join(PROJECT_ROOT, "stages"), "/home"]
-    hidden = [path for path in hidden if not any(path.startswith(kept + "/") for kept in interpreter)]
+    hidden, readable = hidden_paths(interpreter)
     try:
         with Sandbox.from_config(cfg) as sandbox:
+            if mode == "uid" and "landlock" not in sandbox.layers:
+                pytest.skip("this kernel has no Landlock")
+            program = OPENS_ONLY if mode == "uid" else SEES_ONLY
             spec = {"kind": "code_stdio", "inputs": [""], "outputs": ["contained\n"]}
-            (result,) = sandbox.score([ScoreJob(fenced(SEES_ONLY.format(hidden=hidden, allowed=allowed)), spec)])
+            (result,) = sandbox.score([ScoreJob(fenced(program.format(hidden=hidden, allowed=allowed)), spec)])
     finally:
         os.unlink(readable)
     assert result.status == "ok", result.tests

@@ -31,7 +31,9 @@ from stages.sandbox import Sandbox, ScoreJob
 test = "def check(candidate):\\n    assert candidate(1, 2) == 3\\n"
 spec = {"kind": "code_tests", "entry_point": "add", "test": test}
 jobs = [ScoreJob(f"```python\\ndef add(a, b):\\n    return {body}\\n```", spec) for body in ("a + b", "a - b")]
-with Sandbox.from_config(ScoreConfig(workers=1, isolation=sys.argv[1])) as sandbox:
+# minimal mode run by a user (not root) has no separate uid: allowed here, the point is the checkout's place
+allowed = [name for name in ScoreConfig().require if name != "separate_uid"]
+with Sandbox.from_config(ScoreConfig(workers=1, isolation=sys.argv[1], require=allowed)) as sandbox:
     results = sandbox.score(jobs)
 import stages.sandbox.isolation as isolation
 print(json.dumps({"statuses": [r.status for r in results], "runner": isolation.RUNNER}))
@@ -41,7 +43,7 @@ print(json.dumps({"statuses": [r.status for r in results], "runner": isolation.R
 def available_modes() -> list[str]:
     modes = ["minimal"]
     if _probe_native() is None:
-        modes.append("native")
+        modes += ["native", "uid"]
     if shutil.which("bwrap"):
         modes.append("bwrap")
     return modes

@@ -36,7 +36,7 @@ from stages.sandbox.isolation import uid_processes
 from stages.sandbox.sandbox import PROJECT_ROOT
 
 from .conftest import SECRET
-from .test_attacks import ATTACKS, CORRECT, SPEC, WRITE_TARGETS, fenced, local_listener
+from .test_attacks import ATTACKS, CORRECT, SCRATCH_FILL, SPEC, WRITE_TARGETS, fenced, local_listener
 
 NOBODY = 65534
 MAX_PROCESSES = 16
@@ -93,7 +93,8 @@ def child_main() -> None:
     logging.getLogger("rlpipe.sandbox").addHandler(Collect())
     since = _start_tick(os.getpid())
     report: dict = {"euid": os.geteuid(), "attacks": {}}
-    cfg = ScoreConfig(workers=2, timeout_s=2.0, memory_mb=512, max_processes=MAX_PROCESSES, output_limit_kb=64)
+    cfg = ScoreConfig(workers=2, timeout_s=2.0, memory_mb=512, max_processes=MAX_PROCESSES, output_limit_kb=64,
+                      scratch_mb=16)
     listener = local_listener()
     with Sandbox.from_config(cfg) as sandbox:
         report["isolation"], report["layers"], report["start_log"] = sandbox.isolation, sandbox.layers, logs[:]
@@ -115,6 +116,9 @@ def child_main() -> None:
         (forks,) = sandbox.score([ScoreJob(fenced(FORK_COUNT), spec)])
         report["fork_count"] = forks.tests[0]["message"]
         report["fork_count_leftover"] = sandbox.leftover_processes()
+        if "scratch_tmpfs" in sandbox.layers:  # else the fill would reach the disk
+            (fill,) = sandbox.score([SCRATCH_FILL.job()])
+            report["scratch_fill"] = fill.tests[0]["message"]
     report["strays_after_close"] = _strays(sandbox, since)
     try:
         listener.accept()
@@ -209,9 +213,13 @@ def test_auto_falls_back_to_bwrap_and_says_what_is_active(report: dict):
     layers = report["layers"]
     for layer in ("netns", "mountns", "pidns", "ipc_uts_ns", "userns", "rlimits", "clean_env", "wall_timeout"):
         assert layer in layers
-    assert f"NPROC=tasks of uid {NOBODY} at job start + {MAX_PROCESSES}" in layers["rlimits"]
+    assert {"seccomp", "scratch_tmpfs"} <= set(layers)  # the job filter; the tmpfs in the worker's user namespace
+    assert f"NPROC=tasks of uid {NOBODY} at job start in the worker's user namespace + {MAX_PROCESSES}" in (
+        layers["rlimits"]
+    )
     (line,) = [line for line in report["start_log"] if "active layers" in line]
-    assert "isolation 'bwrap'" in line and "netns (" in line and "pidns (" in line
+    assert "isolation 'bwrap' (not available here: native: isolation 'native' needs root)" in line
+    assert "netns (" in line and "pidns (" in line
     assert line.endswith("NOT active on this machine: uid, cgroup_pids, cgroup_memory")
 
 
@@ -242,6 +250,10 @@ def test_attacks_were_blocked_not_just_scored_low(report: dict):
     assert SECRET not in environment
     assert report["correct_after_attacks"] == "ok"
     assert report["strays_after_close"] == []
+    for name, outcome in attacks.items():
+        if name.startswith("seccomp "):
+            assert "errno 1\\n'" in outcome["message"], (name, outcome["message"])
+    assert "No space left on device" in report["scratch_fill"], report["scratch_fill"]
 
 
 def test_rlimit_nproc_bounds_the_job_in_bwrap_mode(report: dict):
