@@ -58,6 +58,7 @@ class ReportData:
     last_iteration: int | None = None
     ks: list[int] = field(default_factory=lambda: [1])
     notes: list[str] = field(default_factory=list)
+    devices: list[dict[str, Any]] = field(default_factory=list)  # stage, iteration, round, device record, tokens/s
 
 
 def read_config(layout: RunLayout) -> RunConfig | None:
@@ -115,6 +116,26 @@ def _eval_intervals(catalog: Catalog, run_id: str) -> dict[tuple[int, str], dict
     return intervals
 
 
+MODEL_STAGES = ("evaluate_base", "generate", "train", "evaluate")
+
+
+def _devices(catalog: Catalog, run_id: str) -> list[dict[str, Any]]:
+    """One row per model stage instance whose manifest records where it ran (stages/generation/device.py): its
+    device record (device, GPU name and count, dtype, peak GPU memory) and tokens/s, in run order."""
+    rows = []
+    for row in catalog.rows(
+        """SELECT DISTINCT ON (stage, iter, round) stage, iter, round, metrics FROM manifests
+           WHERE run_id = $run AND stage IN ('evaluate_base', 'generate', 'train', 'evaluate')
+           ORDER BY stage, iter, round, name""", {"run": run_id}
+    ):
+        metrics = json.loads(row["metrics"])
+        if isinstance(metrics.get("device"), dict):
+            rows.append({"stage": row["stage"], "iteration": row["iter"], "round": row["round"] or 0,
+                         **metrics["device"], "tokens_per_second": metrics.get("tokens_per_second")})
+    return sorted(rows, key=lambda r: (r["iteration"] if r["iteration"] is not None else -1, r["round"],
+                                       MODEL_STAGES.index(r["stage"])))
+
+
 def collect(catalog: Catalog, run_id: str, config: RunConfig | None) -> ReportData:
     """Every number the report shows, from the catalog's views (one run)."""
     data = ReportData(run_id=run_id, root=catalog.root, config=config)
@@ -157,6 +178,7 @@ def collect(catalog: Catalog, run_id: str, config: RunConfig | None) -> ReportDa
         params = {"run": run_id, "iteration": data.last_iteration}
         data.best = catalog.rows(query.format(order="DESC"), params)
         data.worst = catalog.rows(query.format(order="ASC"), params)
+    data.devices = _devices(catalog, run_id)
     data.notes = [f"{s.path}: {s.reason}" for s in catalog.skipped]
     return data
 
@@ -355,6 +377,21 @@ def describe_config(config: RunConfig | None) -> str:
             f"loss {escape(config.train.policy_loss)}")
 
 
+def _devices_table(rows: list[dict[str, Any]]) -> str:
+    if not rows:
+        return "<p class='meta'>no model stage has recorded its device yet</p>"
+    body = "".join(
+        f"<tr><td>{escape(r['stage'])}</td><td>{'base' if (r['iteration'] or 0) < 0 else r['iteration']}"
+        + (f".{r['round']}" if r["round"] else "") + f"</td><td>{escape(str(r['device']))}</td>"
+        + f"<td>{escape(str(r['gpu_name'])) + ' x ' + str(r['gpu_count']) if r.get('gpu_name') else '–'}</td>"
+        + f"<td>{escape(str(r['dtype']))}</td><td class='num'>{_num(r.get('peak_gpu_memory_mb'), 0)}</td>"
+        + f"<td class='num'>{_num(r.get('tokens_per_second'), 1)}</td></tr>"
+        for r in rows
+    )
+    return ("<table><thead><tr><th>stage</th><th>iteration</th><th>device</th><th>GPU</th><th>dtype</th>"
+            f"<th>peak GPU MB</th><th>tokens/s</th></tr></thead><tbody>{body}</tbody></table>")
+
+
 def render(data: ReportData) -> str:
     """The whole page as one HTML string (no external references)."""
     described = describe_config(data.config)
@@ -383,6 +420,7 @@ def render(data: ReportData) -> str:
 {_summary(data)}{notes}
 <h2>Plots</h2><div class="grid">{charts}</div>
 <h2>Held-out evaluation</h2>{evaluation_table}
+<h2>Model stages: device, memory, speed</h2>{_devices_table(data.devices)}
 <h2>Best and worst samples of the last iteration ({last})</h2>
 {_samples_table("best", data.best, "best")}
 {_samples_table("worst", data.worst, "worst")}

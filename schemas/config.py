@@ -16,7 +16,7 @@ import hashlib
 import json
 import re
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -26,6 +26,8 @@ from schemas.settings import DEFAULT_ROOT
 
 # A run id is one path segment: `../x` or `a/b` would put a run outside `<root>/runs/`.
 RUN_ID_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+# RunConfig.device: resolved by each model stage on its machine (stages/generation/device.py).
+DEVICE_PATTERN = re.compile(r"^(auto|cpu|cuda|cuda:[0-9]+)$")
 
 
 class InvalidRunId(ValueError):
@@ -162,9 +164,10 @@ class GenerateConfig(Section):
     # runs vLLM's bf16 path through converting fallbacks. Measured there on 84 HumanEval requests x 128 tokens:
     # bf16 compiled 35 tok/s (engine start 112 s), fp32 eager 148 tok/s (10 s). Either precision is fine for
     # RL: the sampler's logprobs are the behaviour policy and the trainer recomputes the old policy's.
-    dtype: Literal["float32", "bfloat16"] = Field(
-        "float32",
-        description="HF backend precision; float32 makes its logprobs equal the trainer's fp32 forward pass.",
+    dtype: Literal["auto", "float32", "bfloat16"] = Field(
+        "auto",
+        description="HF backend precision; `auto`: float32 on CPU (its logprobs then equal the trainer's fp32 "
+        "forward pass), bfloat16 on CUDA.",
     )
     vllm_dtype: Literal["auto", "float32", "bfloat16"] = Field(
         "auto", description="vLLM engine precision; `auto`: float32 on CPU (faster there), bfloat16 on GPU."
@@ -173,10 +176,27 @@ class GenerateConfig(Section):
     # tracing plus a warm-up pass at the full step budget), the eager one 10 s; an RL iteration starts two
     # engines (generate, evaluate), so compiling costs more than it could save at these batch sizes.
     vllm_compile: Literal["auto"] | bool = Field(
-        "auto", description="torch.compile the vLLM model: true, false (eager) or `auto` (eager on CPU, compiled "
-        "elsewhere)."
+        "auto", description="torch.compile the vLLM model and capture CUDA graphs: true, false (vLLM's "
+        "`enforce_eager`) or `auto` (eager on CPU, compiled with CUDA graphs on GPU)."
     )
-    vllm_kv_cache_gib: int = Field(2, ge=1, description="GiB of KV cache the vLLM engine reserves.")
+    vllm_kv_cache_gib: int = Field(
+        2, ge=1, description="GiB of KV cache the CPU vLLM engine reserves (on GPU `vllm_gpu_memory_utilization` "
+        "sizes it)."
+    )
+    vllm_gpu_memory_utilization: float = Field(
+        0.9, gt=0, le=1, description="Fraction of each GPU's memory the vLLM engine may take for weights, "
+        "activations and KV cache (GPU only)."
+    )
+    vllm_max_num_seqs: int | None = Field(
+        None, ge=1, description="Sequences the vLLM engine runs at once; null: vLLM's default."
+    )
+    vllm_max_model_len: int | None = Field(
+        None, ge=1, description="The vLLM engine's context length; null: max_prompt_tokens + max_new_tokens, at "
+        "least 2048 (one value shared by every stage's engine, so they share vLLM's compile cache)."
+    )
+    vllm_kv_cache_dtype: Literal["auto", "fp8", "fp8_e4m3", "fp8_e5m2"] = Field(
+        "auto", description="KV-cache precision of the vLLM engine; `auto`: the model's dtype."
+    )
     vllm_tensor_parallel_size: int = Field(1, ge=1, description="Devices one vLLM engine is spread over.")
     # vLLM's offline `LLM` (0.32) refuses data_parallel_size > 1 in one process (it needs one process per rank,
     # started by vLLM's data-parallel launcher): rejected at config load, not minutes later at engine start.
@@ -202,6 +222,16 @@ class GenerateConfig(Section):
                 "spread the engine over more devices with generate.vllm_tensor_parallel_size instead"
             )
         return size
+
+    @model_validator(mode="after")
+    def _context_fits_a_prompt_and_response(self) -> GenerateConfig:
+        needed = self.max_prompt_tokens + self.max_new_tokens
+        if self.vllm_max_model_len is not None and self.vllm_max_model_len < needed:
+            raise ValueError(
+                f"generate.vllm_max_model_len={self.vllm_max_model_len} is shorter than max_prompt_tokens + "
+                f"max_new_tokens = {needed}: a prompt the stage lets through would not fit with a full response"
+            )
+        return self
 
 
 # Built-in reward functions: a verifier per reward-spec kind, and the think/answer format reward.
@@ -432,8 +462,9 @@ class TrainConfig(Section):
         "`is_level` and `rejection`."
     )
     max_grad_norm: float = Field(1.0, gt=0, description="Gradient clipping by global norm.")
-    dtype: Literal["float32", "bfloat16"] = Field(
-        "float32", description="float32, or bfloat16 autocast (weights and optimizer state stay float32)."
+    dtype: Literal["auto", "float32", "bfloat16"] = Field(
+        "auto", description="float32, or bfloat16 autocast (weights and optimizer state stay float32); `auto`: "
+        "float32 on CPU, bfloat16 on CUDA. Also the precision of the reference model and the old-logprob pass."
     )
     gradient_checkpointing: bool = Field(False, description="Recompute activations in backward to save memory.")
     lora_rank: int = Field(
@@ -447,13 +478,38 @@ class TrainConfig(Section):
     )
     backend: Literal["torch", "deepspeed"] = Field(
         "torch", description="`torch`: one process, torch AdamW; `deepspeed`: the DeepSpeed launcher with "
-        "`processes` ranks and ZeRO `zero_stage` (gloo on CPU), torch AdamW as client optimizer."
+        "`processes` ranks and ZeRO `zero_stage` (NCCL, one rank per GPU, on CUDA; gloo on CPU), torch AdamW as "
+        "client optimizer."
     )
-    processes: int = Field(1, ge=1, description="DeepSpeed ranks.")
+    processes: Annotated[int, Field(ge=1)] | Literal["auto"] = Field(
+        "auto", description="DeepSpeed ranks (one per GPU on CUDA); `auto`: every visible GPU on CUDA, 1 on CPU. "
+        "More than the machine's GPUs is refused when the stage starts."
+    )
     zero_stage: int = Field(1, ge=0, le=3, description="DeepSpeed ZeRO stage.")
+    zero_offload: bool = Field(
+        False, description="ZeRO-Offload: optimizer state (and with zero_stage 3 the parameters) in CPU memory, "
+        "stepped by DeepSpeed's CPU Adam (compiled on first use); needs backend deepspeed and zero_stage >= 1."
+    )
+    hostfile: str | None = Field(
+        None, description="DeepSpeed hostfile (`host slots=N` lines) for multi-node training, passed to the "
+        "launcher; every node needs this checkout, its virtualenv and the run's storage at the same paths. "
+        "Untested: no multi-node machine was available."
+    )
     save_optimizer: bool = Field(True, description="Keep optimizer state in the checkpoint, so the next "
                                  "iteration resumes it.")
     seed: int = Field(0, description="Seed of minibatch shuffling and training randomness.")
+
+    @model_validator(mode="after")
+    def _offload_needs_zero(self) -> TrainConfig:
+        if self.zero_offload and (self.backend != "deepspeed" or self.zero_stage < 1):
+            raise ValueError(
+                f"train.zero_offload needs train.backend=deepspeed and train.zero_stage >= 1 (got backend="
+                f"{self.backend}, zero_stage={self.zero_stage}): ZeRO-Offload moves DeepSpeed's partitioned "
+                "optimizer state to CPU memory"
+            )
+        if self.hostfile is not None and self.backend != "deepspeed":
+            raise ValueError("train.hostfile is read by the DeepSpeed launcher: it needs train.backend=deepspeed")
+        return self
 
     @model_validator(mode="after")
     def _bypass_has_no_correction(self) -> TrainConfig:
@@ -529,6 +585,12 @@ class RunConfig(Section):
     iterations: int = Field(2, ge=1, description="RL iterations (generate -> ... -> train, then evaluate).")
     seed: int = Field(0, description="Seed of prompt selection and per-sample generation seeds.")
     threads: int = Field(2, ge=1, description="torch threads per stage process (2: this project's CPU box).")
+    device: str = Field(
+        "auto",
+        description="Where every model stage runs (generation, training, evaluation): `cpu`, `cuda`, `cuda:N` or "
+        "`auto` (CUDA when a GPU is visible). Resolved by each stage on its machine and recorded in its manifest; "
+        "not part of any stage key (it says where, not what). A GPU the machine lacks is refused (exit 2).",
+    )
     model: ModelConfig = Field(default_factory=ModelConfig, description="The model (section).")
     data: DataConfig = Field(default_factory=DataConfig, description="Prompt sources (section).")
     generate: GenerateConfig = Field(default_factory=GenerateConfig, description="Generation (section).")
@@ -542,6 +604,13 @@ class RunConfig(Section):
     @classmethod
     def _run_id_is_a_name(cls, run_id: str) -> str:
         return check_run_id(run_id)
+
+    @field_validator("device")
+    @classmethod
+    def _device_is_a_device(cls, device: str) -> str:
+        if not DEVICE_PATTERN.match(device):
+            raise ValueError("must be auto, cpu, cuda or cuda:N (N: a GPU index, e.g. cuda:1)")
+        return device
 
 
 class ConfigError(ValueError):

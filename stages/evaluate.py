@@ -20,6 +20,7 @@ import pyarrow as pa
 from stages.evaluation.metrics import aggregate, clusters_of
 from stages.generation import make_backend
 from stages.generation.base import GenerationRequest, SamplingSpec, sample_seed
+from stages.generation.device import backend_device_record, claim_device
 from stages.generation.models import load_tokenizer
 from stages.generation.sampling import encode_prompts, generate_with_progress
 from stages.harness import StageContext, StageInputError, exit_with
@@ -35,13 +36,14 @@ def run(ctx: StageContext) -> None:
     if not prompts:
         raise StageInputError(f"{ctx.inputs['prompts'].path}: no test prompts")
     by_id = {row["prompt_id"]: row for row in prompts}
+    device = claim_device(ctx.config.device)
     model_dir = ctx.policy_dir()
     encoded = encode_prompts(
         load_tokenizer(model_dir), list(by_id), [row["messages"] for row in by_id.values()],
         gen.max_prompt_tokens, gen.overlong_prompt,
     )
 
-    backend = make_backend(gen.backend, model_dir, gen)
+    backend = make_backend(gen.backend, model_dir, gen, device.torch)
     plan: list[tuple[str, str, int]] = []  # (prompt_id, mode, sample_idx) per generated sample
     samples = []
     generation_seconds, generated_tokens = 0.0, 0
@@ -89,6 +91,7 @@ def run(ctx: StageContext) -> None:
         "backend": backend.name,
         "deterministic": backend.deterministic,
         "engine": backend.engine_settings,
+        "device": backend_device_record(device, backend),
         "engine_start_seconds": round(backend.engine_start_seconds, 3),
         "generation_seconds": round(generation_seconds, 3),
         "generated_tokens": generated_tokens,

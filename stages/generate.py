@@ -26,6 +26,7 @@ import pyarrow as pa
 
 from stages.generation import make_backend
 from stages.generation.base import GenerationRequest, Sample, SamplingSpec, sample_seed
+from stages.generation.device import Device, backend_device_record, claim_device, resolve_dtype
 from stages.generation.models import load_tokenizer
 from stages.generation.sampling import encode_prompts, generate_with_progress
 from stages.harness import StageContext, StageInputError, exit_with
@@ -88,6 +89,7 @@ def run(ctx: StageContext) -> None:
             "advantage.target_groups; lower it or add training prompts"
         )
 
+    device = claim_device(ctx.config.device)
     model_dir = ctx.policy_dir()
     tokenizer = load_tokenizer(model_dir)
     encoded = encode_prompts(
@@ -101,13 +103,13 @@ def run(ctx: StageContext) -> None:
             requests.append(GenerationRequest(token_ids, seed))
             keys.append((prompt_id, sample_idx, seed))
 
-    backend = make_backend(cfg.backend, model_dir, cfg)
+    backend = make_backend(cfg.backend, model_dir, cfg, device.torch)
     try:
         label = ctx.instance.label
         result = generate_with_progress(backend, requests, sampling_spec(ctx), label)
     finally:
         backend.close()
-    mismatch = sampler_trainer_mismatch(ctx, model_dir, requests, result.samples)
+    mismatch = sampler_trainer_mismatch(ctx, model_dir, requests, result.samples, device)
 
     policy_version = ctx.inputs["policy"].sha256
     rows = []
@@ -124,6 +126,7 @@ def run(ctx: StageContext) -> None:
         "backend": backend.name,
         "deterministic": backend.deterministic,
         "engine": backend.engine_settings,
+        "device": backend_device_record(device, backend),
         "engine_start_seconds": round(backend.engine_start_seconds, 3),
         "generation_seconds": round(result.seconds, 3),
         "generated_tokens": result.tokens,
@@ -136,7 +139,7 @@ def run(ctx: StageContext) -> None:
 
 
 def sampler_trainer_mismatch(
-    ctx: StageContext, model_dir: Path, requests: list[GenerationRequest], samples: list[Sample]
+    ctx: StageContext, model_dir: Path, requests: list[GenerationRequest], samples: list[Sample], device: Device
 ) -> dict[str, Any] | None:
     """|sampler - trainer| logprob per token over the first `generate.mismatch_samples` samples, recomputed
     after the engine is closed (so the two models are never in memory at once)."""
@@ -147,7 +150,7 @@ def sampler_trainer_mismatch(
 
     started = time.monotonic()
     stats = logprob_mismatch(model_dir, requests[:checked], samples[:checked], sampling_spec(ctx),
-                             dtype=ctx.config.train.dtype)
+                             dtype=resolve_dtype(ctx.config.train.dtype, device.torch), device=device.torch)
     return {**stats, "samples": checked, "seconds": round(time.monotonic() - started, 3)}
 
 

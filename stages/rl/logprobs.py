@@ -15,7 +15,7 @@ top-k truncation is not reproduced: the trainer's policy is the untruncated temp
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch.utils.checkpoint import checkpoint
@@ -50,8 +50,16 @@ class MicroBatch:
         return int(self.input_ids_BL.numel())
 
     def response_mask_BT(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        columns_T = torch.arange(self.width)
+        columns_T = torch.arange(self.width, device=self.response_lengths_B.device)
         return (columns_T[None, :] < self.response_lengths_B[:, None]).to(dtype)
+
+    def to(self, device: torch.device) -> MicroBatch:
+        """The same micro-batch with its tensors on `device` (itself when they are there already)."""
+        if self.input_ids_BL.device == device:
+            return self
+        tensors = ("input_ids_BL", "attention_mask_BL", "response_lengths_B", "rows_N", "positions_N", "columns_N",
+                   "targets_N")
+        return replace(self, **{name: getattr(self, name).to(device) for name in tensors})
 
     def to_BT(self, values_N: torch.Tensor, fill: float = 0.0) -> torch.Tensor:
         """Scatter flat per-token values into (B, T) (differentiable)."""

@@ -40,6 +40,9 @@ class TrainJob:
     reference_dir: str | None = None  # needed when train.kl_coef > 0
     threads: int = 1
     samples: list[dict[str, Any]] = field(default_factory=list)  # TrainSample fields
+    # Where to train, as torch names it: "cpu" or "cuda:N" (torch backend); the DeepSpeed ranks take the GPU of
+    # their local rank when it names CUDA (stages/rl/deepspeed_backend.py).
+    device: str = "cpu"
 
     @property
     def cfg(self) -> TrainConfig:
@@ -74,11 +77,11 @@ def run_job(job: TrainJob, on_step: Callable[[dict], None] | None = None) -> tup
     seed_everything(cfg, job.iteration)
     started = time.monotonic()
     policy_dir = Path(job.policy_dir)
-    model = load_policy(policy_dir, cfg)
+    model = load_policy(policy_dir, cfg, job.device)
     optimizer = make_adamw(model, cfg)
     resumed = load_optimizer_state(optimizer, policy_dir, cfg)
     state = read_state(policy_dir)
-    ref = load_reference(Path(job.reference_dir)) if cfg.kl_coef > 0 and job.reference_dir else None
+    ref = load_reference(Path(job.reference_dir), job.device) if cfg.kl_coef > 0 and job.reference_dir else None
     loaded = time.monotonic()
     cpu_started = time.process_time()
     trainer = PolicyTrainer(
@@ -89,6 +92,7 @@ def run_job(job: TrainJob, on_step: Callable[[dict], None] | None = None) -> tup
         norm_length=job.norm_length,
         ref_model=ref,
         global_step=state.global_step,
+        device=job.device,
     )
     rows = trainer.train(job.train_samples(), job.iteration, on_step)
     trained = time.monotonic()

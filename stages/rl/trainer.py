@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from schemas.config import TrainConfig
+from stages.generation.device import resolve_dtype
 from stages.rl.logprobs import MicroBatch, ResponseLogprobs, build_micro_batch, micro_logprobs, pack_by_tokens
 from stages.rl.losses import (
     aggregate,
@@ -233,9 +234,11 @@ class PolicyTrainer:
         ref_model: torch.nn.Module | None = None,
         global_step: int = 0,
         policy: torch.nn.Module | None = None,
+        device: str | torch.device | None = None,
     ):
         """`policy`: the module the forward passes go through; default ResponseLogprobs(model), a DeepSpeed
-        engine wrapping one in the DeepSpeed backend."""
+        engine wrapping one in the DeepSpeed backend. `device`: where the batch tensors go (default: the model's
+        first parameter's); `train.dtype` "auto" resolves on it (bf16 autocast on CUDA, fp32 on CPU)."""
         if cfg.kl_coef > 0 and ref_model is None:
             raise ValueError("kl_coef > 0 needs a reference model")
         self.model = model
@@ -245,6 +248,8 @@ class PolicyTrainer:
         self.norm_length = norm_length
         self.ref_model = ref_model
         self.global_step = global_step
+        self.device = torch.device(device) if device is not None else next(model.parameters()).device
+        self.dtype = resolve_dtype(cfg.dtype, str(self.device))
         self.policy = (
             policy if policy is not None else ResponseLogprobs(model, temperature, cfg.logprob_chunk_tokens)
         )
@@ -257,14 +262,15 @@ class PolicyTrainer:
 
     @contextmanager
     def _autocast(self) -> Iterator[None]:
-        if self.cfg.dtype == "bfloat16":
-            with torch.autocast("cpu", dtype=torch.bfloat16):
+        if self.dtype == "bfloat16":
+            with torch.autocast(self.device.type, dtype=torch.bfloat16):
                 yield
         else:
             yield
 
     def _micro(self, samples: list[TrainSample], indices: list[int]) -> MicroBatch:
-        return build_micro_batch(indices, [s.prompt_ids for s in samples], [s.response_ids for s in samples])
+        micro = build_micro_batch(indices, [s.prompt_ids for s in samples], [s.response_ids for s in samples])
+        return micro.to(self.device)
 
     def sequence_logprobs(self, policy: torch.nn.Module, samples: list[TrainSample]) -> list[torch.Tensor]:
         """Logprobs of every sample's response tokens under `policy`, no grad (old policy / reference)."""
@@ -298,7 +304,7 @@ class PolicyTrainer:
         # Filters can leave fewer samples than minibatches: then each minibatch is one sample, none empty.
         minibatches = min(cfg.minibatches, len(samples))
         total_steps = optimizer_steps(cfg, len(samples))
-        behaviour = [torch.tensor(s.behaviour_logprobs, dtype=torch.float32) for s in samples]
+        behaviour = [torch.tensor(s.behaviour_logprobs, dtype=torch.float32, device=self.device) for s in samples]
         # The fast path: one step, trainer logprobs recomputed in the training forward itself.
         self.fast_old = total_steps == 1 and not cfg.bypass_old_logprobs and not cfg.rejection
         if cfg.bypass_old_logprobs:
@@ -403,7 +409,8 @@ class PolicyTrainer:
         behaviour_BT = micro.to_BT(torch.cat([batch.behaviour[i] for i in indices]))
         old_BT = logp_BT.detach() if batch.old is None else micro.to_BT(torch.cat([batch.old[i] for i in indices]))
         keep_BT, is_weights_BT = self._masks(old_BT, behaviour_BT, mask_BT)
-        advantages_BT = torch.tensor([batch.samples[i].advantage for i in indices], dtype=torch.float32)[:, None]
+        advantages_B = [batch.samples[i].advantage for i in indices]
+        advantages_BT = torch.tensor(advantages_B, dtype=torch.float32, device=self.device)[:, None]
         advantages_BT = advantages_BT.expand_as(logp_BT)
         if cfg.policy_loss == "ppo_clip":
             out = ppo_clip_loss(logp_BT, old_BT, advantages_BT, cfg.clip_low, cfg.clip_high, cfg.dual_clip)

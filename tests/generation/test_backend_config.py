@@ -36,10 +36,12 @@ def recorded(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, Any]]:
     return RecordingBackend.started
 
 
-def test_defaults_are_fp32_for_hf_and_per_platform_for_vllm() -> None:
+def test_defaults_are_fp32_for_hf_on_cpu_and_per_platform_for_vllm() -> None:
+    from stages.generation.device import resolve_dtype
+
     cfg = GenerateConfig()
-    assert (cfg.dtype, cfg.vllm_dtype, cfg.vllm_compile, cfg.vllm_data_parallel_size) == (
-        "float32", "auto", "auto", 1)
+    assert (cfg.dtype, cfg.vllm_dtype, cfg.vllm_compile, cfg.vllm_data_parallel_size) == ("auto", "auto", "auto", 1)
+    assert (resolve_dtype(cfg.dtype, "cpu"), resolve_dtype(cfg.dtype, "cuda:0")) == ("float32", "bfloat16")
 
 
 @pytest.mark.parametrize(("dtype", "compile", "on_cpu", "expected"), [
@@ -67,8 +69,9 @@ def test_each_backend_gets_its_own_dtype(recorded: list[dict[str, Any]]) -> None
     make_backend("hf", Path("/m"), cfg)
     assert recorded == [
         {"model_dir": Path("/m"), "dtype": "bfloat16", "compiled": "auto", "max_model_len": 3100,
-         "kv_cache_gib": 3, "tensor_parallel_size": 2},
-        {"model_dir": Path("/m"), "dtype": "float32", "batch_size": 5},
+         "kv_cache_gib": 3, "tensor_parallel_size": 2, "device": "cpu", "gpu_memory_utilization": 0.9,
+         "max_num_seqs": None, "kv_cache_dtype": "auto"},
+        {"model_dir": Path("/m"), "dtype": "float32", "batch_size": 5, "device": "cpu"},
     ]
     make_backend("vllm", Path("/m"), GenerateConfig(vllm_dtype="auto", dtype="bfloat16"))
     assert recorded[-1]["dtype"] == "auto"  # resolved by the engine per platform; `dtype` does not leak in
