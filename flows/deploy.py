@@ -8,12 +8,16 @@ the storage root (S3) is the only thing the machines share.
 
 Everything here is a plain function around Prefect's own CLI and client, so that tests can start the same
 pieces the commands start, and tear them down: every child is started in its own process group and
-`stop_processes` ends each group, never anything by name.
+`stop_processes` ends each group, never anything by name. The children die with the process that started
+them whatever ends it: each gets a parent-death signal (SIGKILL, set before it runs anything), and a
+`GroupReaper` process kills their whole process groups (the flow runs a worker started included) once the
+starter is gone, even when that was a SIGKILL, which no `finally` sees.
 """
 
 from __future__ import annotations
 
 import copy
+import ctypes
 import os
 import signal
 import socket
@@ -116,15 +120,73 @@ def client_environment(api_url: str, home: Path | None = None, extra: dict[str, 
     return env
 
 
+PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent(parent: int) -> None:
+    """In a child between fork and exec: SIGKILL when the thread that started it ends (the kernel's
+    parent-death signal), or at once if that already happened."""
+    ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != parent:
+        os._exit(1)
+
+
 def _spawn(command: list[str], env: dict[str, str], log_path: Path | None, cwd: Path = REPO_ROOT) -> subprocess.Popen:
     output = open(log_path, "ab") if log_path else subprocess.DEVNULL  # noqa: SIM115 - the child owns it
+    parent = os.getpid()
     try:
-        # A process group of its own, so that stopping it stops everything it started.
+        # A process group of its own, so that stopping it stops everything it started; dead with its parent.
         return subprocess.Popen(command, env=env, cwd=cwd, stdout=output, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+                                start_new_session=True, preexec_fn=lambda: _die_with_parent(parent))
     finally:
         if log_path:
             output.close()
+
+
+# The reaper's program: read process group ids from stdin, one per line; at end of input (its starter is gone,
+# however it ended) SIGTERM each group, then SIGKILL what is left after the grace period.
+_REAPER = """
+import os, signal, sys, time
+for name in ("SIGINT", "SIGTERM", "SIGHUP"):
+    signal.signal(getattr(signal, name), signal.SIG_IGN)
+groups = [int(line) for line in sys.stdin if line.strip()]
+def alive(group):
+    try:
+        os.killpg(group, 0)
+        return True
+    except OSError:
+        return False
+for sig in (signal.SIGTERM, signal.SIGKILL):
+    for group in filter(alive, groups):
+        os.killpg(group, sig)
+    deadline = time.monotonic() + float(sys.argv[1])
+    while any(map(alive, groups)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+"""
+
+
+class GroupReaper:
+    """A small process that outlives its starter only to end the process groups it was told about: the
+    pipe it reads from is held by the starter alone (not inherited by any child), so its end of input comes
+    exactly when the starter is gone, by exit, exception, signal or SIGKILL. It runs in a session of its own
+    (a terminal's Ctrl-C does not reach it) and ignores SIGINT, SIGTERM and SIGHUP."""
+
+    def __init__(self, grace_s: float = 15.0) -> None:
+        self.process = subprocess.Popen([sys.executable, "-c", _REAPER, str(grace_s)], stdin=subprocess.PIPE,
+                                        stdout=subprocess.DEVNULL, start_new_session=True)
+
+    def watch(self, process: subprocess.Popen) -> subprocess.Popen:
+        """Have `process`'s group (it leads one: `_spawn`) ended with us; returns `process`."""
+        assert self.process.stdin is not None
+        self.process.stdin.write(f"{process.pid}\n".encode())
+        self.process.stdin.flush()
+        return process
+
+    def close(self) -> None:
+        """End of input: the reaper ends what is left of the groups and exits."""
+        if self.process.stdin is not None:
+            self.process.stdin.close()
+        self.process.wait()
 
 
 def start_server(host: str, port: int, home: Path, log_path: Path | None = None, ui: bool = False) -> subprocess.Popen:

@@ -128,13 +128,19 @@ def cmd_server(args: argparse.Namespace) -> int:
 
     from flows import deploy
 
-    # SIGTERM (a service manager, a test's teardown) stops the children too, through the `finally` below.
+    # SIGTERM (a service manager, a test's teardown) and SIGHUP (a closed terminal) stop the children too, through
+    # the `finally` below; whatever ends this process otherwise (SIGKILL), the children's parent-death signal and
+    # the reaper end their process groups (flows/deploy.py).
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    signal.signal(signal.SIGHUP, lambda *_: sys.exit(0))
     home = Path(args.home).expanduser().resolve()
     api_url = deploy.api_url_for(args.host, args.port)
-    server = deploy.start_server(args.host, args.port, home, log_path=home / "server.log", ui=not args.no_ui)
-    processes = [server]
+    reaper = deploy.GroupReaper()
+    processes = []
     try:
+        server = reaper.watch(deploy.start_server(args.host, args.port, home, log_path=home / "server.log",
+                                                  ui=not args.no_ui))
+        processes.append(server)
         console.print(f"Prefect server starting at {api_url} (log {home / 'server.log'}) ...")
         deploy.wait_healthy(api_url, args.timeout, server)
         os.environ.update(PREFECT_API_URL=api_url, PREFECT_SERVER_EPHEMERAL_ENABLED="false")
@@ -145,7 +151,8 @@ def cmd_server(args: argparse.Namespace) -> int:
         env = deploy.client_environment(api_url, extra={settings.HOME.name: str(deploy.REPO_ROOT)})
         for pool in wanted:
             limit = args.gpu_limit if pool == "gpu" else None
-            processes.append(deploy.start_worker(pool, env, log_path=home / f"worker-{pool}.log", limit=limit))
+            processes.append(reaper.watch(deploy.start_worker(pool, env, log_path=home / f"worker-{pool}.log",
+                                                              limit=limit)))
         console.print(f"[green]Prefect server ready[/]: export PREFECT_API_URL={api_url}")
         console.print(f"work pools: {', '.join(pools)}; workers here: {', '.join(wanted) or 'none'}; logs in {home}")
         if not args.no_ui:
@@ -162,6 +169,7 @@ def cmd_server(args: argparse.Namespace) -> int:
         return 1
     finally:
         deploy.stop_processes(processes)
+        reaper.close()
 
 
 def cmd_deploy(args: argparse.Namespace) -> int:
@@ -240,7 +248,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=int, default=8080)
     serve.set_defaults(func=cmd_sandbox_serve)
 
-    default_spec = Path(__file__).resolve().parents[1] / "deployments" / "prefect.yaml"
+    default_spec = Path(__file__).resolve().parents[2] / "deployments" / "prefect.yaml"
     server = commands.add_parser(
         "server", help="a local Prefect server on 127.0.0.1 with the work pools and one worker per pool"
     )
