@@ -495,6 +495,11 @@ class TrainConfig(Section):
         "launcher; every node needs this checkout, its virtualenv and the run's storage at the same paths. "
         "Untested: no multi-node machine was available."
     )
+    launch_timeout_s: float | None = Field(
+        None, gt=0, description="Seconds a DeepSpeed launch may take before its launcher and ranks are killed and "
+        "the stage fails with a message (a hung rank); null: sized from the job, 15 minutes plus 1 s per token "
+        "trained (every epoch and the old-policy pass)."
+    )
     save_optimizer: bool = Field(True, description="Keep optimizer state in the checkpoint, so the next "
                                  "iteration resumes it.")
     seed: int = Field(0, description="Seed of minibatch shuffling and training randomness.")

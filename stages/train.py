@@ -170,7 +170,7 @@ def run(ctx: StageContext) -> None:
     device = claim_device(ctx.config.device)
     deepspeed = cfg.backend == "deepspeed"
     if deepspeed:
-        from stages.rl.deepspeed_backend import launch, resolve_processes
+        from stages.rl.deepspeed_backend import launch, launch_timeout, resolve_processes
 
         ranks = resolve_processes(cfg.processes, device.type, device.gpus)  # refused here, before any work
     batch = ctx.read_input("batch").to_pylist()
@@ -210,7 +210,8 @@ def run(ctx: StageContext) -> None:
                 with tempfile.TemporaryDirectory(prefix=".rlpipe-ds-", dir=shared) as scratch:
                     job_path = Path(scratch) / "job.json"
                     with following(Path(f"{job_path}{PROGRESS_SUFFIX}"), on_step):
-                        rows, metrics = launch(job, job_path, ranks, hostfile=cfg.hostfile)
+                        rows, metrics = launch(job, job_path, ranks, timeout_s=launch_timeout(cfg, samples),
+                                               hostfile=cfg.hostfile)
             else:
                 rows, metrics = run_job(job, on_step)
         release_memory(device.torch)

@@ -313,6 +313,62 @@ def _watch_stage(stage: str, poll_s: float = 1.0) -> None:
     threading.Thread(target=watch, daemon=True, name="rlpipe stage watch").start()
 
 
+# A launch's time when train.launch_timeout_s is not set: the launch itself (ranks start, the model loads, DeepSpeed's
+# CPU Adam compiles on first use, ~1.5 min here) and 1 s per token trained, every epoch plus the old-policy pass.
+# A 2-core CPU trains SmolLM2-135M at ~55 tokens/s, so a job that reaches it has a hung rank, not a slow one.
+LAUNCH_ALLOWANCE_S = 900.0
+SECONDS_PER_TOKEN = 1.0
+
+
+def launch_timeout(cfg: TrainConfig, samples: list[dict]) -> float:
+    """`train.launch_timeout_s`, or sized from the job: LAUNCH_ALLOWANCE_S + SECONDS_PER_TOKEN * tokens *
+    (epochs + 1), tokens = prompt + response tokens of every sample."""
+    if cfg.launch_timeout_s is not None:
+        return cfg.launch_timeout_s
+    tokens = sum(len(sample["prompt_ids"]) + len(sample["response_ids"]) for sample in samples)
+    return LAUNCH_ALLOWANCE_S + SECONDS_PER_TOKEN * tokens * (cfg.epochs + 1)
+
+
+def extension_build_locks(root: Path | None = None) -> list[Path]:
+    """torch's build locks of compiled ops (`<root>/<build>/<op>/lock`, or `<root>/<op>/lock` under
+    $TORCH_EXTENSIONS_DIR), where DeepSpeed's CPU Adam is built on first use."""
+    if root is None:
+        configured = os.environ.get("TORCH_EXTENSIONS_DIR")
+        from torch.utils.cpp_extension import get_default_build_root
+
+        root = Path(configured or get_default_build_root())
+    return sorted({*root.glob("*/lock"), *root.glob("*/*/lock")})
+
+
+def open_paths() -> set[str]:
+    """Every file some process on this machine has open (that this process may look at), by real path."""
+    paths = set()
+    for fd_dir in Path("/proc").glob("[0-9]*/fd"):
+        try:
+            for fd in fd_dir.iterdir():
+                with contextlib.suppress(OSError):
+                    paths.add(os.path.realpath(os.readlink(fd)))
+        except OSError:
+            continue
+    return paths
+
+
+def remove_stale_build_locks(root: Path | None = None) -> list[Path]:
+    """Remove each build lock whose holder is gone, and return them. torch's FileBaton is an empty file that the
+    building process creates, keeps open while it compiles, and deletes after; a launch killed mid-build (its
+    timeout, a Ctrl-C) leaves it, and every later build of that op waits for it forever. A lock no process here
+    has open is such a leftover. A holder on another machine (a home directory shared over NFS) or in another
+    pid namespace cannot be seen: keep TORCH_EXTENSIONS_DIR on a local disk."""
+    locks = extension_build_locks(root)
+    if not locks:
+        return []
+    held = open_paths()
+    stale = [lock for lock in locks if os.path.realpath(lock) not in held]
+    for lock in stale:
+        lock.unlink(missing_ok=True)
+    return stale
+
+
 def launch(
     job: TrainJob, job_path: Path, processes: int, timeout_s: float | None = None, hostfile: str | None = None
 ) -> tuple[list[dict], dict]:
@@ -321,6 +377,8 @@ def launch(
     The launcher's output goes to `<job_path>.log`; its tail is in the error when the job fails. With
     `timeout_s`, a job still running after that long is killed, launcher and ranks, and raises.
     """
+    for lock in remove_stale_build_locks():
+        print(f"removed a stale torch extension build lock (its builder is gone): {lock}", file=sys.stderr)
     job.dump(job_path)
     result_path = Path(str(job_path) + ".result.json")
     result_path.unlink(missing_ok=True)
