@@ -3,13 +3,17 @@
 The test mounts a cgroup2 hierarchy of its own (`mount -t cgroup2`). On a hybrid host such as this one the
 v1 hierarchies hold the pids and memory controllers, so v2 has neither: membership, cgroup.freeze and
 cgroup.kill still work, and the limits must be reported missing. Which controllers v2 has is read from the
-kernel's own cgroup.controllers file, so on a v2-only host the same tests expect the limits instead.
+kernel's own cgroup.controllers file, so on a v2-only host the same tests expect the limits instead. A group of
+the hierarchy chowned to an unprivileged user stands for a systemd-delegated one (Delegate=yes).
 """
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import subprocess
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,6 +23,7 @@ import pytest
 from schemas.config import ScoreConfig
 from stages.sandbox import Sandbox, ScoreJob, cgroups
 from stages.sandbox.isolation import mount, umount
+from stages.sandbox.sandbox import PROJECT_ROOT
 
 from .test_attacks import ATTACKS, CORRECT, SPEC, fenced, local_listener, run_contained
 
@@ -110,3 +115,82 @@ def test_the_attacks_are_contained_through_the_v2_path(cgroup2: Path) -> None:
         (good,) = sandbox.score([ScoreJob(fenced(CORRECT), SPEC)])
         assert good.status == "ok"
     assert not (cgroup2 / name).exists()
+
+
+# Run as an unprivileged user inside a group delegated to it: a bwrap sandbox told to use cgroup v2.
+DELEGATED_CHILD = """
+import json, os, sys, threading, time
+sys.stdin.readline()  # the test moves this process into the delegated group first
+from schemas.config import ScoreConfig
+from stages.sandbox import Sandbox, ScoreJob, cgroups
+from tests.sandbox.test_attacks import ATTACKS, CORRECT, SPEC, fenced
+cfg = ScoreConfig(workers=1, timeout_s=2.0, memory_mb=512, max_processes=16, output_limit_kb=64, isolation="bwrap",
+                  cgroup="v2")
+report = {"attacks": {}}
+with Sandbox.from_config(cfg) as sandbox:
+    report["layers"], report["slot"] = sandbox.layers, sandbox.workers[0].slot
+    # A job's processes seen in the slot's group while it runs (bubblewrap gives the job a cgroup namespace of
+    # its own, so it cannot tell from inside).
+    mount = cgroups.v2_mount()
+    report["group"] = os.path.join(cgroups.v2_base(mount), cgroups.group_name(os.getpid(), report["slot"]))
+    sleeper = ScoreJob("```python\\nimport time\\ntime.sleep(1.5)\\n```", {"kind": "code_stdio", "inputs": [""],
+                                                                           "outputs": [""]})
+    running = threading.Thread(target=sandbox.score, args=([sleeper],))
+    running.start()
+    seen = []
+    while running.is_alive():
+        seen.append(len(cgroups.read_pids(report["group"])))
+        time.sleep(0.05)
+    report["members_during_job"] = max(seen)
+    for name, attack in ATTACKS.items():
+        (result,) = sandbox.score([attack.job()])
+        report["attacks"][name] = [result.status, sandbox.leftover_processes()]
+    report["correct"] = sandbox.score([ScoreJob(fenced(CORRECT), SPEC)])[0].status
+print(json.dumps(report))
+"""
+
+
+@pytest.mark.slow
+def test_a_user_sandbox_uses_its_delegated_v2_group(cgroup2: Path) -> None:
+    """An unprivileged user whose own cgroup is delegated to it (as systemd's Delegate=yes does: the group's
+    directory and its cgroup.procs, cgroup.subtree_control and cgroup.threads owned by the user): the sandbox puts
+    each bubblewrap job in a group below its own, ends jobs with cgroup.kill, contains every attack, and removes
+    its groups at close."""
+    from .test_unprivileged import NOBODY, _others_can_reach, _python_for_nobody
+
+    if shutil.which("bwrap") is None:
+        pytest.skip("bubblewrap is not installed")
+    if not _others_can_reach(PROJECT_ROOT):
+        pytest.skip(f"{PROJECT_ROOT} is not readable by an unprivileged user")
+    scratch = tempfile.mkdtemp(prefix="rlpipe-delegated-")  # outside the repository, reachable by the user
+    python = _python_for_nobody(scratch)
+    if python is None:
+        shutil.rmtree(scratch, ignore_errors=True)
+        pytest.skip("no Python with rlpipe's dependencies that an unprivileged user can run")
+    delegated = cgroup2 / f"rlpipe-test-delegated-{os.getpid()}"
+    delegated.mkdir()
+    for name in ("", "cgroup.procs", "cgroup.subtree_control", "cgroup.threads"):
+        os.chown(delegated / name, NOBODY, NOBODY)
+    env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": "/tmp", "LANG": "C.UTF-8", "PYTHONPATH": PROJECT_ROOT,
+           "PYTHONDONTWRITEBYTECODE": "1"}
+    child = subprocess.Popen([python, "-c", DELEGATED_CHILD], env=env, cwd=PROJECT_ROOT, stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, user=NOBODY, group=NOBODY, extra_groups=[])
+    try:
+        (delegated / "cgroup.procs").write_text(str(child.pid))
+        out, err = child.communicate(b"go\n", timeout=300)
+        assert child.returncode == 0, err.decode(errors="replace")[-3000:]
+        report = json.loads(out.decode().strip().splitlines()[-1])
+        assert "(cgroup v2)" in report["layers"]["cgroup_kill"]
+        name = cgroups.group_name(child.pid, report["slot"])
+        assert report["group"].endswith(f"/{delegated.name}/{name}")  # below its own group, not at the top
+        assert report["members_during_job"] >= 2, report["members_during_job"]  # bubblewrap and the job at least
+        for attack, (status, leftover) in report["attacks"].items():
+            assert status != "ok" and leftover == 0, attack
+        assert report["correct"] == "ok"
+        assert [path.name for path in delegated.iterdir() if path.is_dir()] == []  # the sandbox removed its groups
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+        cgroups.remove({"delegated": str(delegated)})
+        shutil.rmtree(scratch, ignore_errors=True)
