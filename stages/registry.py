@@ -86,7 +86,7 @@ def _sections(*names: str) -> Callable[[RunConfig], dict[str, Any]]:
 # The generate settings the evaluate stages also use (engine, precision, prompt length rule): changing one
 # reruns evaluation. Sampling settings are not among them: evaluation has its own (the evaluate section).
 EVALUATE_GENERATE_FIELDS = ("generate.backend", "generate.dtype", "generate.vllm_dtype", "generate.vllm_compile",
-                            "generate.max_prompt_tokens", "generate.overlong_prompt")
+                            "generate.vllm_kv_cache_dtype", "generate.max_prompt_tokens", "generate.overlong_prompt")
 
 PROMPTS = Output("prompts", BASE)
 

