@@ -31,6 +31,7 @@ from prefect.states import Completed, State  # noqa: E402
 
 from flows.artifacts import publish_iteration_artifacts  # noqa: E402
 from flows.runner.forkserver import stage_server  # noqa: E402
+from flows.runner.generation_server import generation_server  # noqa: E402
 from flows.runner.process import (  # noqa: E402
     StageFailed,
     StageOutcome,
@@ -204,7 +205,8 @@ def loop_flow(
         if count > run.config.iterations:
             raise ConfigError(f"run {run.run_id} has {run.config.iterations} iterations; raise it with "
                               f"`rlpipe resume {run.run_id} --set iterations={count}`")
-        with _local_stage_server(run, mode):
+        # The run's warm generation engine, if a stage started one, ends with the run (generation_server.py).
+        with _local_stage_server(run, mode), generation_server(run):
             outcomes = [stage_task(run, instance(stage), mode) for stage in RUN_STAGES]
             # Iterations run inline, their stages as tasks of this flow run (named `generate iter=3`): a
             # subflow per iteration costs ~1.3 s of Prefect bookkeeping each (most of it joining its

@@ -211,6 +211,35 @@ class GenerateConfig(Section):
         "|sampler - trainer| per token goes to the rollouts manifest as `logprob_mismatch`, the health figure "
         "importance correction relies on. 0: off.",
     )
+    warm_engine: Literal["auto", "on", "off"] = Field(
+        "auto",
+        description="Keep one vLLM engine per run and machine in a generation server (stages/generation/server.py) "
+        "that generate and evaluate stages send their requests to, loading each checkpoint in place instead of "
+        "starting an engine per stage. `auto`: when the backend is vLLM and, on CPU, memory allows (see "
+        "`warm_engine_min_free_gib`), else an engine of the stage's own; `on`: always (an error if the server "
+        "cannot serve); `off`: an engine per stage. Not part of any stage key: it changes how, not what.",
+    )
+    # 8 GiB: the train stage peaked at 4.9 GB at the default sizes and a whole default run at 8.3 GB RSS
+    # (docs/measurements.md), so on the 24 GiB reference machine a ~4 GiB CPU engine fits beside training.
+    warm_engine_min_free_gib: float = Field(
+        8.0,
+        ge=0.0,
+        description="On CPU (no vLLM sleep mode, so a warm engine keeps its memory while train runs) `auto` "
+        "starts one only when the memory available now (MemAvailable, or the cgroup's headroom if smaller), less "
+        "the engine's estimated peak (twice its weight files + KV cache + 1.25 GiB), leaves at least this many GiB.",
+    )
+    warm_engine_idle_s: float = Field(
+        1800.0,
+        gt=0.0,
+        description="A generation server exits after this many seconds without a request (the run's end stops it "
+        "too); keep it above the longest train stage, or the next stage pays a new engine start.",
+    )
+
+    @field_validator("warm_engine", mode="before")
+    @classmethod
+    def _on_off_from_yaml(cls, value: object) -> object:
+        # YAML 1.1 (PyYAML, `--set`) reads a bare on / off as true / false.
+        return ("on" if value else "off") if isinstance(value, bool) else value
 
     @field_validator("vllm_data_parallel_size")
     @classmethod

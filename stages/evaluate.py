@@ -18,8 +18,8 @@ import json
 import pyarrow as pa
 
 from stages.evaluation.metrics import aggregate, clusters_of
-from stages.generation import make_backend
 from stages.generation.base import GenerationRequest, SamplingSpec, sample_seed
+from stages.generation.client import open_stage_engine
 from stages.generation.device import backend_device_record, claim_device
 from stages.generation.models import load_tokenizer
 from stages.generation.sampling import encode_prompts, generate_with_progress
@@ -43,7 +43,9 @@ def run(ctx: StageContext) -> None:
         gen.max_prompt_tokens, gen.overlong_prompt,
     )
 
-    backend = make_backend(gen.backend, model_dir, gen, device.torch)
+    engine = open_stage_engine(gen, model_dir, device, ctx.config.device, ctx.inputs["policy"].sha256,
+                               ctx.layout.run_dir)
+    backend = engine.backend
     plan: list[tuple[str, str, int]] = []  # (prompt_id, mode, sample_idx) per generated sample
     samples = []
     generation_seconds, generated_tokens = 0.0, 0
@@ -93,6 +95,7 @@ def run(ctx: StageContext) -> None:
         "engine": backend.engine_settings,
         "device": backend_device_record(device, backend),
         "engine_start_seconds": round(backend.engine_start_seconds, 3),
+        "warm_engine": engine.manifest_record(),
         "generation_seconds": round(generation_seconds, 3),
         "generated_tokens": generated_tokens,
         "tokens_per_second": round(generated_tokens / generation_seconds, 2) if generation_seconds > 0 else 0.0,

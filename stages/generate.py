@@ -24,8 +24,8 @@ from typing import Any
 
 import pyarrow as pa
 
-from stages.generation import make_backend
 from stages.generation.base import GenerationRequest, Sample, SamplingSpec, sample_seed
+from stages.generation.client import open_stage_engine
 from stages.generation.device import Device, backend_device_record, claim_device, resolve_dtype
 from stages.generation.models import load_tokenizer
 from stages.generation.sampling import encode_prompts, generate_with_progress
@@ -103,7 +103,10 @@ def run(ctx: StageContext) -> None:
             requests.append(GenerationRequest(token_ids, seed))
             keys.append((prompt_id, sample_idx, seed))
 
-    backend = make_backend(cfg.backend, model_dir, cfg, device.torch)
+    # The run's warm engine (loaded with this checkpoint in place) or one of the stage's own (client.py).
+    engine = open_stage_engine(cfg, model_dir, device, ctx.config.device, ctx.inputs["policy"].sha256,
+                               ctx.layout.run_dir)
+    backend = engine.backend
     try:
         label = ctx.instance.label
         result = generate_with_progress(backend, requests, sampling_spec(ctx), label)
@@ -128,6 +131,7 @@ def run(ctx: StageContext) -> None:
         "engine": backend.engine_settings,
         "device": backend_device_record(device, backend),
         "engine_start_seconds": round(backend.engine_start_seconds, 3),
+        "warm_engine": engine.manifest_record(),
         "generation_seconds": round(result.seconds, 3),
         "generated_tokens": result.tokens,
         "tokens_per_second": round(result.tokens_per_second, 2),

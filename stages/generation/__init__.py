@@ -36,14 +36,16 @@ def resolve_backend_name(name: str, device: str = "cpu") -> str:
     return name
 
 
-def make_backend(name: str, model_dir: Path, cfg: GenerateConfig, device: str = "cpu") -> Backend:
+def make_backend(
+    name: str, model_dir: Path, cfg: GenerateConfig, device: str = "cpu", sleep_mode: bool = False
+) -> Backend:
     """Start the backend `name` on the model directory `model_dir` on `device` (the stage's, torch's name for
     it: "cpu", "cuda:0"), configured by the generate section.
 
     The vLLM engine's context length is `cfg.vllm_max_model_len`, by default one that fits `max_prompt_tokens +
     max_new_tokens` (see `context_length`): a prompt the stage let through always fits with a full-length
     response. The HF backend runs in `cfg.dtype`, the vLLM engine in `cfg.vllm_dtype` (with `cfg.vllm_compile`);
-    "auto" resolves per device.
+    "auto" resolves per device. `sleep_mode`: a vLLM engine that can sleep (the generation server's, on a GPU).
     """
     resolved = resolve_backend_name(name, device)
     if resolved == "hf":
@@ -67,4 +69,5 @@ def make_backend(name: str, model_dir: Path, cfg: GenerateConfig, device: str = 
         gpu_memory_utilization=cfg.vllm_gpu_memory_utilization,
         max_num_seqs=cfg.vllm_max_num_seqs,
         kv_cache_dtype=cfg.vllm_kv_cache_dtype,
+        sleep_mode=sleep_mode,
     )

@@ -231,6 +231,7 @@ class VLLMBackend:
         gpu_memory_utilization: float = 0.9,
         max_num_seqs: int | None = None,
         kv_cache_dtype: str = "auto",
+        sleep_mode: bool = False,
     ) -> None:
         # No data parallelism: vllm.LLM refuses it in one process (it needs vLLM's multi-process launcher),
         # so the config admits only generate.vllm_data_parallel_size=1 (schemas/config.py).
@@ -267,6 +268,8 @@ class VLLMBackend:
         if not self.on_cpu:
             self.engine_settings.update({name: kwargs[name] for name in (
                 "gpu_memory_utilization", "max_num_seqs", "kv_cache_dtype") if name in kwargs})
+        if sleep_mode:  # the generation server's engine on a GPU sleeps between stages (server.py)
+            kwargs["enable_sleep_mode"] = True
         self.llm = LLM(**kwargs)
         self.engine_start_seconds = time.monotonic() - started
 

@@ -62,6 +62,7 @@ def vllm_run(tmp_path_factory: pytest.TempPathFactory) -> RunLayout:
         f"generate.mismatch_samples={N_SAMPLES}", "generate.vllm_kv_cache_gib=1",
         f"evaluate.n_samples={EVAL_SAMPLES}", f"evaluate.k=[1,{EVAL_SAMPLES}]",
         f"evaluate.max_new_tokens={MAX_NEW_TOKENS}", "score.workers=1",
+        "generate.warm_engine=off",  # an engine per stage process (the warm one: test_warm_engine_stage.py)
     )
     layout = start_run(load_config(None, overrides), str(base / "root"))
     run_stage_at("prompts", layout, BASE, prompts.run)
@@ -93,6 +94,7 @@ def assert_engine_figures(metrics: dict) -> None:
     assert metrics["backend"] == "vllm"
     assert metrics["engine"] == {"dtype": "float32", "compiled": False, "tensor_parallel_size": 1}  # CPU "auto"
     assert metrics["deterministic"] is True  # CPU engine, core in the stage process (vllm_backend.py)
+    assert metrics["warm_engine"] == {"used": False, "reason": "generate.warm_engine is off"}
     assert metrics["engine_start_seconds"] > 1.0  # import + engine construction: never this fast
     assert metrics["generation_seconds"] > 0.0
     assert metrics["generated_tokens"] > 0
