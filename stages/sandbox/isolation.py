@@ -617,11 +617,13 @@ class Isolation:
     def end_job(self, pid: int) -> None:
         """Kill every process of the job (the main one included), reap them, drop the workdir. As root the
         cgroup holds every process of the job (the job cannot write a root-owned cgroup.procs); without one,
-        or as a user whose jobs share its uid, the uid or the worker's process subtree finds them too."""
+        or as a user whose jobs share its uid, the uid or the worker's process subtree finds them too; so it
+        does under bubblewrap, whose processes die asynchronously with their pid namespace (one that has left
+        the cgroup may still be exiting)."""
         self._kill_main(pid)
         if self.group is not None:
             self.group.empty()
-        if self.group is None or not self.is_root:
+        if self.group is None or not self.is_root or not self.use_zygote:
             if self.is_root:
                 kill_uid(self.uid)
             else:
