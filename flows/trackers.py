@@ -1,20 +1,16 @@
 """Experiment trackers: TensorBoard, MLflow and W&B receive a run's per-iteration metrics and its config.
 
 `log.trackers: [tensorboard, mlflow, wandb]` turns them on; the flow calls `log_iterations(run)` after each
-iteration (flows/pipeline.py). Plain functions, no Prefect. The numbers come from the storage root only,
-through `reports.html.collect` (the report's own numbers), so they are the same whether the stages ran here
-or on workers: training reward and solve rate, held-out pass@k per dataset with its 95% interval, greedy
-accuracy, response lengths, the optimizer steps' losses, KL, clip fractions, entropy and importance-sampling
-statistics (averaged over the iteration's steps), and seconds per stage. The config goes in as parameters
-(MLflow params, W&B config, TensorBoard hparams and a text summary of the YAML).
+iteration (plain functions, no Prefect). The numbers are the report's (`reports.html.collect`, from the storage
+root only, wherever the stages ran): training reward and solve rate, held-out pass@k per dataset with its 95%
+interval, lengths, the optimizer steps' losses, KL, clip fractions, entropy and IS statistics (averaged over
+the iteration), seconds per stage. The config goes in as MLflow params, W&B config, TensorBoard hparams + text.
 
-The step is the iteration, and each is logged once: `runs/<run>/trackers/<tracker>.json` lists the iterations
-a tracker has logged (and the tracker's own run id, so a resumed rlpipe run continues the same MLflow or W&B
-run). Only finished iterations missing from it are logged, in order, and the file is rewritten right after
-each iteration's log call returns; the run lease (storage/lock.py) makes the flow driving the run its only
-writer. A tracker that fails (not installed, server down) is reported and tried again after the next
-iteration, from its first missing step; it never fails the run. The libraries are optional extras
-(`pip install 'rlpipe[trackers]'`), imported only when named.
+The step is the iteration, logged once: `runs/<run>/trackers/<tracker>.json` lists the steps a tracker has (and
+its own run id, so a resumed run continues the same MLflow or W&B run). Only finished iterations missing from
+it are logged, in order, the file rewritten after each; the run lease (storage/lock.py) makes the driving flow
+its only writer. A failing tracker (not installed, server down) is a warning and is tried again after the next
+iteration; it never fails the run. The libraries are optional extras (`pip install 'rlpipe[trackers]'`).
 """
 
 from __future__ import annotations
