@@ -5,8 +5,9 @@
 
 Layout: extract.py (code/answer extraction), checks.py + judge.py (HumanEval checks judged outside the
 candidate's process), _runner.py (what runs inside the sandbox, the wire format, the fork server), zygote.py,
-process.py (a child under a deadline), isolation.py (the layers), scoring.py (one job), worker.py + sandbox.py
-(the warm pool), fusion.py (SandboxFusion client), server.py (our sandbox behind /run_code), rewards.py +
+process.py (a child under a deadline), isolation.py (the layers and modes) with view.py (what a job sees),
+cgroups.py, seccomp.py and kernel.py, scoring.py (one job), worker.py + sandbox.py (the warm pool), fusion.py
+(SandboxFusion client), server.py (our sandbox behind /run_code), rewards.py +
 reward_host.py (score.rewards: built-ins and user reward functions; `run_code` for those functions).
 
 Trust: the scoring process, its workers and the fork server run only rlpipe code and the prompts table's test

@@ -1,26 +1,19 @@
 """A worker slot's control group: the job's process limit, memory limit, freezer and kill, on cgroup v1 or v2.
 
-One group per worker slot (`rlpipe-sandbox-<sandbox pid>-<slot>`), reused by each of its jobs: the job's
-process writes its own pid to the group's `cgroup.procs` before anything else (_runner.isolate), so every
-process of the job is in it, whatever session, process group or uid it moves to.
+One group per worker slot (`rlpipe-sandbox-<sandbox pid>-<slot>`), reused by each of its jobs: the job's process
+joins it before anything else (_runner.isolate), so every process of the job is in it wherever it moves.
 
-- v1 (root, each controller its own hierarchy): the groups nest in this process's own group of the `pids`,
-  `memory` and `freezer` hierarchies, so the limits of whatever contains us still apply. Limits:
-  pids.max, memory.limit_in_bytes (+ memory.memsw.limit_in_bytes: no swap beyond it). The end-of-job
-  kill freezes the group first, so nothing forks between reading the list and the kill.
-- v2 (one hierarchy, the default of every recent distribution): as root the groups sit at the top of the
-  hierarchy (the root group may hold processes and still hand controllers down); as another user in this
-  process's own group when it is delegated to us (systemd `Delegate=yes`: writable by our uid). The kernel
-  gives a group the controllers its parent enables in `cgroup.subtree_control`, which a non-root parent
-  holding processes cannot do ("no internal processes"): for a delegated group we first move its
-  processes (ours: the group is ours) into a leaf `rlpipe-supervisor`. Limits: pids.max, memory.max and
-  memory.swap.max=0; the kill is `cgroup.kill` (one write kills the whole group, kernel 5.14+) or, on
-  older kernels, `cgroup.freeze` then SIGKILL. Membership, freeze and kill are the core of v2 and exist
-  without any controller; a controller missing (a hybrid host where v1 holds them) leaves its limit out,
-  and `layers()` says so.
+- v1 (root; a hierarchy per controller): nested in our own group of `pids`, `memory`, `freezer`. Limits pids.max,
+  memory.limit_in_bytes (+ memsw: no swap beyond it); the final kill freezes the group first.
+- v2 (one hierarchy, every recent distribution's default): at the top of the hierarchy as root; as another user
+  in our own group when it is delegated to us (systemd Delegate=yes: writable by our uid), moving its processes
+  into a leaf first when the kernel refuses to hand controllers down ("no internal processes"). Limits pids.max,
+  memory.max, memory.swap.max=0; the kill is one write to cgroup.kill (5.14+), else freeze and SIGKILL.
+  Membership, freeze and kill need no controller: a controller v2 lacks (v1 holds it on a hybrid host) leaves
+  its limit out, and `layers()` says so.
 
-`score.cgroup` picks the version: "auto" takes v2 when its hierarchy has the pids or memory controller,
-else v1 where those are mounted and writable, else v2 for membership, freeze and kill alone.
+`score.cgroup` picks: "auto" takes v2 where its hierarchy has the pids or memory controller, else v1 where those
+are mounted and writable, else v2 for membership, freeze and kill alone.
 """
 
 from __future__ import annotations

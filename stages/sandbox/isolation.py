@@ -19,12 +19,9 @@ one can be had. `layers()` names what is in force; sandbox.py refuses to start w
 from __future__ import annotations
 
 import ctypes
-import functools
-import json
 import os
 import shutil
 import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -36,7 +33,37 @@ from schemas.config import ScoreConfig
 
 from . import _runner, cgroups
 from .cgroups import JobGroup
+from .kernel import (
+    CLONE_NEWIPC,
+    CLONE_NEWNET,
+    CLONE_NEWNS,
+    CLONE_NEWUSER,
+    CLONE_NEWUTS,
+    MOUNT_ATTR_NOSUID,
+    MOUNT_ATTR_RDONLY,
+    MS_BIND,
+    MS_NODEV,
+    MS_NOSUID,
+    MS_PRIVATE,
+    MS_REC,
+    mount,
+    set_mount_attr,
+    umount,
+    unshare,
+)
 from .seccomp import SeccompUnsupported, job_filter
+from .view import (
+    CLEAN_ENV,
+    DEVICES,
+    SYSTEM_DIRS,
+    build_job_root,
+    interpreter_candidates,
+    job_file_system,
+    job_root_dir,
+    sweep_stale_roots,
+    under_tmp,
+    view_dirs,
+)
 from .zygote import Zygote, ZygoteError
 
 RUNNER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_runner.py")
@@ -44,9 +71,6 @@ RUNNER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_runner.py")
 # job directory in bwrap) hides a checkout that lives under /tmp, and the project may not be readable by the
 # job's uid anyway. The fork server reads RUNNER itself, before any job's /tmp exists.
 JOB_RUNNER_NAME = ".rlpipe_runner.py"
-
-# A job's fixed environment: nothing from the parent (tokens, cloud credentials) reaches it.
-CLEAN_ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": "/tmp", "PYTHONHASHSEED": "0"}
 
 _libc = ctypes.CDLL(None, use_errno=True)
 PR_SET_CHILD_SUBREAPER = 36
@@ -269,133 +293,6 @@ def nproc_limit(processes: int, is_root: bool, userns: str | None = None) -> int
     return limit if hard == resource.RLIM_INFINITY else min(limit, hard)
 
 
-# -- what a job sees of the host --------------------------------------------------------------------
-
-# The operating system's own directories: with its interpreter's, all a job sees of the host, read-only. Not the
-# home directories, the checkout, the storage root or other users' files: a job under bubblewrap or in minimal
-# mode has the sandbox user's uid, which can read that user's keys and credentials (~/.ssh, ~/.aws).
-SYSTEM_DIRS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc")
-# Device files a job may read and write.
-DEVICES = ("/dev/null", "/dev/zero", "/dev/full", "/dev/random", "/dev/urandom")
-_INTERPRETER_PATHS = "import json, sys; print(json.dumps([sys.prefix, sys.base_prefix, sys.executable, *sys.path]))"
-
-
-def interpreter_candidates(configured: str | None) -> list[str]:
-    """Interpreters to try for candidate code, best first. The one running rlpipe may live where the
-    sandbox uid cannot read it (pyenv under /root); the system's python3 is the usual fallback."""
-    if configured:
-        return [configured]
-    found = [sys.executable, os.path.realpath(sys.executable), "/usr/bin/python3", "/usr/local/bin/python3"]
-    return [path for index, path in enumerate(found) if path not in found[:index] and os.path.exists(path)]
-
-
-@functools.lru_cache(maxsize=8)
-def interpreter_dirs(argv: tuple[str, ...]) -> tuple[str, ...]:
-    """The directories the interpreter `argv` (with its flags) runs and imports from, outside SYSTEM_DIRS:
-    its prefixes, its real executable's directory and its sys.path, as it reports them once."""
-    done = subprocess.run([*argv, "-c", _INTERPRETER_PATHS], env=CLEAN_ENV, capture_output=True, text=True,
-                          timeout=120)
-    if done.returncode != 0:
-        raise OSError(f"the sandbox's interpreter {argv[0]} could not start: {done.stderr.strip()[-500:]}")
-    prefix, base_prefix, executable, *path = json.loads(done.stdout)
-    wanted = {prefix, base_prefix, os.path.dirname(executable), os.path.dirname(os.path.realpath(executable))}
-    wanted |= {entry for entry in path if entry}
-    return _outside_system_dirs(wanted, ())
-
-
-def _outside_system_dirs(paths: set[str], kept: tuple[str, ...]) -> tuple[str, ...]:
-    """`paths` that exist and are not already visible (SYSTEM_DIRS, `kept`, or each other), parents first."""
-    dirs: list[str] = list(kept)
-    for entry in sorted(os.path.abspath(entry) for entry in paths):
-        if not os.path.exists(entry) or entry == "/":
-            continue
-        entry = entry if os.path.isdir(entry) else os.path.dirname(entry)  # a zip on sys.path: its directory
-        if any(entry == seen or entry.startswith(seen.rstrip("/") + "/") for seen in (*SYSTEM_DIRS, *dirs)):
-            continue
-        dirs.append(entry)
-    return tuple(dirs[len(kept):])
-
-
-def view_dirs(interpreters: list[list[str]]) -> tuple[str, ...]:
-    """The interpreter directories a job's view needs for any of `interpreters` (argv with flags; one that does
-    not start is left out: the probe will not pick it)."""
-    dirs: tuple[str, ...] = ()
-    for argv in interpreters:
-        try:
-            found = interpreter_dirs(tuple(argv))
-        except (OSError, subprocess.SubprocessError, ValueError):
-            continue
-        dirs += _outside_system_dirs(set(found), dirs)
-    return dirs
-
-
-def job_file_system(python_argv: list[str]) -> list[str]:
-    """bubblewrap arguments for a job's view of the host: SYSTEM_DIRS (symbolic links kept as links, as on
-    merged-/usr systems) and the interpreter's directories, read-only, and nothing else."""
-    args: list[str] = []
-    for path in SYSTEM_DIRS:
-        if os.path.islink(path):
-            args += ["--symlink", os.readlink(path), path]
-        elif os.path.isdir(path):
-            args += ["--ro-bind", path, path]
-    for path in interpreter_dirs(tuple(python_argv)):
-        args += ["--ro-bind", path, path]
-    return args
-
-
-def build_job_root(root: str, interpreter: tuple[str, ...]) -> bool:
-    """In the native worker's own mount namespace: at `root`, a small tmpfs holding SYSTEM_DIRS (links kept as
-    links) and the `interpreter` directories as binds, DEVICES, an empty /tmp (each job's scratch tmpfs goes
-    there) and a /proc; a job chroots into it. The caller makes it read-only. True when /proc hides other
-    users' processes (hidepid=2)."""
-    mount("tmpfs", root, "tmpfs", MS_NOSUID | MS_NODEV, "size=1m,mode=0755")
-    for path in SYSTEM_DIRS:
-        target = root + path
-        if os.path.islink(path):
-            os.symlink(os.readlink(path), target)
-        elif os.path.isdir(path):
-            os.makedirs(target)
-            mount(path, target, None, MS_BIND | MS_REC)
-    for path in interpreter:  # not nested in each other nor in SYSTEM_DIRS (_outside_system_dirs)
-        if not _under_tmp(path):  # those are bound into each job's /tmp (NativeIsolation.begin_job)
-            os.makedirs(root + path)
-            mount(path, root + path, None, MS_BIND | MS_REC)
-    os.makedirs(root + "/dev")
-    for device in DEVICES:
-        if os.path.exists(device):
-            Path(root + device).touch()
-            mount(device, root + device, None, MS_BIND)
-    os.makedirs(root + "/tmp", exist_ok=True)
-    os.makedirs(root + "/proc")
-    try:
-        mount("proc", root + "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, "hidepid=2")
-        return True
-    except OSError:
-        mount("proc", root + "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
-        return False
-
-
-def _under_tmp(path: str) -> bool:
-    return path == "/tmp" or path.startswith("/tmp/")
-
-
-def job_root_dir(owner_pid: int, slot: int) -> str:
-    """The empty host directory a native worker mounts its jobs' root tree on (in its own namespace only)."""
-    return os.path.join(tempfile.gettempdir(), f"{cgroups.PREFIX}root-{owner_pid}-{slot}")
-
-
-def _sweep_stale_roots() -> None:
-    """Remove the root directories of native workers whose sandbox process is gone."""
-    parent = tempfile.gettempdir()
-    for name in os.listdir(parent):
-        parts = name.split("-")
-        if name.startswith(f"{cgroups.PREFIX}root-") and len(parts) == 5 and not os.path.exists(f"/proc/{parts[3]}"):
-            try:
-                os.rmdir(os.path.join(parent, name))
-            except OSError:
-                pass
-
-
 # -- the modes --------------------------------------------------------------------------------------
 
 SECCOMP_LAYER = (
@@ -416,6 +313,7 @@ class Isolation:
     use_zygote = True
     needs_root = False
     uses_landlock = True  # modes with a mount namespace of their own show the job its files another way
+    needs_view = True  # the interpreters' directories, for Landlock or a chroot (bubblewrap binds its own)
 
     def __init__(self, cfg: ScoreConfig, limits: Limits, slot: int, owner_pid: int) -> None:
         self.is_root = os.geteuid() == 0
@@ -513,8 +411,9 @@ class Isolation:
                 self.group.create(self.limits.processes, self.limits.memory_bytes)
             except OSError:
                 self.group = None  # reported: no cgroup layer
-        candidates = interpreter_candidates(self.cfg.python)
-        self.view = view_dirs([self.interpreter_for(python) for python in candidates])
+        if self.needs_view:
+            candidates = interpreter_candidates(self.cfg.python)
+            self.view = view_dirs([self.interpreter_for(python) for python in candidates])
         if self.uses_landlock:
             self.landlock_abi = _runner.landlock_abi()
 
@@ -699,68 +598,6 @@ def fork_exec(isolation: Isolation, mode: str, fds: list[int], cpu_budget_s: flo
     return pid
 
 
-# -- kernel interfaces (ctypes: Python 3.11 has no os.unshare / mount) -------------------------------
-
-CLONE_NEWNS = 0x00020000
-CLONE_NEWUTS = 0x04000000
-CLONE_NEWIPC = 0x08000000
-CLONE_NEWNET = 0x40000000
-CLONE_NEWUSER = 0x10000000
-MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_BIND, MS_REC, MS_PRIVATE = 2, 4, 8, 4096, 16384, 1 << 18
-MNT_DETACH = 2
-AT_FDCWD, AT_RECURSIVE = -100, 0x8000
-MOUNT_ATTR_RDONLY, MOUNT_ATTR_NOSUID = 1, 2
-SYS_MOUNT_SETATTR = 442  # x86_64 and aarch64 share this number
-
-
-class _MountAttr(ctypes.Structure):
-    _fields_ = [
-        ("attr_set", ctypes.c_uint64),
-        ("attr_clr", ctypes.c_uint64),
-        ("propagation", ctypes.c_uint64),
-        ("userns_fd", ctypes.c_uint64),
-    ]
-
-
-def _check(result: int, what: str) -> None:
-    if result != 0:
-        errno = ctypes.get_errno()
-        raise OSError(errno, f"{what}: {os.strerror(errno)}")
-
-
-def unshare(flags: int) -> None:
-    _check(_libc.unshare(flags), "unshare")
-
-
-def mount(source: str, target: str, fstype: str | None, flags: int, data: str | None = None) -> None:
-    result = _libc.mount(
-        source.encode(),
-        target.encode(),
-        fstype.encode() if fstype else None,
-        ctypes.c_ulong(flags),
-        data.encode() if data else None,
-    )
-    _check(result, f"mount {target}")
-
-
-def umount(target: str) -> None:
-    _check(_libc.umount2(target.encode(), MNT_DETACH), f"umount {target}")
-
-
-def set_mount_attr(path: str, attr_set: int, attr_clr: int) -> None:
-    """mount_setattr(2) on `path` and every mount below it, in one system call."""
-    attr = _MountAttr(attr_set, attr_clr, 0, 0)
-    result = _libc.syscall(
-        ctypes.c_long(SYS_MOUNT_SETATTR),
-        ctypes.c_int(AT_FDCWD),
-        path.encode(),
-        ctypes.c_uint(AT_RECURSIVE),
-        ctypes.byref(attr),
-        ctypes.c_size_t(ctypes.sizeof(attr)),
-    )
-    _check(result, f"mount_setattr {path}")
-
-
 def _disable_sysv_ipc() -> bool:
     """In the worker's own IPC namespace, allow no SysV shared memory, message queues or semaphores.
     They would outlive a job (IPC objects belong to the namespace, not to a process), letting one job
@@ -835,7 +672,7 @@ class NativeIsolation(Isolation):
 
     def start_worker(self) -> None:
         super().start_worker()
-        _sweep_stale_roots()
+        sweep_stale_roots()
         os.makedirs(self.root, exist_ok=True)  # on the host, empty: the tree is mounted on it in our namespace
         unshare(CLONE_NEWNET | CLONE_NEWNS | CLONE_NEWIPC | CLONE_NEWUTS)
         mount("none", "/", None, MS_REC | MS_PRIVATE)
@@ -857,7 +694,7 @@ class NativeIsolation(Isolation):
         self.mounted = True
         # An interpreter that lives under /tmp (a checkout's virtual environment there) is bound into the job's
         # /tmp, read-only, as bubblewrap does; the detach after the job takes these mounts with it.
-        for path in filter(_under_tmp, self.view):
+        for path in filter(under_tmp, self.view):
             target = self.root + path
             os.makedirs(target, exist_ok=True)
             mount(path, target, None, MS_BIND | MS_REC)
@@ -887,6 +724,7 @@ class BwrapIsolation(Isolation):
     name = "bwrap"
     use_zygote = False  # a new bubblewrap per job is the point; there is nothing warm to fork
     uses_landlock = False
+    needs_view = False
 
     def __init__(self, cfg: ScoreConfig, limits: Limits, slot: int, owner_pid: int) -> None:
         super().__init__(cfg, limits, slot, owner_pid)

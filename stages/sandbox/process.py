@@ -14,8 +14,9 @@ import time
 from dataclasses import dataclass
 
 from . import _runner
-from .isolation import Isolation, SpawnError, interpreter_candidates
+from .isolation import Isolation, SpawnError
 from .judge import CandidateGone, Channel, JobTimeout, NotPlainValue, rebuild_exception
+from .view import interpreter_candidates
 
 # Largest single reply we accept (a return value); bigger ones end the job as an error.
 MAX_FRAME = 16 << 20

@@ -29,9 +29,10 @@ from typing import TypeVar
 from schemas.config import ConfigError, ScoreConfig
 
 from ._runner import HEADER
-from .isolation import CLEAN_ENV, job_descendants, release_slot, slot_processes
+from .isolation import job_descendants, release_slot, slot_processes
 from .jobs import ScoreJob, ScoreResult
 from .scoring import MAX_RUN_TIMEOUT_S
+from .view import CLEAN_ENV
 
 _T = TypeVar("_T")
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import pytest
 
 from schemas.config import ScoreConfig
-from stages.sandbox import Sandbox, ScoreJob, ScoreResult
+from stages.sandbox import Sandbox, ScoreJob, ScoreResult, view
 from stages.sandbox import isolation as isolation_module
 from stages.sandbox.isolation import BwrapIsolation, Isolation, Limits, nproc_limit
 from stages.sandbox.sandbox import PROJECT_ROOT, missing_layers
@@ -581,11 +581,9 @@ def test_a_job_sees_the_system_and_its_interpreter_only(mode: str) -> None:
         pytest.skip(f"{mode} mode needs root")
     cfg = ScoreConfig(workers=1, timeout_s=10.0, isolation=mode)
     isolation = Isolation(cfg, Limits.from_config(cfg), 0, os.getpid())
-    interpreter = isolation_module.view_dirs(
-        [isolation.interpreter_for(python) for python in isolation_module.interpreter_candidates(None)]
-    )
+    interpreter = view.view_dirs([isolation.interpreter_for(python) for python in view.interpreter_candidates(None)])
     assert interpreter and all(os.path.isdir(path) for path in interpreter)
-    tops = {path.split("/")[1] for path in (*isolation_module.SYSTEM_DIRS, *interpreter)}
+    tops = {path.split("/")[1] for path in (*view.SYSTEM_DIRS, *interpreter)}
     allowed = sorted({top for top in tops if os.path.lexists("/" + top)} | {"tmp", "proc", "dev"})
     hidden, readable = hidden_paths(interpreter)
     try:

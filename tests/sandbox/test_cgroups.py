@@ -22,7 +22,7 @@ import pytest
 
 from schemas.config import ScoreConfig
 from stages.sandbox import Sandbox, ScoreJob, cgroups
-from stages.sandbox.isolation import mount, umount
+from stages.sandbox.kernel import mount, umount
 from stages.sandbox.sandbox import PROJECT_ROOT
 
 from .test_attacks import ATTACKS, CORRECT, SPEC, fenced, local_listener, run_contained
