@@ -374,20 +374,61 @@ class ScoreConfig(Section):
 class AdvantageConfig(Section):
     """Turning rewards into per-response advantages, and which groups enter the training batch."""
 
-    estimator: Literal["grpo", "dr_grpo", "rloo", "reinforce_pp_baseline", "opo", "mean_centered"] = Field(
-        "grpo", description="Advantage estimator over a prompt's group (formulas in stages/rl/advantages.py)."
+    estimator: Literal[
+        "grpo", "grpo_passk", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "opo", "gpg",
+        "mean_centered", "gae",
+    ] = Field(
+        "grpo", description="Advantage estimator: over a prompt's group, or `gae` (PPO with a critic, per token). "
+        "Formulas: docs/algorithms.md, stages/rl/advantages.py."
     )
+    gamma: float = Field(1.0, ge=0, le=1, description="GAE discount gamma (verl's algorithm.gamma).")
+    lam: float = Field(1.0, ge=0, le=1, description="GAE lambda (verl's algorithm.lam).")
+    use_kl_in_reward: bool = Field(
+        False, description="Take beta * KL(pi_sampler || pi_ref) per token from the reward before the advantage "
+        "(verl's use_kl_in_reward; beside or instead of train.kl_coef's KL in the loss). Loads the base model in "
+        "the advantage stage."
+    )
+    kl_penalty: Literal["k1", "k2", "k3"] = Field(
+        "k1", description="The per-token KL estimate of the KL in the reward (verl's kl_penalty: kl = k1, mse = "
+        "k2, low_var_kl = k3)."
+    )
+    kl_ctrl: Literal["fixed", "adaptive"] = Field(
+        "fixed", description="The KL-in-reward coefficient: `fixed` at kl_coef, or `adaptive` (Ziegler et al.'s "
+        "controller toward kl_target over kl_horizon samples, carried from one iteration's batch to the next)."
+    )
+    kl_coef: float = Field(0.001, ge=0, description="The KL-in-reward coefficient beta (the adaptive one's start).")
+    kl_target: float = Field(0.1, gt=0, description="The adaptive controller's target KL per token.")
+    kl_horizon: int = Field(10000, ge=1, description="The adaptive controller's horizon in samples.")
     std_epsilon: float = Field(
         1e-6, gt=0, description="GRPO divides by (std + epsilon); std is the group's population std (ddof=0)."
     )
+    std_ddof: Literal[0, 1] = Field(
+        0, description="Delta degrees of freedom of the group std (grpo, grpo_passk): 0 the population std, 1 the "
+        "sample std (verl's torch.std)."
+    )
+    singleton_advantage: Literal["zero", "reward"] = Field(
+        "zero", description="Advantage of a sample alone in its group: 0 (no baseline, no signal), or verl's raw "
+        "reward (its group mean 0 and std 1)."
+    )
+    whiten_by: Literal["sample", "token"] = Field(
+        "sample", description="reinforce_pp_baseline whitens over samples, or over response tokens as verl does "
+        "(a sample weighted by its length, Bessel-corrected variance)."
+    )
     drop_zero_variance_groups: bool = Field(
-        True, description="DAPO dynamic sampling: drop groups whose (shaped) rewards are all equal (no signal)."
+        True, description="DAPO dynamic sampling: drop groups whose `filter_metric` values are all equal (no "
+        "signal)."
+    )
+    filter_metric: Literal["acc", "seq_reward", "reward"] = Field(
+        "acc", description="What the group filters (zero variance, min/max_group_mean) and dynamic sampling's "
+        "count of kept groups look at, as DAPO's filter_groups.metric: `acc` correctness (1 when every test "
+        "passed), `seq_reward` the scored reward, `reward` the shaped reward the advantage uses (after overlong "
+        "punishment)."
     )
     min_group_mean: float | None = Field(
-        None, description="Keep a group only if its mean reward is at least this (null: no lower bound)."
+        None, description="Keep a group only if its mean `filter_metric` is at least this (null: no lower bound)."
     )
     max_group_mean: float | None = Field(
-        None, description="Keep a group only if its mean reward is at most this (null: no upper bound)."
+        None, description="Keep a group only if its mean `filter_metric` is at most this (null: no upper bound)."
     )
     overlong_buffer: int = Field(
         0, ge=0, description="DAPO soft overlong punishment: the last this-many tokens before "
@@ -409,9 +450,25 @@ class AdvantageConfig(Section):
         "no extra rounds).",
     )
     max_generation_rounds: int = Field(
-        4, ge=1, description="Most generation rounds per iteration, round 0 included; past it the advantage stage "
-        "fails."
+        4, ge=0, description="Most generation rounds per iteration, round 0 included; past it the advantage stage "
+        "fails. 0: unlimited (verl's max_num_gen_batches: 0)."
     )
+
+    @property
+    def round_cap(self) -> int | None:
+        """The most generation rounds of an iteration; None when unlimited (`max_generation_rounds: 0`)."""
+        return self.max_generation_rounds or None
+
+
+def _positive(text: str, rule: str, spec: str) -> float:
+    """`text` as a positive float, else a ValueError naming the rejection rule and its threshold entry."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise ValueError(f"train.rejection_thresholds: {spec!r} of rule {rule} is not a number") from None
+    if not value > 0:
+        raise ValueError(f"train.rejection_thresholds: {spec!r} of rule {rule} must be > 0")
+    return value
 
 
 class TrainConfig(Section):
@@ -444,18 +501,24 @@ class TrainConfig(Section):
         512, ge=1, description="Response tokens the LM head + log-softmax run over at once (memory: chunk x "
         "vocab x 4 B)."
     )
-    policy_loss: Literal["ppo_clip", "reinforce"] = Field(
-        "ppo_clip", description="`ppo_clip` (clipped importance ratio) or `reinforce` (no clip, -A * ratio)."
+    policy_loss: Literal["ppo_clip", "reinforce", "cispo", "sapo", "gspo"] = Field(
+        "ppo_clip", description="`ppo_clip` (clipped ratio r = pi_theta / pi_old, dual clip); `reinforce` "
+        "(-A * w * log pi_theta, w the truncated detached importance weight, 1 without `is_level`: verl's "
+        "loss_type reinforce); `cispo` (-sg(min(r, 1 + clip_high)) * A * log pi_theta); `sapo` (TRL's soft gate "
+        "on r); `gspo` (clipped sequence-level ratio). Formulas: docs/algorithms.md."
     )
     clip_low: float = Field(0.2, ge=0, description="PPO clip below: ratio >= 1 - clip_low.")
     clip_high: float = Field(0.2, ge=0, description="PPO clip above: ratio <= 1 + clip_high (DAPO clip-higher "
                              "when above clip_low).")
     dual_clip: float | None = Field(
-        None, gt=1, description="Dual-clip constant capping negative-advantage tokens' loss (null: off)."
+        3.0, gt=1, description="Dual-clip constant capping negative-advantage tokens' loss at -A * dual_clip "
+        "(verl's clip_ratio_c, default 3; null: off)."
     )
     loss_aggregation: Literal[
         "token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"
-    ] = Field("token-mean", description="How per-token losses become one number (stages/rl/losses.py).")
+    ] = Field("token-mean", description="How per-token losses become one number, as verl's loss_agg_mode "
+              "(stages/rl/losses.py); `seq-mean-token-sum-norm` is the token sum / loss_norm_length (not also / "
+              "the sequences).")
     loss_norm_length: int | None = Field(
         None, ge=1, description="Constant length `seq-mean-token-sum-norm` divides by (null: "
         "generate.max_new_tokens)."
@@ -471,25 +534,59 @@ class TrainConfig(Section):
         "per sequence (stages/rl/losses.py)."
     )
     is_threshold: float = Field(2.0, gt=0, description="Truncation of the importance weights.")
+    is_batch_normalize: bool = Field(
+        False, description="Scale the importance weights to mean 1 over the minibatch (verl's "
+        "rollout_is_batch_normalize): over tokens for token weights, over sequences for sequence weights."
+    )
     rejection: list[
         Literal[
-            "token_k1", "token_k2", "token_k3", "seq_sum_k1", "seq_mean_k1", "seq_mean_k2", "seq_mean_k3",
-            "seq_max_k2", "seq_max_k3",
+            "token_k1", "token_k2", "token_k3", "seq_sum_k1", "seq_sum_k2", "seq_sum_k3", "seq_mean_k1",
+            "seq_mean_k2", "seq_mean_k3", "seq_max_k2", "seq_max_k3",
         ]
     ] = Field(
         default_factory=list,
-        description="Rejection rules: tokens or sequences whose sampler/trainer ratio or divergence leaves the "
-        "range below are masked (none by default).",
+        description="Rejection rules (verl's rollout_rs, all must pass): tokens or sequences whose sampler/trainer "
+        "ratio or divergence leaves its range are masked; k1 rules bound pi_sampler / pi_old as verl's -log r "
+        "(none by default).",
+    )
+    rejection_thresholds: list[str] = Field(
+        default_factory=list,
+        description="Thresholds of the `rejection` rules in verl's rollout_rs_threshold form, as quoted strings "
+        "(YAML reads an unquoted 0.5_2 as the number 0.52): one for every rule or one per rule; `low_high` (or u "
+        "for [1/u, u]) for k1 rules, an upper bound for k2/k3 rules. Empty: rejection_ratio_low/high for k1 rules "
+        "and rejection_divergence_max for the others.",
     )
     rejection_ratio_low: float = Field(0.5, gt=0, description="Lowest ratio a ratio-based rejection keeps.")
     rejection_ratio_high: float = Field(2.0, gt=0, description="Highest ratio a ratio-based rejection keeps.")
     rejection_divergence_max: float = Field(2.0, gt=0, description="Largest divergence a k2/k3 rejection keeps.")
-    # Bypass takes the sampler's logprobs as pi_old, so pi_old / pi_sampler = 1 and there is nothing for
-    # importance weights or rejection to correct: combining them is refused at config load.
     bypass_old_logprobs: bool = Field(
-        False, description="Take the sampler's logprobs as the old policy (no recompute pass); excludes "
-        "`is_level` and `rejection`."
+        False, description="Take the sampler's logprobs as the old policy (verl's bypass_mode: no recompute "
+        "pass). Rejection and importance weights then compare the current policy with the sampler at every step; "
+        "ratio losses apply no weights (their ratio is pi_theta / pi_sampler already), `reinforce` does."
     )
+    m2po_threshold: float | None = Field(
+        None, gt=0, description="M2PO: mask the tokens with the largest squared log-ratio log(pi_old / pi_sampler)"
+        "^2 (pi_theta under bypass) until the minibatch's mean of it is at most this (the paper: 0.04); null: off."
+    )
+    skip_threshold: float | None = Field(
+        None, gt=0, description="Colossal-RL: a sequence whose mean token ratio pi_theta / pi_old exceeds this "
+        "leaves the loss (its tokens still count in the denominators); null: off."
+    )
+    critic_model: str | None = Field(
+        None, description="With advantage.estimator gae: the model the critic starts from, a directory with the "
+        "policy's tokenizer (null: the base policy); a zero-initialised scalar head on its decoder."
+    )
+    critic_lr: float = Field(1e-5, gt=0, description="The critic's peak learning rate (AdamW).")
+    critic_warmup_steps: int = Field(0, ge=0, description="The critic's warmup steps.")
+    critic_lr_schedule: Literal["constant", "linear", "cosine"] = Field(
+        "constant", description="The critic's schedule after warmup (lr_decay_steps and lr_min_ratio shared)."
+    )
+    value_clip: float | None = Field(
+        0.5, gt=0, description="Value clipping: V stays within V_old +- this in the loss (verl's cliprange_value; "
+        "null: off)."
+    )
+    sapo_temperature_pos: float = Field(1.0, gt=0, description="SAPO gate temperature for positive advantages.")
+    sapo_temperature_neg: float = Field(1.05, gt=0, description="SAPO gate temperature for negative advantages.")
     max_grad_norm: float = Field(1.0, gt=0, description="Gradient clipping by global norm.")
     dtype: Literal["auto", "float32", "bfloat16"] = Field(
         "auto", description="float32, or bfloat16 autocast (weights and optimizer state stay float32); `auto`: "
@@ -546,14 +643,36 @@ class TrainConfig(Section):
         return self
 
     @model_validator(mode="after")
-    def _bypass_has_no_correction(self) -> TrainConfig:
-        if self.bypass_old_logprobs and (self.rejection or self.is_level != "none"):
-            raise ValueError(
-                "train.bypass_old_logprobs with train.rejection / train.is_level: under bypass the sampler's "
-                "logprobs are the old policy, so pi_old / pi_sampler = 1 and rollout correction has nothing "
-                "to correct; set train.rejection=[] and train.is_level=none, or turn bypass off"
-            )
+    def _rejection_thresholds_fit(self) -> TrainConfig:
+        self.rejection_rules()  # raises naming the rule and its threshold
         return self
+
+    def rejection_rules(self) -> list[tuple[str, float | None, float]]:
+        """(rule, low, high) for each `rejection` rule: k1 rules keep low <= pi_sampler / pi_old <= high, the
+        others keep divergence <= high (low None). Parsed as verl's rollout_rs_threshold."""
+        specs = list(self.rejection_thresholds)
+        if specs and len(specs) not in (1, len(self.rejection)):
+            raise ValueError(
+                f"train.rejection_thresholds has {len(specs)} entries for {len(self.rejection)} rejection rules: give "
+                "one shared by every rule or one per rule"
+            )
+        rules: list[tuple[str, float | None, float]] = []
+        for k, rule in enumerate(self.rejection):
+            spec = (specs[0] if len(specs) == 1 else specs[k]) if specs else None
+            if rule.endswith("k1"):
+                low, high = self.rejection_ratio_low, self.rejection_ratio_high
+                if spec is not None:
+                    low_text, _, high_text = spec.partition("_") if "_" in spec else ("", "", spec)
+                    high = _positive(high_text, rule, spec)
+                    low = _positive(low_text, rule, spec) if low_text else 1.0 / high
+                if low > high:
+                    raise ValueError(f"train.rejection_thresholds: rule {rule} keeps nothing: low {low} > high {high}")
+                rules.append((rule, low, high))
+            else:
+                if spec is not None and "_" in spec:
+                    raise ValueError(f"train.rejection_thresholds: rule {rule} takes one upper bound, not {spec!r}")
+                rules.append((rule, None, _positive(spec, rule, spec) if spec else self.rejection_divergence_max))
+        return rules
 
 
 class EvaluateConfig(Section):
@@ -645,6 +764,43 @@ class RunConfig(Section):
         if not DEVICE_PATTERN.match(device):
             raise ValueError("must be auto, cpu, cuda or cuda:N (N: a GPU index, e.g. cuda:1)")
         return device
+
+    @model_validator(mode="after")
+    def _critic_needs_the_torch_backend(self) -> RunConfig:
+        if self.advantage.estimator == "gae" and self.train.backend != "torch":
+            raise ValueError(
+                "advantage.estimator=gae trains a critic, which the torch backend does (train.backend=torch); the "
+                f"DeepSpeed backend (train.backend={self.train.backend}) has no critic yet"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _truncated_sampling_needs_on_policy_training(self) -> RunConfig:
+        # The trainer's logprobs are of the untruncated tempered softmax; a sampler that keeps only the top-p /
+        # top-k tokens draws from that distribution renormalised over the kept mass Z, so every sampler logprob is
+        # log pi - log Z and a ratio to it is off by 1/Z per token (Z^L per sequence: 3.5e-5 for Z = 0.95 over
+        # 200 tokens). Only a single on-policy step never compares the two.
+        gen, train = self.generate, self.train
+        truncated = [f"generate.top_p={gen.top_p}"] * (gen.top_p < 1.0) + [f"generate.top_k={gen.top_k}"] * (
+            gen.top_k > 0
+        )
+        compares = [
+            *(["train.is_level=" + train.is_level] if train.is_level != "none" else []),
+            *(["train.rejection"] if train.rejection else []),
+            *(["train.m2po_threshold"] if train.m2po_threshold is not None else []),
+            *(["train.bypass_old_logprobs"] if train.bypass_old_logprobs else []),
+            *([f"train.epochs={train.epochs}"] if train.epochs > 1 else []),
+            *([f"train.minibatches={train.minibatches}"] if train.minibatches > 1 else []),
+        ]
+        if truncated and compares:
+            raise ValueError(
+                f"{' and '.join(truncated)} with {', '.join(compares)}: the sampler's logprobs are of the truncated "
+                "distribution (renormalised over the kept probability mass Z), the trainer's of the full one, so "
+                "every importance ratio, and the old policy under bypass or after the first optimizer step, is off "
+                "by a factor 1/Z per token (Z^L per response). Sample with top_p=1 and top_k=-1, or train one "
+                "on-policy step per batch without importance correction"
+            )
+        return self
 
 
 class ConfigError(ValueError):

@@ -129,9 +129,11 @@ def float_ranges(table_name: str, config: RunConfig) -> dict[str, tuple[float, f
     }
     if table_name == "train_metrics":
         # Skipped steps are recorded, not trained: their metrics are not checked (see out_of_range).
-        for name in ("clip_frac_low", "clip_frac_high", "clip_frac_dual", "rejected_frac", "padding_frac", "is_ess"):
+        for name in ("clip_frac_low", "clip_frac_high", "clip_frac_dual", "rejected_frac", "padding_frac", "is_ess",
+                     "vf_clip_frac"):
             known[name] = (0.0, 1.0, f"{name} in [0, 1]")
-        for name in ("entropy", "grad_norm", "lr", "is_ratio_mean", "is_ratio_min", "is_ratio_max", "seconds"):
+        for name in ("entropy", "grad_norm", "lr", "is_ratio_mean", "is_ratio_min", "is_ratio_max", "seconds",
+                     "value_loss"):
             known[name] = (0.0, FINITE_BOUND, f"{name} >= 0")
     ranges = {}
     for f in TABLES[table_name].schema:
@@ -214,7 +216,8 @@ def checks_for(table_name: str, config: RunConfig) -> list[Check]:
     elif table_name == "rollouts":
         checks += [
             _between("iteration", 0, config.iterations - 1, f"iteration within {iterations}"),
-            _between("round", 0, config.advantage.max_generation_rounds - 1, "round < advantage.max_generation_rounds"),
+            _between("round", 0, None if config.advantage.round_cap is None else config.advantage.round_cap - 1,
+                     "round < advantage.max_generation_rounds (0: unlimited)"),
             _between("sample_idx", 0, gen.n_samples - 1, f"sample_idx within 0..n_samples-1 ({gen.n_samples - 1})"),
             _between("_group_size", gen.n_samples, gen.n_samples,
                      f"every (round, prompt) group has n_samples = {gen.n_samples} rows"),

@@ -2,7 +2,8 @@
 
 These schemas are the contract between stages: a stage may only write a table that matches its schema
 exactly (same columns, same types, no extra columns), and a reader refuses a file whose recorded schema
-version is not the one it knows. Bump a table's version whenever its columns change.
+version is not the one it knows, or one of the `older` versions it upgrades (the columns added since get the
+value `added` names). Bump a table's version whenever its columns change.
 
 The rollout key is (run_id, iteration, prompt_id, sample_idx, round); `round` numbers the generation rounds
 of one iteration (dynamic sampling may generate more than one round), 0 for the first.
@@ -11,6 +12,7 @@ of one iteration (dynamic sampling may generate more than one round), 0 for the 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import pyarrow as pa
 
@@ -21,10 +23,16 @@ class TableSchema:
     version: int
     schema: pa.Schema
     key: tuple[str, ...]
+    older: tuple[int, ...] = ()  # versions a reader still reads, upgraded by `upgrade`
+    added: tuple[tuple[str, Any], ...] = ()  # (column, value for the rows of an older file) since those versions
 
     @property
     def tag(self) -> str:
         return f"{self.name}/v{self.version}"
+
+    def reads(self, tag: str) -> bool:
+        """Whether a file tagged `tag` is this version or one this reader upgrades."""
+        return tag == self.tag or tag in {f"{self.name}/v{v}" for v in self.older}
 
 
 def _schema(fields: list[tuple[str, pa.DataType]], nullable: frozenset[str] = frozenset()) -> pa.Schema:
@@ -101,29 +109,39 @@ SCORES = TableSchema(
 
 BATCH = TableSchema(
     name="batch",
-    version=1,
+    # v2: kl_in_reward, and per response token values, returns, token_advantages (PPO with a critic, GAE)
+    version=2,
     schema=_schema(
         _KEY_FIELDS
         + [
             ("reward", pa.float64()),
-            ("shaped_reward", pa.float64()),
-            ("advantage", pa.float64()),
+            ("shaped_reward", pa.float64()),  # + overlong punishment - kl_in_reward
+            ("advantage", pa.float64()),  # the sample's; with GAE the mean of its token_advantages
             ("kept", pa.bool_()),
             ("drop_reason", pa.string()),
             ("group_size", pa.int32()),
             ("group_mean", pa.float64()),
             ("group_std", pa.float64()),
+            ("kl_in_reward", pa.float64()),  # beta * sum_t kl_t taken from the reward (advantage.use_kl_in_reward)
+            # GAE (advantage.estimator gae), null otherwise and in dropped groups: the critic's V(s_t) per response
+            # token, the returns A_t + V_t the critic is trained on, the (whitened) advantage A_t the policy gets
+            ("values", pa.list_(pa.float32())),
+            ("returns", pa.list_(pa.float32())),
+            ("token_advantages", pa.list_(pa.float32())),
         ],
-        nullable=frozenset({"drop_reason"}),
+        nullable=frozenset({"drop_reason", "values", "returns", "token_advantages"}),
     ),
     key=ROLLOUT_KEY,
+    older=(1,),
+    added=(("kl_in_reward", 0.0), ("values", None), ("returns", None), ("token_advantages", None)),
 )
 
 TRAIN_METRICS = TableSchema(
     name="train_metrics",
-    # v2: kl_ref, clip_frac_dual, is_ess, rejected_frac, loss_tokens, padding_frac. Definitions of every
-    # column are in stages/rl/trainer.py (`metrics_row`); a skipped step is one row, skipped = True.
-    version=2,
+    # v2: kl_ref, clip_frac_dual, is_ess, rejected_frac, loss_tokens, padding_frac. v3: value_loss,
+    # vf_clip_frac, vf_explained_var. Definitions of every column are in stages/rl/trainer.py (`metrics_row`)
+    # and stages/rl/critic.py; a skipped step is one row, skipped = True.
+    version=3,
     schema=_schema(
         [
             ("run_id", pa.string()),
@@ -151,9 +169,14 @@ TRAIN_METRICS = TableSchema(
             ("padding_frac", pa.float64()),  # padded positions / all positions of the micro-batches
             ("sequences", pa.int32()),
             ("seconds", pa.float64()),
+            ("value_loss", pa.float64()),  # the critic's clipped value loss (0 without a critic)
+            ("vf_clip_frac", pa.float64()),  # response tokens whose value clip was active
+            ("vf_explained_var", pa.float64()),  # 1 - Var(R - V) / Var(R) of the critic before its update
         ]
     ),
     key=("run_id", "iteration", "step"),
+    older=(2,),
+    added=(("value_loss", 0.0), ("vf_clip_frac", 0.0), ("vf_explained_var", 0.0)),
 )
 
 EVAL = TableSchema(
@@ -183,6 +206,16 @@ TABLES: dict[str, TableSchema] = {t.name: t for t in (PROMPTS, ROLLOUTS, SCORES,
 
 class SchemaMismatch(ValueError):
     """A table that does not match its declared schema; the message names the table and the columns."""
+
+
+def upgrade(table: pa.Table, spec: TableSchema) -> pa.Table:
+    """An older version's table with the columns added since (`spec.added`) filled in: every row gets the
+    column's value (null for a nullable column)."""
+    for name, value in spec.added:
+        if name not in table.column_names:
+            dtype = spec.schema.field(name).type
+            table = table.append_column(name, pa.array([value] * table.num_rows, dtype))
+    return table
 
 
 def conform(table: pa.Table, spec: TableSchema, source: str) -> pa.Table:

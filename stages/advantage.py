@@ -2,17 +2,19 @@
 
 Reads this iteration's rollouts and scores (every generation round), joins them on the rollout key and writes
 the batch table with one row per rollout: `kept` says whether it enters the loss, `drop_reason` why not.
-In order (each step documented in stages/rl/): shaped reward = reward + DAPO overlong penalty; group by
-(round, prompt_id) and drop all-equal groups (`zero_variance`) or groups whose mean reward is out of range
-(`success_rate_out_of_range`); keep the first `target_groups` groups (`over_target`), reporting a shortfall as
-`groups_needed` for the flow to generate another round (an error naming the cap after
-`max_generation_rounds`); advantages by the configured estimator (0 in dropped groups); `mask_truncated`
-after the baseline; and the skip rule: no kept sample with a nonzero advantage makes the manifest say
-`skipped: true`, and train records a skipped step.
+In order (each step documented in stages/rl/): shaped reward = reward + DAPO overlong penalty (- the KL to the
+base model with `use_kl_in_reward`); group by
+(round, prompt_id) and drop groups whose `filter_metric` (DAPO's filter_groups.metric: correctness by default,
+not the shaped reward) is all equal (`zero_variance`) or has its mean out of range (`success_rate_out_of_range`);
+keep the first `target_groups` groups (`over_target`), reporting a shortfall as `groups_needed` for the flow to
+generate another round (an error naming the cap after `max_generation_rounds`); advantages of the shaped
+rewards by the configured estimator (0 in dropped groups; `gae` per token, with the critic's values);
+`mask_truncated` after the baseline; and the skip rule: no kept sample with a nonzero advantage makes the
+manifest say `skipped: true`.
 
-`build_batch` is the pure core, one function per step (group, shape, filter, cap to target, estimate, mask) on
-numpy columns of the rows in (round, prompt, sample) order, where a group is a run of rows; `run` reads, checks
-and joins the inputs (pyarrow group-by and join), calls it and writes.
+`build_batch` is the pure core, one function per step on numpy columns of the rows in (round, prompt, sample)
+order, where a group is a run of rows; `run` reads, checks and joins the inputs (pyarrow), runs the models a
+config needs (reference logprobs, critic values: `with_model_columns`), calls it and writes.
 """
 
 from __future__ import annotations
@@ -30,7 +32,15 @@ import pyarrow.compute as pc
 from schemas.config import AdvantageConfig
 from schemas.tables import ROLLOUT_KEY
 from stages.harness import StageContext, StageInputError, exit_with
-from stages.rl.advantages import compute_advantages
+from stages.rl.advantages import (
+    TOKEN_COLUMNS,
+    EstimatorOptions,
+    adaptive_kl_coef,
+    compute_advantages,
+    gae,
+    token_rewards,
+    whiten_token_values,
+)
 from stages.rl.filters import (
     DROP_OVER_TARGET,
     DROP_SUCCESS_RATE,
@@ -81,7 +91,7 @@ def join_scores(rollouts: pa.Table, scores: pa.Table, source: str = "scores") ->
     if (key := duplicate_key(scores)) is not None:
         raise StageInputError(f"{source}: duplicate score for rollout {key}")
     rollouts = rollouts.append_column("rollout_row", pa.array(np.arange(rollouts.num_rows)))
-    scores = scores.select([*ROLLOUT_KEY, "reward"])
+    scores = scores.select([*ROLLOUT_KEY, "reward", "status"])
     scores = scores.append_column("score_row", pa.array(np.arange(scores.num_rows)))
     joined = rollouts.join(scores, keys=list(ROLLOUT_KEY), join_type="full outer")
     joined = joined.sort_by([("rollout_row", "ascending"), ("score_row", "ascending")])
@@ -127,19 +137,30 @@ class Groups:
         return [values_N[start:end] for start, end in zip(self.bounds_K1[:-1], self.bounds_K1[1:], strict=True)]
 
 
-def build_batch(samples: pa.Table, cfg: AdvantageConfig, max_new_tokens: int) -> tuple[pa.Table, dict[str, Any]]:
+def build_batch(
+    samples: pa.Table, cfg: AdvantageConfig, max_new_tokens: int, kl_coef: float = 0.0
+) -> tuple[pa.Table, dict[str, Any]]:
     """The batch table (one row per sample, BATCH's columns) and the manifest metrics, from joined rollouts and
-    scores (the rollout key, `reward`, `num_tokens`, `truncated`): group, shape, filter, cap to target, estimate,
-    mask, each step one function below. Reasons are per group (`_K`, None = kept), then per sample (`_N`)."""
+    scores (the rollout key, `reward`, `status`, `num_tokens`, `truncated`; with `use_kl_in_reward` a list column
+    `kl` of each token's KL estimate, with GAE one `values` of the critic's V(s_t), zeros if absent): shape,
+    group, filter, cap to target, estimate, mask, each step one function below. `kl_coef`: the KL-in-reward
+    beta. Reasons are per group (`_K`, None = kept), then per sample (`_N`)."""
     samples = samples.sort_by(BATCH_ORDER)
     groups = Groups.of(samples)
     rewards_N = samples["reward"].to_numpy()
     lengths_N = samples["num_tokens"].to_numpy().astype(np.float64)
-    shaped_N = shape_rewards(rewards_N, lengths_N, cfg, max_new_tokens)
-    drop_K = filter_groups(groups, rewards_N, shaped_N, cfg)
+    kl_by_sample = per_token(samples, "kl")
+    outcome_N = shape_rewards(rewards_N, lengths_N, cfg, max_new_tokens)
+    kl_in_reward_N = kl_coef * np.array([kl_T.sum() for kl_T in kl_by_sample]) if kl_by_sample else 0 * rewards_N
+    shaped_N = outcome_N - kl_in_reward_N
+    drop_K = filter_groups(groups, filter_values(samples, rewards_N, shaped_N, cfg), cfg)
     drop_K, groups_needed = cap_to_target(drop_K, groups, cfg)
     in_kept_group_N = np.equal(drop_K, None)[groups.id_N]
-    advantages_N = estimate(shaped_N, lengths_N, groups, in_kept_group_N, cfg)
+    token_columns = {name: pa.nulls(samples.num_rows, pa.list_(pa.float32())) for name in TOKEN_COLUMNS}
+    if cfg.estimator == "gae":
+        advantages_N, token_columns = estimate_gae(samples, outcome_N, kl_by_sample, kl_coef, in_kept_group_N, cfg)
+    else:
+        advantages_N = estimate(shaped_N, lengths_N, groups, in_kept_group_N, cfg)
     drop_N = mask_samples(drop_K[groups.id_N], samples["truncated"].to_numpy(zero_copy_only=False), cfg)
     shaped_by_group = groups.split(shaped_N)
     batch = pa.table(
@@ -153,9 +174,68 @@ def build_batch(samples: pa.Table, cfg: AdvantageConfig, max_new_tokens: int) ->
             "group_size": groups.size_K[groups.id_N],
             "group_mean": np.array([shaped_G.mean() for shaped_G in shaped_by_group])[groups.id_N],
             "group_std": np.array([shaped_G.std(ddof=0) for shaped_G in shaped_by_group])[groups.id_N],
+            "kl_in_reward": kl_in_reward_N,
+            **token_columns,
         }
     )
-    return batch, batch_metrics(batch, drop_K, groups, groups_needed, cfg)
+    metrics = batch_metrics(batch, drop_K, groups, groups_needed, cfg)
+    if cfg.use_kl_in_reward:
+        metrics.update(kl_in_reward_metrics(kl_by_sample, kl_coef, cfg))
+    return batch, metrics
+
+
+def per_token(samples: pa.Table, column: str) -> list[np.ndarray]:
+    """The list column `column` of `samples` as one float64 array per sample; [] when the table has none."""
+    if column not in samples.column_names:
+        return []
+    return [np.asarray(values, dtype=np.float64) for values in samples[column].to_pylist()]
+
+
+def estimate_gae(
+    samples: pa.Table,
+    outcome_N: np.ndarray,
+    kl_by_sample: list[np.ndarray],
+    kl_coef: float,
+    kept_N: np.ndarray,
+    cfg: AdvantageConfig,
+) -> tuple[np.ndarray, dict[str, pa.Array]]:
+    """GAE (advantages.gae) for the samples of kept groups: token rewards = the outcome (reward + overlong
+    punishment) on the last token - kl_coef * kl_t on each, V(s_t) from the critic (0 without one: a new critic's
+    zero head), the advantages whitened over every token of those samples (verl's masked_whiten). Returns each
+    sample's scalar advantage (the mean of its tokens', 0 for an empty response or a dropped group) and the
+    values / returns / token_advantages columns (null outside kept groups)."""
+    lengths = samples["num_tokens"].to_numpy().astype(int).tolist()
+    values_by_sample = per_token(samples, "values") or [np.zeros(n) for n in lengths]
+    rows = np.flatnonzero(kept_N)
+    advantages, returns = [], []
+    for i in rows:
+        kl_T = kl_by_sample[i] if kl_by_sample else np.zeros(lengths[i])
+        advantages_T, returns_T = gae(
+            token_rewards(float(outcome_N[i]), kl_T, kl_coef), values_by_sample[i], cfg.gamma, cfg.lam
+        )
+        advantages.append(advantages_T)
+        returns.append(returns_T)
+    advantages = whiten_token_values(advantages)
+    columns: dict[str, list] = {name: [None] * samples.num_rows for name in TOKEN_COLUMNS}
+    advantages_N = np.zeros(samples.num_rows)
+    for i, advantages_T, returns_T in zip(rows, advantages, returns, strict=True):
+        columns["values"][i] = values_by_sample[i].tolist()
+        columns["returns"][i] = returns_T.tolist()
+        columns["token_advantages"][i] = advantages_T.tolist()
+        advantages_N[i] = advantages_T.mean() if len(advantages_T) else 0.0
+    return advantages_N, {name: pa.array(values, pa.list_(pa.float32())) for name, values in columns.items()}
+
+
+def kl_in_reward_metrics(kl_by_sample: list[np.ndarray], kl_coef: float, cfg: AdvantageConfig) -> dict[str, float]:
+    """The KL-in-reward coefficient used, the batch's KL (the mean over samples of each one's token-mean KL, as
+    verl's apply_kl_penalty) and the next iteration's coefficient (advantages.adaptive_kl_coef, n = the samples;
+    the same for `kl_ctrl: fixed`)."""
+    per_sample = [kl_T.mean() for kl_T in kl_by_sample if len(kl_T)]
+    current = float(np.mean(per_sample)) if per_sample else 0.0
+    next_coef = kl_coef
+    if cfg.kl_ctrl == "adaptive":
+        next_coef = adaptive_kl_coef(kl_coef, current, cfg.kl_target, cfg.kl_horizon, len(kl_by_sample))
+    return {"kl_in_reward_coef": kl_coef, "kl_in_reward_mean": current, "kl_in_reward_next_coef": next_coef}
 
 
 def shape_rewards(
@@ -169,20 +249,32 @@ def shape_rewards(
     return rewards_N + overlong_penalty(lengths_N, max_length, cfg.overlong_buffer, cfg.overlong_penalty_factor)
 
 
-def filter_groups(groups: Groups, rewards_N: np.ndarray, shaped_N: np.ndarray, cfg: AdvantageConfig) -> np.ndarray:
-    """Each group's drop reason (None = kept), the first failing filter naming it: `zero_variance` when its shaped
-    rewards are all equal (filters.has_variance, if `drop_zero_variance_groups`), `success_rate_out_of_range` when
-    its mean reward is outside [min_group_mean, max_group_mean] (filters.success_rate_in_range, if either is set)."""
+def filter_values(
+    samples: pa.Table, rewards_N: np.ndarray, shaped_N: np.ndarray, cfg: AdvantageConfig
+) -> np.ndarray:
+    """What the group filters look at, by `filter_metric` (DAPO's filter_groups.metric, verl's ray_trainer):
+    `acc` 1.0 when the score's status is ok (every test passed) else 0.0; `seq_reward` the scored reward;
+    `reward` the shaped reward. DAPO filters on correctness, so lengths differing only inside the overlong
+    buffer do not make an all-correct group look informative (and then punish its correct answers)."""
+    if cfg.filter_metric == "acc":
+        return (samples["status"].to_numpy(zero_copy_only=False) == "ok").astype(np.float64)
+    return rewards_N if cfg.filter_metric == "seq_reward" else shaped_N
+
+
+def filter_groups(groups: Groups, values_N: np.ndarray, cfg: AdvantageConfig) -> np.ndarray:
+    """Each group's drop reason (None = kept), the first failing filter naming it: `zero_variance` when its filter
+    values are all equal (filters.has_variance, if `drop_zero_variance_groups`), `success_rate_out_of_range` when
+    their mean is outside [min_group_mean, max_group_mean] (filters.success_rate_in_range, if either is set)."""
     filters = []
     if cfg.drop_zero_variance_groups:
-        filters.append((DROP_ZERO_VARIANCE, has_variance, groups.split(shaped_N)))
+        filters.append((DROP_ZERO_VARIANCE, has_variance, groups.split(values_N)))
     if cfg.min_group_mean is not None or cfg.max_group_mean is not None:
         low = -math.inf if cfg.min_group_mean is None else cfg.min_group_mean
         high = math.inf if cfg.max_group_mean is None else cfg.max_group_mean
         if low > high:
             raise StageInputError(f"advantage.min_group_mean {low} > advantage.max_group_mean {high}: no group passes")
         in_range = partial(success_rate_in_range, low=low, high=high)
-        filters.append((DROP_SUCCESS_RATE, in_range, groups.split(rewards_N)))
+        filters.append((DROP_SUCCESS_RATE, in_range, groups.split(values_N)))
     drop_K = np.full(len(groups.round_K), None, dtype=object)
     for reason, keep, values_by_group in filters:
         for k, values_G in enumerate(values_by_group):
@@ -202,9 +294,7 @@ def cap_to_target(drop_K: np.ndarray, groups: Groups, cfg: AdvantageConfig) -> t
     drop_K[kept_K[cfg.target_groups :]] = DROP_OVER_TARGET
     rounds = len(np.unique(groups.round_K))
     try:
-        needed = rounds_needed(
-            min(len(kept_K), cfg.target_groups), cfg.target_groups, rounds, cfg.max_generation_rounds
-        )
+        needed = rounds_needed(min(len(kept_K), cfg.target_groups), cfg.target_groups, rounds, cfg.round_cap)
     except DynamicSamplingExhausted as error:
         raise StageInputError(str(error)) from None
     return drop_K, needed
@@ -216,8 +306,9 @@ def estimate(
     """Advantages by `cfg.estimator` over the samples of kept groups, truncated ones included (they are part of
     their group's baseline); 0 for the samples of dropped groups. `kept_N`: the sample's group is kept."""
     advantages_N = np.zeros_like(shaped_N)
+    options = EstimatorOptions(cfg.std_epsilon, cfg.std_ddof, cfg.singleton_advantage, cfg.whiten_by)
     advantages_N[kept_N] = compute_advantages(
-        cfg.estimator, shaped_N[kept_N], groups.id_N[kept_N], lengths_N[kept_N], cfg.std_epsilon
+        cfg.estimator, shaped_N[kept_N], groups.id_N[kept_N], lengths_N[kept_N], options
     )
     return advantages_N
 
@@ -254,15 +345,73 @@ def batch_metrics(
     }
 
 
+def kl_in_reward_coef(ctx: StageContext) -> float:
+    """This iteration's KL-in-reward beta: advantage.kl_coef, or under the adaptive controller the coefficient
+    the previous iteration's batch manifest handed on (kl_coef at iteration 0)."""
+    cfg = ctx.config.advantage
+    if not cfg.use_kl_in_reward:
+        return 0.0
+    if cfg.kl_ctrl == "fixed" or "previous_batch" not in ctx.inputs:
+        return cfg.kl_coef
+    return float(ctx.inputs["previous_batch"].metrics.get("kl_in_reward_next_coef", cfg.kl_coef))
+
+
+def with_model_columns(ctx: StageContext, samples: pa.Table) -> pa.Table:
+    """`samples` with the per-token columns the models give: `kl` (use_kl_in_reward: the estimate
+    kl_penalty(pi_sampler, pi_ref) of each response token, the reference at the sampling temperature; verl
+    takes the actor's recomputed pi_old, the sampler's logprobs stand in for it here) and `values` (GAE: the
+    critic in the rollouts' checkpoint; none before the first critic exists)."""
+    import torch
+
+    from stages.generation.device import claim_device
+    from stages.rl.checkpoint import load_reference
+    from stages.rl.critic import critic_dir, load_value_model, predict_values
+    from stages.rl.logprobs import all_response_logprobs
+    from stages.rl.losses import kl_estimate
+
+    cfg, train = ctx.config.advantage, ctx.config.train
+    prompts = [list(ids) for ids in samples["prompt_token_ids"].to_pylist()]
+    responses = [list(ids) for ids in samples["response_token_ids"].to_pylist()]
+    budget = 2 * train.micro_batch_tokens  # no activations kept without grad
+    device = claim_device(ctx.config.device).torch
+    if cfg.use_kl_in_reward:
+        reference = load_reference(ctx.policy_dir("reference"), device)
+        ref_logp = all_response_logprobs(
+            reference, prompts, responses, ctx.config.generate.temperature, budget, train.logprob_chunk_tokens
+        )
+        del reference
+        sampler = samples["response_logprobs"].to_pylist()
+        kl = [kl_estimate(torch.tensor(old, dtype=torch.float32), ref, cfg.kl_penalty).double().numpy()
+              for old, ref in zip(sampler, ref_logp, strict=True)]
+        samples = samples.append_column("kl", pa.array([k.tolist() for k in kl], pa.list_(pa.float64())))
+    if cfg.estimator == "gae" and "policy" in ctx.inputs:
+        checkpoint = ctx.policy_dir("policy")
+        if critic_dir(checkpoint).is_dir():
+            critic, _ = load_value_model(checkpoint, checkpoint, device)
+            values = predict_values(critic, prompts, responses, budget, device)
+            samples = samples.append_column("values", pa.array([v.tolist() for v in values], pa.list_(pa.float64())))
+    return samples
+
+
 def run(ctx: StageContext) -> None:
+    cfg = ctx.config.advantage
+    model_passes = cfg.use_kl_in_reward or (cfg.estimator == "gae" and "policy" in ctx.inputs)
+    token_columns = ["prompt_token_ids", "response_token_ids", "response_logprobs"] if model_passes else []
     # Every generation round of the iteration (round 0, plus the rounds dynamic sampling asked for).
-    rollouts = ctx.read_rounds("rollouts", [*ROLLOUT_KEY, "num_tokens", "truncated"])
-    scores = ctx.read_rounds("scores", [*ROLLOUT_KEY, "reward"])
+    rollouts = ctx.read_rounds("rollouts", [*ROLLOUT_KEY, "num_tokens", "truncated", *token_columns])
+    scores = ctx.read_rounds("scores", [*ROLLOUT_KEY, "reward", "status"])
     rollouts_paths = ", ".join(ctx.inputs[name].path for name in ctx.round_input_names("rollouts"))
     scores_paths = ", ".join(ctx.inputs[name].path for name in ctx.round_input_names("scores"))
     check_group_sizes(rollouts, ctx.config.generate.n_samples, rollouts_paths)
-    samples = join_scores(rollouts, scores, scores_paths)
-    batch, metrics = build_batch(samples, ctx.config.advantage, ctx.config.generate.max_new_tokens)
+    # Arrow's join carries no list columns: join without them, then take them by each sample's rollout row.
+    keyed = rollouts.drop_columns(token_columns).append_column("_row", pa.array(np.arange(rollouts.num_rows)))
+    samples = join_scores(keyed, scores, scores_paths)
+    for name in token_columns:
+        samples = samples.append_column(name, rollouts[name].take(samples["_row"]))
+    samples = samples.drop_columns(["_row"])
+    if model_passes:
+        samples = with_model_columns(ctx, samples)
+    batch, metrics = build_batch(samples, cfg, ctx.config.generate.max_new_tokens, kl_in_reward_coef(ctx))
     ctx.write_table("batch", batch, metrics)
 
 

@@ -335,11 +335,12 @@ def check_round(spec: StageSpec, config: RunConfig, round_idx: int) -> None:
         return
     if not spec.per_round:
         raise ConfigError(f"stage {spec.name} has no generation rounds (only generate and score do)")
-    cap = config.advantage.max_generation_rounds
-    if config.advantage.target_groups is None or not 0 < round_idx < cap:
+    cap = config.advantage.round_cap  # None: unlimited
+    if config.advantage.target_groups is None or round_idx < 1 or (cap is not None and round_idx >= cap):
         raise ConfigError(
             f"round {round_idx} of stage {spec.name}: extra generation rounds exist only for dynamic sampling "
-            f"(advantage.target_groups set), numbered 1..{cap - 1} (advantage.max_generation_rounds={cap})"
+            f"(advantage.target_groups set), numbered "
+            + (f"1..{cap - 1} (advantage.max_generation_rounds={cap})" if cap else "from 1")
         )
 
 

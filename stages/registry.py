@@ -61,6 +61,8 @@ class StageSpec:
     outputs: Callable[..., list[Output]]  # (iteration, round=0) -> outputs of that instance
     per_round: bool = False  # one instance per generation round (generate, score)
     reads_rounds: tuple[str, ...] = ()  # tables it also reads from every extra round (see round_inputs)
+    # (config, iteration) -> the inputs only some configs need (the advantage stage's models)
+    config_inputs: Callable[[RunConfig, int], dict[str, Output]] = lambda config, k: {}
 
 
 # Fields that decide when a stage runs, not what it computes: never part of a stage key, so changing them
@@ -91,6 +93,28 @@ EVALUATE_GENERATE_FIELDS = ("generate.backend", "generate.dtype", "generate.vllm
                             "generate.vllm_kv_cache_dtype", "generate.max_prompt_tokens", "generate.overlong_prompt")
 
 PROMPTS = Output("prompts", BASE)
+
+
+def advantage_payload(config: RunConfig) -> dict[str, Any]:
+    """The advantage section; with the KL in the reward also the sampling temperature its reference logprobs
+    are taken at (a run without it keeps the key it had)."""
+    names = ("advantage", "generate.temperature") if config.advantage.use_kl_in_reward else ("advantage",)
+    return _sections(*names)(config)
+
+
+def advantage_model_inputs(config: RunConfig, iteration: int) -> dict[str, Output]:
+    """The advantage stage's model inputs: with GAE the checkpoint that generated the rollouts, whose `critic/`
+    gives the values (none at iteration 0: a new critic's values are 0); with the KL in the reward the base model
+    (the reference) and, for the adaptive controller, the previous batch (its manifest carries the coefficient)."""
+    advantage = config.advantage
+    inputs: dict[str, Output] = {}
+    if advantage.estimator == "gae" and iteration > 0:
+        inputs["policy"] = policy_output(iteration)
+    if advantage.use_kl_in_reward:
+        inputs["reference"] = Output("checkpoint", BASE)
+        if advantage.kl_ctrl == "adaptive" and iteration > 0:
+            inputs["previous_batch"] = Output("batch", iteration - 1)
+    return inputs
 
 STAGES: dict[str, StageSpec] = {
     spec.name: spec
@@ -123,14 +147,16 @@ STAGES: dict[str, StageSpec] = {
             per_round=True,
         ),
         StageSpec(
-            "advantage", False, _sections("advantage"),
+            "advantage", False, advantage_payload,
             inputs=lambda k, r=0: {"rollouts": Output("rollouts", k), "scores": Output("scores", k)},
             outputs=lambda k, r=0: [Output("batch", k)],
             reads_rounds=("rollouts", "scores"),
+            config_inputs=advantage_model_inputs,
         ),
         StageSpec(
-            # Train recomputes logprobs at the sampling temperature, and uses the base model as KL reference.
-            "train", False, _sections("train", "threads", "generate.temperature"),
+            # Train recomputes logprobs at the sampling temperature, and uses the base model as KL reference; a
+            # critic trains when the estimator is GAE.
+            "train", False, _sections("train", "threads", "generate.temperature", "advantage.estimator"),
             inputs=lambda k, r=0: {
                 "batch": Output("batch", k), "rollouts": Output("rollouts", k), "policy": policy_output(k),
                 "reference": Output("checkpoint", BASE),
@@ -190,8 +216,8 @@ def round_inputs(run: Run, stage: str, iteration: int) -> dict[str, Output]:
     if not spec.reads_rounds or config.advantage.target_groups is None:  # rounds are dynamic sampling's only
         return extra
     per_round = [s.name for s in STAGES.values() if s.per_round]
-    round_idx = 1
-    while round_idx < config.advantage.max_generation_rounds and all(
+    round_idx, cap = 1, config.advantage.round_cap
+    while (cap is None or round_idx < cap) and all(
         stage_state(run, StageInstance(name, iteration, round_idx)).done for name in per_round
     ):
         for table in spec.reads_rounds:
@@ -213,7 +239,11 @@ def resolve_inputs(run: Run, target: StageInstance) -> ResolvedInputs:
     """Every input of one stage instance (the fixed ones, then those of the extra generation rounds) with a
     valid, intact manifest, and the key the instance's outputs must carry; raises MissingInput."""
     spec = STAGES[target.stage]
-    sources = {**spec.inputs(target.iteration, target.round_idx), **round_inputs(run, target.stage, target.iteration)}
+    sources = {
+        **spec.inputs(target.iteration, target.round_idx),
+        **spec.config_inputs(run.config, target.iteration),
+        **round_inputs(run, target.stage, target.iteration),
+    }
     where = f"iteration {target.iteration}" + (f", round {target.round_idx}" if target.round_idx else "")
     manifests: dict[str, Manifest] = {}
     for name, output in sources.items():

@@ -7,8 +7,9 @@ model for k = 0) by stages/rl/session.py (plain torch, in this process) or stage
 the sampler's are the behaviour policy for rollout correction (or the old policy, `bypass_old_logprobs`).
 The KL reference is the base model, verified against the run's base-model hash. A skipped batch (no kept
 nonzero advantage) trains nothing: the checkpoint is a copy of the input policy, so iteration k+1 has one,
-and the table holds one row with skipped = True. Seeds are fixed by (train.seed, iteration). A progress bar
-counts the optimizer steps with loss, KL and tokens/s; DeepSpeed's rank 0 reports each step through a file.
+and the table holds one row with skipped = True. Seeds are fixed by (train.seed, iteration). With GAE a critic
+trains beside the policy (stages/rl/critic.py), in the checkpoint's `critic/`. A progress bar counts the
+optimizer steps with loss, KL and tokens/s; DeepSpeed's rank 0 reports each step through a file.
 """
 
 from __future__ import annotations
@@ -29,7 +30,9 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from schemas.tables import ROLLOUT_KEY
 from stages.generation.device import claim_device, device_record, release_memory, resolve_dtype
 from stages.harness import StageContext, StageInputError, exit_with
+from stages.rl.advantages import TOKEN_COLUMNS
 from stages.rl.checkpoint import TrainerState, copy_policy, read_state
+from stages.rl.critic import copy_value_model
 from stages.rl.filters import is_skip_step
 from stages.rl.session import TrainJob, peak_rss_mb, run_job
 from stages.rl.trainer import lr_at, optimizer_steps
@@ -65,6 +68,8 @@ def training_samples(
                 "response_ids": list(rollout["response_token_ids"]),
                 "behaviour_logprobs": [float(x) for x in rollout["response_logprobs"]],
                 "advantage": float(row["advantage"]),
+                # GAE's per-token columns (batch/v2), absent or null for outcome estimators
+                **{name: [float(x) for x in row[name]] for name in TOKEN_COLUMNS if row.get(name) is not None},
             }
         )
     return samples, empty
@@ -97,6 +102,9 @@ def skipped_row(global_step: int, lr: float) -> dict[str, Any]:
         "padding_frac": 0.0,
         "sequences": 0,
         "seconds": 0.0,
+        "value_loss": nan,
+        "vf_clip_frac": 0.0,
+        "vf_explained_var": nan,
     }
 
 
@@ -185,6 +193,7 @@ def run(ctx: StageContext) -> None:
 
     if skipped:
         copy_policy(policy_dir, out_dir, TrainerState(state.global_step, ctx.iteration, state.lora))
+        copy_value_model(policy_dir, out_dir)  # the critic carries over too (PPO with GAE)
         rows = [skipped_row(state.global_step, lr_at(state.global_step, cfg))]
         metrics: dict[str, Any] = {"backend": cfg.backend, "steps": 0, "peak_rss_mb": round(peak_rss_mb(), 1)}
     else:
@@ -200,6 +209,7 @@ def run(ctx: StageContext) -> None:
             samples=samples,
             # The ranks take their own GPUs (local rank) on CUDA; one process trains on the stage's device.
             device=device.type if deepspeed else device.torch,
+            critic=ctx.config.advantage.estimator == "gae",
         )
         with step_progress(optimizer_steps(cfg, len(samples)), ctx.instance.label) as on_step:
             if deepspeed:

@@ -1,7 +1,8 @@
 """Reading and writing Parquet tables, checked against their versioned schemas.
 
 A written file carries its schema tag ("rollouts/v1") in the Parquet key-value metadata; a reader refuses a
-file whose tag is not the version it knows, naming the file, instead of misreading old columns.
+file whose tag is not the version it knows (or an older one it upgrades: schemas.tables.upgrade), naming the
+file, instead of misreading old columns.
 The bytes are serialised in memory, hashed, and written atomically, so the hash in the manifest is the hash
 of exactly the bytes on storage.
 """
@@ -15,7 +16,7 @@ import fsspec
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from schemas.tables import TableSchema, conform
+from schemas.tables import TableSchema, conform, upgrade
 from storage.fs import atomic_write_bytes
 
 SCHEMA_METADATA_KEY = b"rlpipe.schema"
@@ -52,6 +53,6 @@ def read_table(fs: fsspec.AbstractFileSystem, path: str, spec: TableSchema) -> p
     with fs.open(path, "rb") as handle:
         table = pq.read_table(handle)
     tag = (table.schema.metadata or {}).get(SCHEMA_METADATA_KEY, b"").decode() or "none"
-    if tag != spec.tag:
+    if not spec.reads(tag):
         raise TableVersionError(f"{path}: schema version {tag}, this rlpipe reads {spec.tag}")
-    return conform(table, spec, path)
+    return conform(upgrade(table, spec) if tag != spec.tag else table, spec, path)

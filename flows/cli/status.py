@@ -6,6 +6,8 @@ own under it, `k.r`, for every round that left any output, finished or not.
 
 from __future__ import annotations
 
+import itertools
+
 from rich.console import Group
 from rich.table import Table
 
@@ -176,10 +178,14 @@ def extra_rounds(run: Run, iteration: int) -> list[int]:
     if run.config.advantage.target_groups is None:
         return []
     outputs = [spec.outputs for spec in STAGES.values() if spec.per_round]
-    return [
-        r for r in range(1, run.config.advantage.max_generation_rounds)
-        if any(run.fs.exists(output.manifest_path(run.layout)) for of in outputs for output in of(iteration, r))
-    ]
+    cap = run.config.advantage.round_cap
+    found = []
+    for r in range(1, cap) if cap is not None else itertools.count(1):
+        if any(run.fs.exists(output.manifest_path(run.layout)) for of in outputs for output in of(iteration, r)):
+            found.append(r)
+        elif cap is None:  # unlimited rounds (max_generation_rounds 0) are made one after another from 1
+            break
+    return found
 
 
 def stage_states(run: Run) -> dict[tuple[str, int], bool]:

@@ -128,7 +128,8 @@ def dynamic_sampling_rounds(
         needed, rounds = batch_groups_needed(run, iteration)
         if needed == 0:
             return outcomes
-        if rounds >= run.config.advantage.max_generation_rounds:  # the advantage stage refuses this; never loop
+        cap = run.config.advantage.round_cap
+        if cap is not None and rounds >= cap:  # the advantage stage refuses this; never loop
             raise RuntimeError(f"batch of iteration {iteration} lacks {needed} groups after {rounds} rounds (the cap)")
         log("iteration %d: the batch needs %d more kept groups: generation round %d", iteration, needed, rounds)
         outcomes += [execute(instance("generate", iteration, rounds)), execute(instance("score", iteration, rounds)),

@@ -6,20 +6,33 @@ the other samples of the same prompt, so easy and hard prompts both give a centr
 
 Conventions (tested in tests/rl/test_advantages.py): float64 numpy, `_G` one group, `_N` a flat batch. A NaN
 or infinite reward is a `ValueError` naming the sample (a scorer bug), never a silent zero. A singleton group
-gets advantage 0 (verl falls back to the raw reward, a biased uncentred signal). A group of equal rewards gets
-exactly 0 (the std-normalised estimators compute 0 / (0 + eps)).
+gets advantage 0 by default (verl falls back to the raw reward, a biased uncentred signal: `singleton_advantage:
+reward`). A group of equal rewards gets exactly 0 (the std-normalised estimators compute 0 / (0 + eps)). Each
+formula cites the verl function (verl/trainer/ppo/core_algos.py) it matches; docs/algorithms.md lists them.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 
-# (rewards_G, lengths_G or None, eps) -> advantages_G: one group's formula
-GroupFormula = Callable[[np.ndarray, np.ndarray | None, float], np.ndarray]
-# (rewards_N, group_ids_N, lengths_N or None, eps) -> advantages_N: a flat batch of groups
-BatchEstimator = Callable[[np.ndarray, np.ndarray, np.ndarray | None, float], np.ndarray]
+
+@dataclass(frozen=True)
+class EstimatorOptions:
+    """The knobs of advantage.* the estimators read (defaults: rlpipe's choices, docs/algorithms.md)."""
+
+    eps: float = 1e-6  # added to the group std
+    ddof: int = 0  # of the group std: 0 population, 1 sample (verl's torch.std)
+    singleton: str = "zero"  # a sample alone in its group: "zero", or verl's "reward"
+    whiten_by: str = "sample"  # batch whitening over samples, or over response tokens (verl)
+
+
+# (rewards_G, lengths_G or None, options) -> advantages_G: one group's formula
+GroupFormula = Callable[[np.ndarray, np.ndarray | None, EstimatorOptions], np.ndarray]
+# (rewards_N, group_ids_N, lengths_N or None, options) -> advantages_N: a flat batch of groups
+BatchEstimator = Callable[[np.ndarray, np.ndarray, np.ndarray | None, EstimatorOptions], np.ndarray]
 
 
 def check_finite(rewards_N: np.ndarray, what: str = "reward") -> np.ndarray:
@@ -54,18 +67,35 @@ def mean_centered_advantages(rewards_G: np.ndarray) -> np.ndarray:
     return rewards_G - rewards_G.mean()
 
 
-def grpo_advantages(rewards_G: np.ndarray, eps: float = 1e-6) -> np.ndarray:
-    """A_i = (r_i - mean(r)) / (std(r) + eps), std the population std (ddof = 0). GRPO, Shao et al. 2024.
+def grpo_advantages(rewards_G: np.ndarray, eps: float = 1e-6, ddof: int = 0) -> np.ndarray:
+    """A_i = (r_i - mean(r)) / (std(r) + eps), std with `ddof` (default 0, the population std). GRPO, Shao et
+    al. 2024; verl's compute_grpo_outcome_advantage with ddof = 1 (torch.std).
 
     Population std (ddof = 0) is a choice: with binary rewards and G samples it makes |A| depend only on
-    the success rate, and it is defined for G = 1 (verl uses torch.std, ddof = 1). eps (default 1e-6) is
-    added to the std, not under a square root, so an all-equal group gives exactly 0 / eps = 0.
+    the success rate, and it is defined for G = 1 (verl uses torch.std, ddof = 1: `advantage.std_ddof`).
+    eps (default 1e-6) is added to the std, not under a square root, so an all-equal group gives exactly
+    0 / eps = 0.
     """
     rewards_G = check_finite(rewards_G)
     if _no_signal(rewards_G):
         return np.zeros_like(rewards_G)
     centred_G = rewards_G - rewards_G.mean()
-    return centred_G / (rewards_G.std(ddof=0) + eps)
+    return centred_G / (rewards_G.std(ddof=ddof) + eps)
+
+
+def grpo_passk_advantages(rewards_G: np.ndarray, eps: float = 1e-6, ddof: int = 0) -> np.ndarray:
+    """Only the group's best sample gets an advantage: A_best = (r_max - r_second) / (std(r) + eps), every
+    other sample 0 (Pass@k training, arXiv 2503.19595 as verl's compute_grpo_passk_outcome_advantage cites it).
+    The first of equal maxima is the best (then r_max = r_second: 0). A singleton group has no second sample:
+    0 (verl refuses it)."""
+    rewards_G = check_finite(rewards_G)
+    advantages_G = np.zeros_like(rewards_G)
+    if _no_signal(rewards_G):
+        return advantages_G
+    best = int(np.argmax(rewards_G))
+    second = float(np.max(np.delete(rewards_G, best)))
+    advantages_G[best] = (rewards_G[best] - second) / (rewards_G.std(ddof=ddof) + eps)
+    return advantages_G
 
 
 def dr_grpo_advantages(rewards_G: np.ndarray) -> np.ndarray:
@@ -124,52 +154,110 @@ def whiten(values_N: np.ndarray, eps: float = 1e-6) -> np.ndarray:
     return (values_N - values_N.mean()) / (values_N.std(ddof=0) + eps)
 
 
+def whiten_tokens(values_N: np.ndarray, lengths_N: np.ndarray) -> np.ndarray:
+    """verl's masked_whiten over the response tokens when each of sample i's L_i tokens holds v_i:
+    mu = sum L v / sum L, var = sum L (v - mu)^2 / (sum L - 1) (Bessel over tokens), w = (v - mu) / sqrt(var +
+    1e-8). A long response weighs L times a one-token one in the mean and the variance."""
+    values_N = check_finite(values_N, "value")
+    lengths_N = np.asarray(lengths_N, dtype=np.float64)
+    tokens = lengths_N.sum()
+    if values_N.size == 0 or tokens < 2:
+        return np.zeros_like(values_N)
+    mean = (lengths_N * values_N).sum() / tokens
+    var = (lengths_N * (values_N - mean) ** 2).sum() / (tokens - 1)
+    return (values_N - mean) / np.sqrt(var + 1e-8)
+
+
+def whiten_batch(values_N: np.ndarray, lengths_N: np.ndarray | None, options: EstimatorOptions) -> np.ndarray:
+    """Whitening over the batch by `options.whiten_by` (samples: `whiten`; tokens: `whiten_tokens`). Exact zeros
+    stay exact when every value is equal (nothing to whiten), as the skip rule tests `== 0`."""
+    if values_N.size == 0 or bool(np.all(values_N == values_N[0])):
+        return np.zeros_like(values_N)
+    if options.whiten_by == "token":
+        if lengths_N is None:
+            raise ValueError("token whitening needs response lengths")
+        return whiten_tokens(values_N, lengths_N)
+    return whiten(values_N, options.eps)
+
+
 def per_group(formula: GroupFormula) -> BatchEstimator:
-    """The batch estimator that applies `formula` to each group (the samples sharing a group id) on its own."""
+    """The batch estimator that applies `formula` to each group (the samples sharing a group id) on its own;
+    a singleton group gets `singleton_advantages` (0, or verl's raw reward)."""
 
     def estimate(
-        rewards_N: np.ndarray, group_ids_N: np.ndarray, lengths_N: np.ndarray | None, eps: float
+        rewards_N: np.ndarray, group_ids_N: np.ndarray, lengths_N: np.ndarray | None, options: EstimatorOptions
     ) -> np.ndarray:
         advantages_N = np.zeros_like(rewards_N)
         for group in np.unique(group_ids_N):
             members = np.flatnonzero(group_ids_N == group)
             lengths_G = None if lengths_N is None else lengths_N[members]
-            advantages_N[members] = formula(rewards_N[members], lengths_G, eps)
+            if members.size == 1 and options.singleton == "reward":
+                advantages_N[members] = rewards_N[members]
+                continue
+            advantages_N[members] = formula(rewards_N[members], lengths_G, options)
         return advantages_N
 
     return estimate
 
 
 def reinforce_pp_baseline_advantages(
-    rewards_N: np.ndarray, group_ids_N: np.ndarray, lengths_N: np.ndarray | None, eps: float
+    rewards_N: np.ndarray, group_ids_N: np.ndarray, lengths_N: np.ndarray | None, options: EstimatorOptions
 ) -> np.ndarray:
-    """A = whiten_batch(r_i - mean_group(r)). REINFORCE++-baseline, Hu et al. 2025: the one batch-level estimator.
+    """A = whiten_batch(r_i - mean_group(r)). REINFORCE++-baseline, Hu et al. 2025 (verl's
+    compute_reinforce_plus_plus_baseline_outcome_advantage).
 
     The group mean removes the prompt's difficulty and the whitening over every sample passed in sets the
-    scale. Whitening is per sample, not per token (verl whitens over response tokens, which weights long
-    responses more). Pass only the samples that will be trained on (after filtering), so dropped groups do
-    not set the scale. Singleton groups contribute a 0 before whitening and stay exactly 0 after it; an
-    all-zero batch stays all zero.
+    scale. Whitening is per sample by default; verl whitens over response tokens, which weights long
+    responses more (`whiten_by: token`). Pass only the samples that will be trained on (after filtering), so
+    dropped groups do not set the scale. Singleton groups contribute a 0 before whitening and stay exactly 0
+    after it (their raw reward with `singleton_advantage: reward`); an all-zero batch stays all zero.
     """
-    advantages_N = per_group(lambda rewards_G, lengths_G, eps: mean_centered_advantages(rewards_G))(
-        rewards_N, group_ids_N, lengths_N, eps
+    advantages_N = per_group(lambda rewards_G, lengths_G, options: mean_centered_advantages(rewards_G))(
+        rewards_N, group_ids_N, lengths_N, options
     )
     # The batch mean of group-centred values is 0 up to rounding, so whitening would turn an exact 0
     # (an all-equal group) into +-1e-17: keep exact zeros exact, the skip rule tests `== 0`.
     zero_N = advantages_N == 0.0
-    advantages_N = whiten(advantages_N, eps)
+    advantages_N = whiten_batch(advantages_N, lengths_N, options)
     advantages_N[zero_N] = 0.0
     return advantages_N
+
+
+def reinforce_pp_advantages(
+    rewards_N: np.ndarray, group_ids_N: np.ndarray, lengths_N: np.ndarray | None, options: EstimatorOptions
+) -> np.ndarray:
+    """A = whiten_batch(r): REINFORCE++ without a baseline (Hu et al. 2025; verl's
+    compute_reinforce_plus_plus_outcome_advantage with gamma = 1, where every token's return is the outcome
+    reward). Groups play no part: the batch mean is the only baseline."""
+    return whiten_batch(check_finite(rewards_N), lengths_N, options)
+
+
+def gpg_advantages(
+    rewards_N: np.ndarray, group_ids_N: np.ndarray, lengths_N: np.ndarray | None, options: EstimatorOptions
+) -> np.ndarray:
+    """A_i = alpha * (r_i - mean_group(r)), alpha = N / max(#{i: r_i != 0}, 1) over the N samples passed in.
+    GPG, Chu et al. 2025 (verl's compute_gpg_outcome_advantage, f_norm = 1): no std division; alpha scales the
+    batch up by the share of samples with a nonzero reward. Pair it with `train.policy_loss: reinforce` and no
+    `is_level` (verl's gpg loss, -A log pi)."""
+    rewards_N = check_finite(rewards_N)
+    alpha = rewards_N.size / max(int(np.count_nonzero(rewards_N)), 1)
+    centred_N = per_group(lambda rewards_G, lengths_G, options: mean_centered_advantages(rewards_G))(
+        rewards_N, group_ids_N, lengths_N, options
+    )
+    return alpha * centred_N
 
 
 # Every estimator by name, each name written here once: `advantage.estimator` in schemas/config.py lists the
 # same names (tests/rl/test_advantages.py checks the two agree). A new estimator is one entry.
 ESTIMATORS: dict[str, BatchEstimator] = {
-    "grpo": per_group(lambda rewards_G, lengths_G, eps: grpo_advantages(rewards_G, eps)),
-    "dr_grpo": per_group(lambda rewards_G, lengths_G, eps: dr_grpo_advantages(rewards_G)),
-    "rloo": per_group(lambda rewards_G, lengths_G, eps: rloo_advantages(rewards_G)),
-    "opo": per_group(lambda rewards_G, lengths_G, eps: opo_advantages(rewards_G, lengths_G)),
-    "mean_centered": per_group(lambda rewards_G, lengths_G, eps: mean_centered_advantages(rewards_G)),
+    "grpo": per_group(lambda rewards_G, lengths_G, o: grpo_advantages(rewards_G, o.eps, o.ddof)),
+    "grpo_passk": per_group(lambda rewards_G, lengths_G, o: grpo_passk_advantages(rewards_G, o.eps, o.ddof)),
+    "dr_grpo": per_group(lambda rewards_G, lengths_G, o: dr_grpo_advantages(rewards_G)),
+    "rloo": per_group(lambda rewards_G, lengths_G, o: rloo_advantages(rewards_G)),
+    "opo": per_group(lambda rewards_G, lengths_G, o: opo_advantages(rewards_G, lengths_G)),
+    "mean_centered": per_group(lambda rewards_G, lengths_G, o: mean_centered_advantages(rewards_G)),
+    "gpg": gpg_advantages,
+    "reinforce_pp": reinforce_pp_advantages,
     "reinforce_pp_baseline": reinforce_pp_baseline_advantages,
 }
 
@@ -179,10 +267,11 @@ def compute_advantages(
     rewards_N: np.ndarray,
     group_ids_N: np.ndarray,
     lengths_N: np.ndarray | None = None,
-    eps: float = 1e-6,
+    options: EstimatorOptions | None = None,
 ) -> np.ndarray:
     """Advantages of a flat batch by the estimator named `estimator` (a key of ESTIMATORS); samples that
-    share a group id are one group. `lengths_N` (response token counts) is needed by opo only."""
+    share a group id are one group. `lengths_N` (response token counts) is needed by opo and token
+    whitening."""
     estimate = ESTIMATORS.get(estimator)
     if estimate is None:
         raise ValueError(f"unknown advantage estimator {estimator!r}; expected one of {sorted(ESTIMATORS)}")
@@ -192,4 +281,60 @@ def compute_advantages(
         raise ValueError(f"group_ids shape {group_ids_N.shape} != rewards shape {rewards_N.shape}")
     if lengths_N is not None:
         lengths_N = np.asarray(lengths_N, dtype=np.float64)
-    return estimate(rewards_N, group_ids_N, lengths_N, eps)
+    return estimate(rewards_N, group_ids_N, lengths_N, options or EstimatorOptions())
+
+
+# --------------------------------------------------------------------------------------------------------
+# Token-level: GAE with a critic, and the KL penalty in the reward (verl's apply_kl_penalty)
+
+# The batch table's per-token columns (GAE's), null for outcome estimators and in dropped groups.
+TOKEN_COLUMNS = ("values", "returns", "token_advantages")
+# The estimators that are not outcome (ESTIMATORS) ones: `advantage.estimator` lists both.
+TOKEN_ESTIMATORS = ("gae",)
+
+
+def token_rewards(reward: float, kl_T: np.ndarray | None, beta: float) -> np.ndarray:
+    """A response's per-token rewards: the outcome reward on its last token, minus beta * kl_t on every token
+    (verl: token_level_rewards = token_level_scores - beta * kld, the score at the last valid token)."""
+    length = 0 if kl_T is None else len(kl_T)
+    rewards_T = np.zeros(length) if kl_T is None else -beta * np.asarray(kl_T, dtype=np.float64)
+    if length:
+        rewards_T[-1] += reward
+    return rewards_T
+
+
+def gae(rewards_T: np.ndarray, values_T: np.ndarray, gamma: float, lam: float) -> tuple[np.ndarray, np.ndarray]:
+    """Generalized Advantage Estimation (Schulman et al. 2016) over one response, V after its end = 0:
+
+      delta_t = r_t + gamma V_{t+1} - V_t;  A_t = delta_t + gamma lam A_{t+1};  R_t = A_t + V_t
+    verl's compute_gae_advantage_return on one sequence (before its whitening, `whiten_tokens`). Returns (A, R).
+    """
+    rewards_T = np.asarray(rewards_T, dtype=np.float64)
+    values_T = np.asarray(values_T, dtype=np.float64)
+    advantages_T = np.zeros_like(rewards_T)
+    next_value, running = 0.0, 0.0
+    for t in range(len(rewards_T) - 1, -1, -1):
+        delta = rewards_T[t] + gamma * next_value - values_T[t]
+        running = delta + gamma * lam * running
+        advantages_T[t] = running
+        next_value = values_T[t]
+    return advantages_T, advantages_T + values_T
+
+
+def whiten_token_values(values_by_sample: list[np.ndarray]) -> list[np.ndarray]:
+    """verl's masked_whiten over every token of every sample: (v - mean) / sqrt(var + 1e-8), the variance with
+    Bessel's correction over the token count; the samples' values back, each whitened."""
+    flat_N = np.concatenate(values_by_sample) if values_by_sample else np.zeros(0)
+    if flat_N.size < 2:
+        return [np.zeros_like(v) for v in values_by_sample]
+    mean = flat_N.mean()
+    var = ((flat_N - mean) ** 2).sum() / (flat_N.size - 1)
+    scale = 1.0 / np.sqrt(var + 1e-8)
+    return [(v - mean) * scale for v in values_by_sample]
+
+
+def adaptive_kl_coef(coef: float, current_kl: float, target: float, horizon: int, n_steps: int) -> float:
+    """The next KL-in-reward coefficient of the adaptive controller (Ziegler et al. 2019; verl's
+    AdaptiveKLController.update): coef * (1 + clip(current_kl / target - 1, -0.2, 0.2) * n_steps / horizon)."""
+    error = float(np.clip(current_kl / target - 1.0, -0.2, 0.2))
+    return coef * (1.0 + error * n_steps / horizon)

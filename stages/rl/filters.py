@@ -2,14 +2,15 @@
 
 Pure functions over numpy arrays (`_N` one entry per sample, `_K` one per group), used by the advantage stage
 in this order: `overlong_penalty` (DAPO's soft length penalty, added before any group statistic so it takes
-part in the baseline); group filters `has_variance` (DAPO dynamic sampling) and `success_rate_in_range` (a
-dropped group's samples stay in the table with `kept = False` and a `drop_reason`); the `truncated` sample
+part in the baseline); group filters `has_variance` (DAPO dynamic sampling) and `success_rate_in_range`, on
+the values `advantage.filter_metric` names (a dropped group's samples stay in the table with `kept = False`
+and a `drop_reason`); the `truncated` sample
 mask (out of the loss, still in the baseline: dropping them there would bias the others' advantages); and
 `is_skip_step`: with no kept nonzero advantage the step is skipped, since it would only move the policy
 through KL/entropy terms and Adam's momentum, drift rather than learning.
 
-Dynamic sampling across rounds is planned by `rounds_needed` and bounded by `max_rounds`, which raises
-`DynamicSamplingExhausted` at the cap.
+Dynamic sampling across rounds is planned by `rounds_needed` and bounded by `max_rounds` (None: unbounded),
+which raises `DynamicSamplingExhausted` at the cap.
 """
 
 from __future__ import annotations
@@ -68,18 +69,18 @@ class DynamicSamplingExhausted(RuntimeError):
     """Dynamic sampling hit its cap on generation rounds before the batch held enough kept groups."""
 
 
-def rounds_needed(kept_groups: int, target_groups: int, rounds_done: int, max_rounds: int) -> int:
+def rounds_needed(kept_groups: int, target_groups: int, rounds_done: int, max_rounds: int | None) -> int:
     """How many more groups (prompts) to generate in the next round; 0 when the batch is full.
 
     Raises DynamicSamplingExhausted when `rounds_done` rounds are already the cap and the batch is short,
-    with a message that says what to change.
+    with a message that says what to change. `max_rounds` None: no cap (verl's max_num_gen_batches: 0).
     """
-    if target_groups < 1 or max_rounds < 1:
+    if target_groups < 1 or (max_rounds is not None and max_rounds < 1):
         raise ValueError("target_groups and max_rounds must be >= 1")
     missing = target_groups - kept_groups
     if missing <= 0:
         return 0
-    if rounds_done >= max_rounds:
+    if max_rounds is not None and rounds_done >= max_rounds:
         raise DynamicSamplingExhausted(
             f"dynamic sampling kept {kept_groups} of the {target_groups} groups the batch needs after "
             f"{rounds_done} generation round(s) (the cap, advantage.max_generation_rounds={max_rounds}): "

@@ -230,3 +230,28 @@ def full_softmax_logprobs(
     logp_N = logp_BLV[micro.rows_N, micro.positions_N].gather(-1, micro.targets_N[:, None]).squeeze(-1)
     entropy_N = -(logp_BLV.exp() * logp_BLV)[micro.rows_N, micro.positions_N].sum(-1)
     return micro.to_BT(logp_N), micro.to_BT(entropy_N)
+
+
+def all_response_logprobs(
+    model: torch.nn.Module,
+    prompts: list[list[int]],
+    responses: list[list[int]],
+    temperature: float,
+    token_budget: int,
+    chunk_tokens: int = 512,
+) -> list[torch.Tensor]:
+    """The logprobs of every response's tokens under `model` (no grad, on the model's device), micro-batched by
+    `token_budget`: for a stage that needs one policy's logprobs without a trainer (the advantage stage's
+    reference pass for the KL in the reward). Padding-free per response, in input order, on the CPU."""
+    device = next(model.parameters()).device
+    policy = ResponseLogprobs(model, temperature, chunk_tokens)
+    out: list[torch.Tensor] = [torch.empty(0)] * len(prompts)
+    lengths = [len(p) + len(r) for p, r in zip(prompts, responses, strict=True)]
+    model.eval()
+    for indices in pack_by_tokens(lengths, token_budget):
+        micro = build_micro_batch(indices, prompts, responses).to(device)
+        with torch.no_grad():
+            logp_BT, _ = micro_logprobs(policy, micro)
+        for row, i in enumerate(indices):
+            out[i] = logp_BT[row, : len(responses[i])].float().cpu()
+    return out

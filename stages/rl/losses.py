@@ -9,7 +9,9 @@ reduced the same way and micro-batches can be summed into exactly the minibatch 
 Three policies appear (verl's "decoupled" naming): the behaviour policy pi_b that sampled the tokens (the
 sampler's logprobs, e.g. vLLM in bf16), the old policy pi_old (the same weights, recomputed by the
 trainer before the update) and the current policy pi_theta. PPO clips pi_theta / pi_old; rollout
-correction reweights or rejects by pi_old / pi_b; in bypass mode pi_old := pi_b.
+correction reweights or rejects by pi_old / pi_b; in bypass mode pi_old := pi_b and the correction is of
+pi_theta / pi_b. Semantics follow verl's verl/trainer/ppo/core_algos.py and rollout_corr_helper.py and TRL's
+trl/trainer/grpo_trainer.py where named; docs/algorithms.md lists every formula with its peers' names.
 """
 
 from __future__ import annotations
@@ -25,9 +27,11 @@ LossAggregation = Literal[
 ]
 KLEstimator = Literal["k1", "k2", "k3"]
 RejectionMode = Literal[
-    "token_k1", "token_k2", "token_k3", "seq_sum_k1", "seq_mean_k1", "seq_mean_k2", "seq_mean_k3",
-    "seq_max_k2", "seq_max_k3",
+    "token_k1", "token_k2", "token_k3", "seq_sum_k1", "seq_sum_k2", "seq_sum_k3", "seq_mean_k1", "seq_mean_k2",
+    "seq_mean_k3", "seq_max_k2", "seq_max_k3",
 ]  # fmt: skip
+# One rejection rule: (mode, low, high). k1 modes keep low <= ratio <= high; the others divergence <= high.
+RejectionRule = tuple[str, float | None, float]
 
 # Log-ratios are clamped before exp() so one wild token cannot overflow to inf (verl uses the same bound).
 LOG_RATIO_LIMIT = 20.0
@@ -94,16 +98,77 @@ def ppo_clip_loss(
     return PolicyLossOutput(loss_BT, ratio_d_BT, clipped_low_BT, clipped_high_BT, clipped_dual_BT)
 
 
-def reinforce_is_loss(
-    logp_BT: torch.Tensor, old_logp_BT: torch.Tensor, advantages_BT: torch.Tensor
-) -> PolicyLossOutput:
-    """No clip: L = -A * r, r = exp(logp - old_logp) (REINFORCE with an importance weight).
+def _unclipped(loss_BT: torch.Tensor, ratio_BT: torch.Tensor) -> PolicyLossOutput:
+    zeros_BT = torch.zeros_like(ratio_BT)
+    return PolicyLossOutput(loss_BT, ratio_BT, zeros_BT, zeros_BT, zeros_BT)
 
-    Its gradient is -A * r * grad(logp): at r = 1 (the first on-policy step) exactly REINFORCE.
+
+def reinforce_loss(
+    logp_BT: torch.Tensor, old_logp_BT: torch.Tensor, advantages_BT: torch.Tensor, weights_BT: torch.Tensor | None
+) -> PolicyLossOutput:
+    """L = -A * w * log pi_theta, w detached (1 when None). verl's compute_policy_loss_reinforce (bypass mode,
+    loss_type reinforce): w is the truncated importance weight, so the gradient is -A * w * grad(log pi_theta),
+    bounded by the truncation (at ratio 5 and threshold 2: -2A, where -A * r would give -5A). Also GPG's loss
+    (verl's compute_policy_loss_gpg) with w = 1."""
+    ratio_BT = torch.exp(log_ratio(logp_BT.detach(), old_logp_BT))
+    weighted_BT = advantages_BT if weights_BT is None else advantages_BT * weights_BT.detach()
+    return _unclipped(-weighted_BT * logp_BT, ratio_BT)
+
+
+def cispo_loss(
+    logp_BT: torch.Tensor, old_logp_BT: torch.Tensor, advantages_BT: torch.Tensor, clip_high: float
+) -> PolicyLossOutput:
+    """CISPO (MiniMax-M1, Chen et al. 2025): L = -sg(min(r, 1 + eps_high)) * A * log pi_theta.
+
+    The clipped ratio only weighs the token: every token keeps a gradient, never zeroed by a clip. As TRL's
+    loss_type cispo (its epsilon_high is the cap itself, here 1 + clip_high) with the paper's lower bound off.
+    `clipped_high` marks the tokens whose weight the cap lowered.
     """
+    ratio_BT = torch.exp(log_ratio(logp_BT.detach(), old_logp_BT))
+    weights_BT = ratio_BT.clamp(max=1.0 + clip_high)
+    out = _unclipped(-weights_BT * advantages_BT * logp_BT, ratio_BT)
+    out.clipped_high_BT = (ratio_BT > 1.0 + clip_high).to(ratio_BT.dtype)
+    return out
+
+
+def sapo_loss(
+    logp_BT: torch.Tensor, old_logp_BT: torch.Tensor, advantages_BT: torch.Tensor, tau_pos: float, tau_neg: float
+) -> PolicyLossOutput:
+    """SAPO soft gate (TRL's loss_type sapo): L = -(4 / tau) * sigmoid(tau * (r - 1)) * A, tau = tau_pos where
+    A > 0 else tau_neg. At r = 1 its gradient is -A * grad(log pi) like PPO's; away from 1 the gate fades the
+    gradient smoothly instead of cutting it at a clip."""
     ratio_BT = torch.exp(log_ratio(logp_BT, old_logp_BT))
-    zeros_BT = torch.zeros_like(ratio_BT).detach()
-    return PolicyLossOutput(-advantages_BT * ratio_BT, ratio_BT.detach(), zeros_BT, zeros_BT, zeros_BT)
+    tau_BT = torch.where(advantages_BT > 0, tau_pos, tau_neg).to(ratio_BT.dtype)
+    gate_BT = torch.sigmoid(tau_BT * (ratio_BT - 1.0)) * 4.0 / tau_BT
+    return _unclipped(-gate_BT * advantages_BT, ratio_BT.detach())
+
+
+def gspo_loss(
+    logp_BT: torch.Tensor,
+    old_logp_BT: torch.Tensor,
+    advantages_BT: torch.Tensor,
+    mask_BT: torch.Tensor,
+    clip_low: float,
+    clip_high: float,
+) -> PolicyLossOutput:
+    """GSPO (Zheng et al. 2025; verl's compute_policy_loss_gspo): one ratio per sequence,
+    s = exp(mean_t log(pi_theta / pi_old)) over its response tokens, given to every token as
+    s_t = sg(s) * pi_theta(t) / sg(pi_theta(t)) (so the gradient is token-level), clamped at log 10 like verl;
+    L = max(-A s_t, -A clip(s_t, 1 - eps_low, 1 + eps_high)). verl aggregates it seq-mean-token-mean
+    whatever loss_agg_mode says; here the configured aggregation applies (docs/algorithms.md)."""
+    mask_BT = mask_BT.to(logp_BT.dtype)
+    tokens_B = mask_BT.sum(-1).clamp(min=1.0)
+    seq_log_B = (log_ratio(logp_BT.detach(), old_logp_BT) * mask_BT).sum(-1) / tokens_B
+    log_s_BT = (logp_BT - logp_BT.detach() + seq_log_B[:, None]).clamp(max=10.0)
+    ratio_BT = torch.exp(log_s_BT)
+    unclipped_BT = -advantages_BT * ratio_BT
+    clipped_BT = -advantages_BT * ratio_BT.clamp(1.0 - clip_low, 1.0 + clip_high)
+    with torch.no_grad():
+        ratio_d_BT = ratio_BT.detach()
+        clipped_low_BT = ((ratio_d_BT < 1.0 - clip_low) & (advantages_BT < 0)).to(ratio_d_BT.dtype)
+        clipped_high_BT = ((ratio_d_BT > 1.0 + clip_high) & (advantages_BT > 0)).to(ratio_d_BT.dtype)
+    loss_BT = torch.maximum(unclipped_BT, clipped_BT)
+    return PolicyLossOutput(loss_BT, ratio_d_BT, clipped_low_BT, clipped_high_BT, torch.zeros_like(ratio_d_BT))
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -124,10 +189,14 @@ def aggregate(
       token-mean:              sum_{b,t} v m / sum_{b,t} m                       (DAPO; every token equal)
       seq-mean-token-sum:      (1/|S|) sum_b sum_t v m
       seq-mean-token-mean:     (1/|S|) sum_b (sum_t v m / sum_t m)               (original GRPO)
-      seq-mean-token-sum-norm: sum_{b,t} v m / (|S| * T_norm)                     (Dr. GRPO; no length bias)
-    `num_sequences` / `num_tokens` override |S| and sum m: pass the minibatch's totals when this call sees
-    one micro-batch of it, so that the micro-batch results add up to the minibatch's loss exactly (gradient
-    accumulation without reweighting). `norm_length` defaults to the padded width T.
+      seq-mean-token-sum-norm: sum_{b,t} v m / T_norm                            (Dr. GRPO; no length bias)
+    The names and formulas are verl's agg_loss (verl/trainer/ppo/core_algos.py). seq-mean-token-sum-norm is
+    not divided by |S| (verl divides by T only): its scale grows with the minibatch's sequences, |S| times
+    TRL's dr_grpo (sum / (|S| * max_completion_length)); under Adam a constant scale changes nothing but the
+    weight of max_grad_norm. `num_sequences` / `num_tokens` override |S| and sum m: pass the minibatch's
+    totals when this call sees one micro-batch of it, so that the micro-batch results add up to the
+    minibatch's loss exactly (gradient accumulation without reweighting). `norm_length` defaults to the
+    padded width T of `values_BT` (PolicyTrainer always passes one: generate.max_new_tokens in the stage).
     """
     mask_BT = mask_BT.to(values_BT.dtype)
     tokens_B = mask_BT.sum(-1)
@@ -146,7 +215,7 @@ def aggregate(
         return per_seq_B.sum() / num_sequences
     if mode == "seq-mean-token-sum-norm":
         length = float(norm_length if norm_length is not None else values_BT.shape[-1])
-        return masked_sum(values_BT, mask_BT) / (num_sequences * length)
+        return masked_sum(values_BT, mask_BT) / length
     raise ValueError(f"unknown loss aggregation {mode!r}")
 
 
@@ -198,6 +267,9 @@ def truncated_is_weights(
 
     token:    w_t = min(pi_old(t) / pi_b(t), C)                    (TIS, Yao et al. 2025)
     sequence: w_t = min(prod_t' pi_old(t') / pi_b(t'), C) for every t of the sequence
+    The product runs over `mask_BT`: pass the response mask, not the mask after rejection, as verl's
+    compute_rollout_correction_and_rejection_mask computes the weights before it rejects (a rejected token
+    still counts in its sequence's weight).
     """
     with torch.no_grad():
         mask_BT = mask_BT.to(old_logp_BT.dtype)
@@ -216,54 +288,84 @@ def rejection_mask(
     old_logp_BT: torch.Tensor,
     behaviour_logp_BT: torch.Tensor,
     mask_BT: torch.Tensor,
-    modes: list[RejectionMode] | tuple[RejectionMode, ...],
-    ratio_low: float = 0.5,
-    ratio_high: float = 2.0,
-    divergence_max: float = 2.0,
+    rules: list[RejectionRule] | tuple[RejectionRule, ...],
 ) -> torch.Tensor:
-    """1.0 for tokens kept, 0.0 for tokens rejected (and for padding). Criteria combine with AND.
+    """1.0 for tokens kept, 0.0 for tokens rejected (and for padding). Rules combine with AND.
 
-    With l_t = log(pi_old(t) / pi_b(t)) over the sequence's response tokens:
-      token_k1:    reject token t if exp(l_t) is outside [ratio_low, ratio_high]
-      token_k2/k3: reject token t if k(l_t) > divergence_max,  k2 = l^2 / 2,  k3 = exp(l) - 1 - l
-      seq_sum_k1:  reject the sequence if exp(sum_t l_t) is outside [ratio_low, ratio_high]
-      seq_mean_k1: reject the sequence if exp(mean_t l_t) (geometric-mean ratio) is outside the range
-      seq_mean_k2/k3: reject the sequence if mean_t k(l_t) > divergence_max
-      seq_max_k2/k3:  reject the sequence if max_t k(l_t) > divergence_max
-    (the option names follow verl's rollout_rs). Rejected tokens leave the loss and its denominator.
+    verl's compute_rollout_rejection_mask (rollout_corr_helper.py). With l_t = log(pi_old(t) / pi_b(t)) over the
+    sequence's response tokens, k1_t = -l_t, k2_t = l_t^2 / 2, k3_t = exp(l_t) - 1 - l_t, each rule (mode,
+    low, high) keeps:
+      token_k1:              log(low) <= k1_t <= log(high)    i.e. pi_b / pi_old in [low, high], per token
+      token_k2 / token_k3:   k_t <= high, per token
+      seq_sum_k1 / seq_mean_k1:  log(low) <= sum_t / mean_t of k1 <= log(high), the whole sequence
+      seq_sum_k2/k3, seq_mean_k2/k3, seq_max_k2/k3:  sum_t / mean_t / max_t of k <= high, the whole sequence
+    k1 bounds the inverse ratio (verl's -log r): the same for symmetric bounds [1/u, u], not for 0.6_1.6.
+    Rejected tokens leave the loss and its denominator.
     """
     with torch.no_grad():
         keep_BT = mask_BT.to(old_logp_BT.dtype).clone()
         valid_BT = keep_BT > 0
         log_rho_BT = log_ratio(old_logp_BT, behaviour_logp_BT).masked_fill(~valid_BT, 0.0)
         tokens_B = valid_BT.sum(-1).clamp(min=1)
-        k2_BT = 0.5 * log_rho_BT**2
-        k3_BT = torch.exp(log_rho_BT) - 1.0 - log_rho_BT
-        lo, hi = torch.log(torch.tensor(ratio_low)), torch.log(torch.tensor(ratio_high))
-        for mode in modes:
-            if mode == "token_k1":
-                keep_BT *= ((log_rho_BT >= lo) & (log_rho_BT <= hi)).to(keep_BT.dtype)
-                continue
-            if mode in ("token_k2", "token_k3"):
-                div_BT = k2_BT if mode == "token_k2" else k3_BT
-                keep_BT *= (div_BT <= divergence_max).to(keep_BT.dtype)
-                continue
-            if mode == "seq_sum_k1":
-                seq_log_B = log_rho_BT.sum(-1)
-                keep_B = (seq_log_B >= lo) & (seq_log_B <= hi)
-            elif mode == "seq_mean_k1":
-                seq_log_B = log_rho_BT.sum(-1) / tokens_B
-                keep_B = (seq_log_B >= lo) & (seq_log_B <= hi)
-            elif mode in ("seq_mean_k2", "seq_mean_k3"):
-                div_BT = k2_BT if mode == "seq_mean_k2" else k3_BT
-                keep_B = div_BT.sum(-1) / tokens_B <= divergence_max
-            elif mode in ("seq_max_k2", "seq_max_k3"):
-                div_BT = k2_BT if mode == "seq_max_k2" else k3_BT
-                keep_B = div_BT.max(-1).values <= divergence_max
-            else:
+        stats_BT = {"k1": -log_rho_BT, "k2": 0.5 * log_rho_BT**2, "k3": torch.exp(log_rho_BT) - 1.0 - log_rho_BT}
+        for mode, low, high in rules:
+            level, _, estimator = mode.rpartition("_")
+            stat_BT = stats_BT.get(estimator)
+            if stat_BT is None or level not in ("token", "seq_sum", "seq_mean", "seq_max") or mode == "seq_max_k1":
                 raise ValueError(f"unknown rejection mode {mode!r}")
-            keep_BT *= keep_B[:, None].to(keep_BT.dtype)
+            if level == "token":
+                value = stat_BT
+            elif level == "seq_sum":
+                value = stat_BT.sum(-1, keepdim=True)
+            elif level == "seq_mean":
+                value = stat_BT.sum(-1, keepdim=True) / tokens_B[:, None]
+            else:
+                value = stat_BT.masked_fill(~valid_BT, -math.inf).max(-1, keepdim=True).values
+            if estimator == "k1":
+                assert low is not None, f"rejection rule {mode} needs a lower bound"
+                passes = (value >= math.log(low)) & (value <= math.log(high))
+            else:
+                passes = value <= high
+            keep_BT *= passes.expand_as(keep_BT).to(keep_BT.dtype)
         return keep_BT
+
+
+def m2po_mask(
+    ratio_logp_BT: torch.Tensor, behaviour_logp_BT: torch.Tensor, mask_BT: torch.Tensor, threshold: float
+) -> torch.Tensor:
+    """M2PO (Zheng et al. 2025, "Prosperity before Collapse"): drop the tokens with the largest squared
+    log-ratio l_t^2, l_t = log(pi_ratio(t) / pi_b(t)), until the mean of l^2 over the remaining tokens is at
+    most `threshold` (the paper's tau = 0.04). Over every token of `mask_BT` at once (the minibatch): a bound on
+    the second moment of the log importance weights, instead of clipping each ratio. 1.0 kept, 0.0 dropped."""
+    with torch.no_grad():
+        mask_BT = mask_BT.to(ratio_logp_BT.dtype)
+        squared_BT = log_ratio(ratio_logp_BT, behaviour_logp_BT) ** 2 * mask_BT
+        squared_N = squared_BT[mask_BT > 0]
+        order_N = torch.argsort(squared_N, descending=True, stable=True)
+        sorted_N = squared_N[order_N].double()
+        # mean of the tokens left after dropping the j largest, for j = 0..n-1
+        remaining_sum_N = sorted_N.sum() - torch.cat([sorted_N.new_zeros(1), sorted_N.cumsum(0)[:-1]])
+        remaining_count_N = torch.arange(len(sorted_N), 0, -1, dtype=torch.float64)
+        fits_N = remaining_sum_N / remaining_count_N <= threshold
+        drop = int(torch.nonzero(fits_N)[0]) if bool(fits_N.any()) else len(sorted_N)
+        keep_N = torch.ones_like(squared_N)
+        keep_N[order_N[:drop]] = 0.0
+        keep_BT = torch.zeros_like(mask_BT)
+        keep_BT[mask_BT > 0] = keep_N
+        return keep_BT
+
+
+def sequence_skip_mask(
+    logp_BT: torch.Tensor, old_logp_BT: torch.Tensor, mask_BT: torch.Tensor, threshold: float
+) -> torch.Tensor:
+    """Colossal-RL's skip_threshold (ColossalChat coati/distributed/loss.py): leave out a sequence whose mean
+    token ratio pi_theta / pi_old over its response tokens exceeds `threshold` (Colossal skips a whole
+    micro-batch by the mean over it; per sequence here, so packing does not decide). (B, 1) of 1.0 / 0.0."""
+    with torch.no_grad():
+        mask_BT = mask_BT.to(logp_BT.dtype)
+        ratio_BT = torch.exp(log_ratio(logp_BT, old_logp_BT)) * mask_BT
+        mean_B = ratio_BT.sum(-1) / mask_BT.sum(-1).clamp(min=1.0)
+        return (mean_B <= threshold).to(logp_BT.dtype)[:, None]
 
 
 @dataclass

@@ -26,6 +26,8 @@ from stages.rl.checkpoint import (
     read_state,
     save_policy,
 )
+from stages.rl.critic import OPTIMIZER_FILE as CRITIC_OPTIMIZER_FILE
+from stages.rl.critic import CriticTrainer, critic_dir, load_value_model, save_value_model
 from stages.rl.trainer import PolicyTrainer, TorchStepper, TrainSample, make_adamw
 
 
@@ -43,6 +45,7 @@ class TrainJob:
     # Where to train, as torch names it: "cpu" or "cuda:N" (torch backend); the DeepSpeed ranks take the GPU of
     # their local rank when it names CUDA (stages/rl/deepspeed_backend.py).
     device: str = "cpu"
+    critic: bool = False  # PPO's critic (advantage.estimator gae): resumed from policy_dir/critic, saved beside
 
     @property
     def cfg(self) -> TrainConfig:
@@ -82,6 +85,7 @@ def run_job(job: TrainJob, on_step: Callable[[dict], None] | None = None) -> tup
     resumed = load_optimizer_state(optimizer, policy_dir, cfg)
     state = read_state(policy_dir)
     ref = load_reference(Path(job.reference_dir), job.device) if cfg.kl_coef > 0 and job.reference_dir else None
+    critic = load_critic(job) if job.critic else None
     loaded = time.monotonic()
     cpu_started = time.process_time()
     trainer = PolicyTrainer(
@@ -93,6 +97,7 @@ def run_job(job: TrainJob, on_step: Callable[[dict], None] | None = None) -> tup
         ref_model=ref,
         global_step=state.global_step,
         device=job.device,
+        critic=critic,
     )
     rows = trainer.train(job.train_samples(), job.iteration, on_step)
     trained = time.monotonic()
@@ -104,11 +109,29 @@ def run_job(job: TrainJob, on_step: Callable[[dict], None] | None = None) -> tup
         Path(job.out_dir),
         TrainerState(trainer.global_step, job.iteration, cfg.lora_rank > 0),
     )
+    if critic is not None:
+        save_value_model(critic.model, critic.optimizer if cfg.save_optimizer else None, critic.global_step,
+                         Path(job.out_dir))
     saved = time.monotonic()
     metrics = session_metrics(rows, loaded - started, trained - loaded, saved - trained, resumed, "torch", 1)
     # CPU seconds of the update (all threads): a load-independent measure of its work on a shared machine.
     metrics["train_cpu_seconds"] = round(cpu_seconds, 3)
     return rows, metrics
+
+
+def load_critic(job: TrainJob) -> CriticTrainer:
+    """The critic of the input checkpoint with its AdamW state, or a new one (zero head) on train.critic_model or
+    the input policy; its optimizer steps count on from the checkpoint's."""
+    cfg = job.cfg
+    policy_dir = Path(job.policy_dir)
+    model, step = load_value_model(policy_dir, Path(cfg.critic_model or policy_dir), job.device)
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=cfg.critic_lr, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps,
+                                  weight_decay=cfg.weight_decay, foreach=True)
+    saved = critic_dir(policy_dir) / CRITIC_OPTIMIZER_FILE
+    if saved.is_file():
+        optimizer.load_state_dict(torch.load(saved, map_location="cpu", weights_only=True))
+    return CriticTrainer(model, cfg, optimizer, step, job.device)
 
 
 def session_metrics(

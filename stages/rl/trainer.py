@@ -2,12 +2,14 @@
 
 The train stage without its I/O, so the toy-problem tests, the benchmark and the DeepSpeed worker run exactly
 the stage's code. `PolicyTrainer.train` on a batch: (1) old-policy logprobs, recomputed in a no-grad pass
-only when the batch gets more than one optimizer step or rejection needs them before the first backward (for
-a single step the training forward pass's detached logprobs are the old policy; with `bypass_old_logprobs`
-the sampler's are); (2) reference logprobs of the frozen base model when kl_coef > 0; (3) `epochs` seeded
-shuffles, each cut into `minibatches` optimizer steps, a minibatch packed into micro-batches by token budget
-with gradients accumulated, every loss term aggregated with the minibatch's totals (`losses.aggregate`) so
-the gradient is the minibatch loss's whatever the packing; (4) clipping, `lr_at(global_step)`, the step.
+only when the batch gets more than one optimizer step or the correction needs them before the first backward
+(for a single step the training forward pass's detached logprobs are the old policy; with
+`bypass_old_logprobs` the sampler's are); (2) reference logprobs of the frozen base model when kl_coef > 0;
+(3) `epochs` seeded shuffles, each cut into `minibatches` optimizer steps; each step first fixes its rollout
+correction over the whole minibatch (`_correction`: rejection, M2PO, normalised weights), then packs the
+minibatch into micro-batches by token budget with gradients accumulated, every loss term aggregated with the
+minibatch's totals (`losses.aggregate`) so the gradient is the minibatch loss's whatever the packing;
+(4) clipping, `lr_at(global_step)`, the step.
 
 Dropout is forced off: PPO's ratio and the single-step fast path need a deterministic policy. The optimizer
 side is behind `Stepper` (plain torch here, DeepSpeed in stages/rl/deepspeed_backend.py).
@@ -27,13 +29,20 @@ import torch
 
 from schemas.config import TrainConfig
 from stages.generation.device import resolve_dtype
+from stages.rl.critic import NO_CRITIC, CriticSample, CriticTrainer
 from stages.rl.logprobs import MicroBatch, ResponseLogprobs, build_micro_batch, micro_logprobs, pack_by_tokens
 from stages.rl.losses import (
+    PolicyLossOutput,
     aggregate,
+    cispo_loss,
+    gspo_loss,
     kl_estimate,
+    m2po_mask,
     ppo_clip_loss,
-    reinforce_is_loss,
+    reinforce_loss,
     rejection_mask,
+    sapo_loss,
+    sequence_skip_mask,
     step_stat_metrics,
     step_stat_sums,
     truncated_is_weights,
@@ -46,6 +55,11 @@ class TrainSample:
     response_ids: list[int]
     behaviour_logprobs: list[float]  # the sampler's, one per response token
     advantage: float
+    # GAE's per response token (the batch table's lists): the advantages the policy gets instead of `advantage`,
+    # and the critic's old values and returns
+    token_advantages: list[float] | None = None
+    values: list[float] | None = None
+    returns: list[float] | None = None
 
     def __post_init__(self) -> None:
         if len(self.behaviour_logprobs) != len(self.response_ids):
@@ -55,6 +69,12 @@ class TrainSample:
             )
         if not math.isfinite(self.advantage):
             raise ValueError(f"advantage {self.advantage} is not finite")
+        for name in ("token_advantages", "values", "returns"):
+            values = getattr(self, name)
+            if values is not None and len(values) != len(self.response_ids):
+                raise ValueError(f"{len(self.response_ids)} response tokens but {len(values)} {name}")
+            if values is not None and not all(math.isfinite(v) for v in values):
+                raise ValueError(f"{name} are not all finite")
 
 
 def optimizer_steps(cfg: TrainConfig, samples: int) -> int:
@@ -164,6 +184,23 @@ class TrainBatch:
     behaviour: list[torch.Tensor]  # pi_b, the sampler's
     old: list[torch.Tensor] | None  # pi_old; None: the training forward's own, detached (the one-step fast path)
     ref: list[torch.Tensor] | None  # pi_ref, when kl_coef > 0
+    longest: int  # the longest response: seq-mean-token-sum-norm's length when the caller gives none
+
+    @property
+    def critic_samples(self) -> list[CriticSample]:
+        """What the critic trains on (GAE's samples carry values and returns)."""
+        return [CriticSample(s.prompt_ids, s.response_ids, s.values or [], s.returns or []) for s in self.samples]
+
+
+@dataclass
+class StepCorrection:
+    """A minibatch's rollout correction, fixed for its optimizer step, per sample index: the loss mask after
+    rejection and M2PO, and the importance weights when they were computed over the minibatch (normalised)
+    rather than in each micro-batch's forward; and the loss denominators those masks give."""
+
+    keep: dict[int, torch.Tensor] | None  # None: every response token is in the loss
+    weights: dict[int, torch.Tensor] | None  # None: computed in the forward (or none configured)
+    norm: dict[str, float | None]
 
 
 @dataclass
@@ -235,10 +272,12 @@ class PolicyTrainer:
         global_step: int = 0,
         policy: torch.nn.Module | None = None,
         device: str | torch.device | None = None,
+        critic: CriticTrainer | None = None,
     ):
         """`policy`: the module the forward passes go through; default ResponseLogprobs(model), a DeepSpeed
         engine wrapping one in the DeepSpeed backend. `device`: where the batch tensors go (default: the model's
-        first parameter's); `train.dtype` "auto" resolves on it (bf16 autocast on CUDA, fp32 on CPU)."""
+        first parameter's); `train.dtype` "auto" resolves on it (bf16 autocast on CUDA, fp32 on CPU). `critic`:
+        PPO's critic, stepped on each minibatch after the policy (stages/rl/critic.py)."""
         if cfg.kl_coef > 0 and ref_model is None:
             raise ValueError("kl_coef > 0 needs a reference model")
         self.model = model
@@ -248,6 +287,7 @@ class PolicyTrainer:
         self.norm_length = norm_length
         self.ref_model = ref_model
         self.global_step = global_step
+        self.critic = critic
         self.device = torch.device(device) if device is not None else next(model.parameters()).device
         self.dtype = resolve_dtype(cfg.dtype, str(self.device))
         self.policy = (
@@ -305,8 +345,9 @@ class PolicyTrainer:
         minibatches = min(cfg.minibatches, len(samples))
         total_steps = optimizer_steps(cfg, len(samples))
         behaviour = [torch.tensor(s.behaviour_logprobs, dtype=torch.float32, device=self.device) for s in samples]
-        # The fast path: one step, trainer logprobs recomputed in the training forward itself.
-        self.fast_old = total_steps == 1 and not cfg.bypass_old_logprobs and not cfg.rejection
+        # The fast path: one step, trainer logprobs recomputed in the training forward itself (nothing needs
+        # them before the first backward: no rejection, M2PO or weight normalisation over the minibatch).
+        self.fast_old = total_steps == 1 and not cfg.bypass_old_logprobs and not self._corrects_minibatch()
         if cfg.bypass_old_logprobs:
             old = behaviour
         elif self.fast_old:
@@ -315,7 +356,7 @@ class PolicyTrainer:
             old = self.sequence_logprobs(self.policy, samples)
         ref = self.sequence_logprobs(self.ref_policy, samples) if self.ref_policy is not None else None
 
-        batch = TrainBatch(samples, behaviour, old, ref)
+        batch = TrainBatch(samples, behaviour, old, ref, max(len(s.response_ids) for s in samples))
         generator = torch.Generator().manual_seed(cfg.seed * 1_000_003 + iteration)
         rows = []
         self.model.train()
@@ -348,42 +389,72 @@ class PolicyTrainer:
             mine.append((packed[0], 0.0))
         return mine
 
-    def _masks(
-        self, old_BT: torch.Tensor, behaviour_BT: torch.Tensor, mask_BT: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(loss mask after rejection, truncated IS weights or None) from pi_old / pi_b.
-
-        Under bypass pi_old = pi_b, so there is nothing to correct; TrainConfig refuses bypass together with
-        rejection or is_level, so this early return drops no configured correction."""
+    def _corrects_minibatch(self) -> bool:
+        """Whether the correction needs every token of the minibatch at once (rejection changes the loss's
+        denominators, M2PO's and the weight normalisation's statistics are over the minibatch)."""
         cfg = self.cfg
+        normalises = cfg.is_batch_normalize and self._applies_weights()
+        return bool(cfg.rejection) or cfg.m2po_threshold is not None or normalises
+
+    def _applies_weights(self) -> bool:
+        """Whether importance weights enter the loss: always when configured, except a ratio loss under bypass,
+        whose ratio pi_theta / pi_sampler corrects already (verl's bypass_mode: weights only for reinforce)."""
+        cfg = self.cfg
+        return cfg.is_level != "none" and (not cfg.bypass_old_logprobs or cfg.policy_loss == "reinforce")
+
+    def _correction(self, minibatch: list[int], batch: TrainBatch) -> StepCorrection:
+        """The step's rollout correction from pi_ratio / pi_b over the whole minibatch: pi_ratio = pi_old
+        (pi_theta at the step's start under bypass, from a no-grad pass: verl computes it in the loss's own
+        forward). In order: rejection (`rejection_mask`, verl's rollout_rs), M2PO (`m2po_mask`) on what is left,
+        the truncated importance weights over every response token (`truncated_is_weights`; rejected tokens
+        count, as in verl), normalised to mean 1 over the minibatch if `is_batch_normalize`."""
+        cfg, samples = self.cfg, batch.samples
+        lengths = [len(samples[i].response_ids) for i in minibatch]
+        if not self._corrects_minibatch():
+            num_sequences, num_tokens = float(sum(1 for n in lengths if n > 0)), float(sum(lengths))
+            norm = {"num_sequences": num_sequences, "num_tokens": num_tokens, "norm_length": self._norm_length(batch)}
+            return StepCorrection(None, None, norm)
         if cfg.bypass_old_logprobs:
-            return mask_BT, None
-        keep_BT = mask_BT
-        if cfg.rejection:
-            keep_BT = rejection_mask(
-                old_BT,
-                behaviour_BT,
-                mask_BT,
-                cfg.rejection,
-                cfg.rejection_ratio_low,
-                cfg.rejection_ratio_high,
-                cfg.rejection_divergence_max,
-            )
-        weights_BT = None
-        if cfg.is_level != "none":
-            weights_BT = truncated_is_weights(old_BT, behaviour_BT, keep_BT, cfg.is_level, cfg.is_threshold)
-        return keep_BT, weights_BT
+            ratio_logp = self.sequence_logprobs(self.policy, [samples[i] for i in minibatch])
+        else:
+            assert batch.old is not None  # the minibatch correction forces the old-logprob pass
+            ratio_logp = [batch.old[i] for i in minibatch]
+        pad = torch.nn.utils.rnn.pad_sequence
+        ratio_BT = pad(ratio_logp, batch_first=True)
+        behaviour_BT = pad([batch.behaviour[i] for i in minibatch], batch_first=True)
+        mask_BT = pad([torch.ones(n, device=ratio_BT.device) for n in lengths], batch_first=True)
+        keep_BT = rejection_mask(ratio_BT, behaviour_BT, mask_BT, cfg.rejection_rules()) if cfg.rejection else mask_BT
+        if cfg.m2po_threshold is not None:
+            keep_BT = keep_BT * m2po_mask(ratio_BT, behaviour_BT, keep_BT, cfg.m2po_threshold)
+        weights = None
+        if self._applies_weights():
+            weights_BT = truncated_is_weights(ratio_BT, behaviour_BT, mask_BT, cfg.is_level, cfg.is_threshold)
+            if cfg.is_batch_normalize:
+                weights_BT = weights_BT / normaliser(weights_BT, mask_BT, cfg.is_level)
+            weights = {i: weights_BT[row, :n] for row, (i, n) in enumerate(zip(minibatch, lengths, strict=True))}
+        keep = {i: keep_BT[row, :n] for row, (i, n) in enumerate(zip(minibatch, lengths, strict=True))}
+        norm = {
+            "num_sequences": float((keep_BT.sum(-1) > 0).sum()),
+            "num_tokens": float(keep_BT.sum()),
+            "norm_length": self._norm_length(batch),
+        }
+        return StepCorrection(keep, weights, norm)
+
+    def _norm_length(self, batch: TrainBatch) -> float:
+        """seq-mean-token-sum-norm's constant: the caller's (the stage: generate.max_new_tokens), else the batch's
+        longest response, the same for every micro-batch packing."""
+        return float(self.norm_length or batch.longest)
 
     def _step(self, minibatch: list[int], batch: TrainBatch, epoch: int) -> dict:
         """One optimizer step on `minibatch` (sample indices): loss and backward per micro-batch of this rank,
         then the update; returns the step's metrics row."""
         started = time.monotonic()
         world = self.stepper.world_size
-        # Denominators of the minibatch loss, known before any backward (see losses.aggregate).
-        norm = self._denominators(minibatch, batch)
+        # The correction and the denominators of the minibatch loss, known before any backward (losses.aggregate).
+        correction = self._correction(minibatch, batch)
         totals = StepTotals()
         for indices, weight in self._rank_micro_batches(batch.samples, minibatch):
-            micro = self.micro_batch_loss(indices, batch, norm)
+            micro = self.micro_batch_loss(indices, batch, correction)
             # DeepSpeed averages gradients over ranks; each rank holds a part of a sum, so scale by world.
             self.stepper.backward(micro.loss * (weight * world))
             totals.add(micro.stats, weight)
@@ -391,15 +462,16 @@ class PolicyTrainer:
         grad_norm = self.stepper.step(lr)
         self.global_step += 1
         row = metrics_row(totals.all_reduce(self.stepper), kl_ref_on=batch.ref is not None)
+        critic_row = NO_CRITIC if self.critic is None else self.critic.step(batch.critic_samples, minibatch)
         return {
             "step": self.global_step - 1, "epoch": epoch, "skipped": False, **row, "grad_norm": grad_norm,
-            "lr": lr, "sequences": len(minibatch), "seconds": time.monotonic() - started,
+            "lr": lr, "sequences": len(minibatch), "seconds": time.monotonic() - started, **critic_row,
         }  # fmt: skip
 
-    def micro_batch_loss(self, indices: list[int], batch: TrainBatch, norm: dict[str, float | None]) -> MicroBatchLoss:
-        """The loss of the micro-batch of samples `indices`, aggregated with the minibatch's denominators `norm`
-        (so micro-batch losses add up to the minibatch loss): policy loss (+ kl_coef KL to the reference)
-        (- entropy_coef entropy), and its statistics."""
+    def micro_batch_loss(self, indices: list[int], batch: TrainBatch, correction: StepCorrection) -> MicroBatchLoss:
+        """The loss of the micro-batch of samples `indices`, aggregated with the minibatch's denominators (so
+        micro-batch losses add up to the minibatch loss): policy loss (+ kl_coef KL to the reference)
+        (- entropy_coef entropy), over the tokens the step's `correction` keeps, and its statistics."""
         cfg = self.cfg
         micro = self._micro(batch.samples, indices)
         with self._autocast():
@@ -408,16 +480,23 @@ class PolicyTrainer:
         mask_BT = micro.response_mask_BT()
         behaviour_BT = micro.to_BT(torch.cat([batch.behaviour[i] for i in indices]))
         old_BT = logp_BT.detach() if batch.old is None else micro.to_BT(torch.cat([batch.old[i] for i in indices]))
-        keep_BT, is_weights_BT = self._masks(old_BT, behaviour_BT, mask_BT)
-        advantages_B = [batch.samples[i].advantage for i in indices]
-        advantages_BT = torch.tensor(advantages_B, dtype=torch.float32, device=self.device)[:, None]
-        advantages_BT = advantages_BT.expand_as(logp_BT)
-        if cfg.policy_loss == "ppo_clip":
-            out = ppo_clip_loss(logp_BT, old_BT, advantages_BT, cfg.clip_low, cfg.clip_high, cfg.dual_clip)
-        else:
-            out = reinforce_is_loss(logp_BT, old_BT, advantages_BT)
-        token_loss_BT = out.loss_BT if is_weights_BT is None else out.loss_BT * is_weights_BT
-        policy_loss = aggregate(token_loss_BT, keep_BT, cfg.loss_aggregation, **norm)
+        keep_BT = mask_BT if correction.keep is None else micro.to_BT(torch.cat([correction.keep[i] for i in indices]))
+        weights_BT = None
+        if correction.weights is not None:
+            weights_BT = micro.to_BT(torch.cat([correction.weights[i] for i in indices]))
+        elif self._applies_weights():  # per sample: from this forward (pi_old = pi_theta on the fast path)
+            ratio_logp_BT = logp_BT.detach() if cfg.bypass_old_logprobs else old_BT
+            weights_BT = truncated_is_weights(ratio_logp_BT, behaviour_BT, mask_BT, cfg.is_level, cfg.is_threshold)
+        advantages_BT = self._advantages_BT(micro, batch.samples, indices).expand_as(logp_BT)
+        out = self.policy_loss(logp_BT, old_BT, advantages_BT, mask_BT, weights_BT)
+        token_loss_BT = out.loss_BT
+        if weights_BT is not None and cfg.policy_loss != "reinforce":  # reinforce took them as its w
+            token_loss_BT = token_loss_BT * weights_BT
+        loss_keep_BT = keep_BT
+        if cfg.skip_threshold is not None:  # out of the numerator only: the denominators stay the step's
+            loss_keep_BT = keep_BT * sequence_skip_mask(logp_BT.detach(), old_BT, mask_BT, cfg.skip_threshold)
+        norm = correction.norm
+        policy_loss = aggregate(token_loss_BT, loss_keep_BT, cfg.loss_aggregation, **norm)
         loss = policy_loss
         kl_ref_sum = 0.0
         if batch.ref is not None:
@@ -444,25 +523,45 @@ class PolicyTrainer:
             }
         return MicroBatchLoss(loss, stats)
 
-    def _denominators(self, minibatch: list[int], batch: TrainBatch) -> dict[str, float | None]:
-        """`losses.aggregate`'s denominators for `minibatch`: sequences with at least one loss token and loss
-        tokens, after rejection; and the constant length of seq-mean-token-sum-norm."""
-        cfg, samples = self.cfg, batch.samples
-        if not cfg.rejection or cfg.bypass_old_logprobs:
-            lengths = [len(samples[i].response_ids) for i in minibatch]
-            num_sequences, num_tokens = float(sum(1 for n in lengths if n > 0)), float(sum(lengths))
-        else:
-            assert batch.old is not None  # rejection forces the old-logprob pass
-            micro = self._micro(samples, minibatch)
-            mask_BT = micro.response_mask_BT()
-            keep_BT = rejection_mask(
-                micro.to_BT(torch.cat([batch.old[i] for i in minibatch])),
-                micro.to_BT(torch.cat([batch.behaviour[i] for i in minibatch])),
-                mask_BT,
-                cfg.rejection,
-                cfg.rejection_ratio_low,
-                cfg.rejection_ratio_high,
-                cfg.rejection_divergence_max,
-            )
-            num_sequences, num_tokens = float((keep_BT.sum(-1) > 0).sum()), float(keep_BT.sum())
-        return {"num_sequences": num_sequences, "num_tokens": num_tokens, "norm_length": self.norm_length}
+    def _advantages_BT(self, micro: MicroBatch, samples: list[TrainSample], indices: list[int]) -> torch.Tensor:
+        """(B, T) advantages: GAE's per token when the samples have them, else each sample's broadcast ((B, 1))."""
+        if samples[indices[0]].token_advantages is not None:
+            flat = [a for i in indices for a in samples[i].token_advantages]
+            return micro.to_BT(torch.tensor(flat, dtype=torch.float32, device=self.device))
+        advantages_B = [samples[i].advantage for i in indices]
+        return torch.tensor(advantages_B, dtype=torch.float32, device=self.device)[:, None]
+
+    def policy_loss(
+        self,
+        logp_BT: torch.Tensor,
+        old_BT: torch.Tensor,
+        advantages_BT: torch.Tensor,
+        mask_BT: torch.Tensor,
+        weights_BT: torch.Tensor | None,
+    ) -> PolicyLossOutput:
+        """The per-token policy loss `train.policy_loss` names (stages/rl/losses.py)."""
+        cfg = self.cfg
+        if cfg.policy_loss == "ppo_clip":
+            return ppo_clip_loss(logp_BT, old_BT, advantages_BT, cfg.clip_low, cfg.clip_high, cfg.dual_clip)
+        if cfg.policy_loss == "reinforce":
+            return reinforce_loss(logp_BT, old_BT, advantages_BT, weights_BT)
+        if cfg.policy_loss == "cispo":
+            return cispo_loss(logp_BT, old_BT, advantages_BT, cfg.clip_high)
+        if cfg.policy_loss == "sapo":
+            return sapo_loss(logp_BT, old_BT, advantages_BT, cfg.sapo_temperature_pos, cfg.sapo_temperature_neg)
+        if cfg.policy_loss == "gspo":
+            return gspo_loss(logp_BT, old_BT, advantages_BT, mask_BT, cfg.clip_low, cfg.clip_high)
+        raise ValueError(f"unknown policy loss {cfg.policy_loss!r}")
+
+
+def normaliser(weights_BT: torch.Tensor, mask_BT: torch.Tensor, level: str) -> torch.Tensor:
+    """verl's rollout_is_batch_normalize: the mean weight over response tokens (token level) or over sequences
+    (sequence level, one weight each); 1 when it is ~0."""
+    mask_BT = mask_BT.to(weights_BT.dtype)
+    if level == "token":
+        mean = (weights_BT * mask_BT).sum() / mask_BT.sum().clamp(min=1.0)
+    else:
+        seq_B = (weights_BT * mask_BT).sum(-1) / mask_BT.sum(-1).clamp(min=1.0)
+        has_B = (mask_BT.sum(-1) > 0).to(weights_BT.dtype)
+        mean = (seq_B * has_B).sum() / has_B.sum().clamp(min=1.0)
+    return mean if float(mean) > 1e-8 else torch.ones_like(mean)

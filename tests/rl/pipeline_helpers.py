@@ -96,7 +96,7 @@ def fake_score(equal: bool):  # noqa: ANN201
                     "reward": reward,
                     "passed": int(reward),
                     "total": 1,
-                    "status": "ok",
+                    "status": "ok" if reward == 1.0 else "fail",
                     "tests": "[]",
                     "code": None,
                     "sandbox_seconds": 0.0,

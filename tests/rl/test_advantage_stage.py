@@ -27,6 +27,7 @@ def sample(
         "reward": reward,
         "num_tokens": num_tokens,
         "truncated": truncated,
+        "status": "ok" if reward >= 1.0 else "fail",
     }
 
 
@@ -69,8 +70,11 @@ def test_everything_equal_is_a_skipped_step():
 
 def test_overlong_shaping_and_truncation_mask():
     # max 100, buffer 20: length 90 -> -0.5, 100 -> -1 (and truncated).
-    # Shaped a: [1 - 0.5, 1 - 1, 1] = [.5, 0, 1]
-    cfg = AdvantageConfig(estimator="mean_centered", overlong_buffer=20, mask_truncated=True)
+    # Shaped a: [1 - 0.5, 1 - 1, 1] = [.5, 0, 1]. Filtering on the shaped reward keeps the group (all correct:
+    # the default filter_metric acc would drop it, test_dapo_filters_on_correctness_not_the_shaped_reward)
+    cfg = AdvantageConfig(
+        estimator="mean_centered", overlong_buffer=20, mask_truncated=True, filter_metric="reward"
+    )
     rows, metrics = build_batch(
         [sample("a", 0, 1.0, 90), sample("a", 1, 1.0, 100, truncated=True), sample("a", 2, 1.0, 50)], cfg, 100
     )
@@ -94,6 +98,37 @@ def test_success_rate_range_and_rounds():
     assert metrics["rounds"] == 2 and metrics["groups_kept"] == 1
 
 
+def test_dapo_filters_on_correctness_not_the_shaped_reward():
+    # Four correct answers of lengths 50/60/70/81, max 100, overlong buffer 20: only 81 is in the buffer,
+    # penalty -(81 - 80) / 20 = -0.05, shaped [1, 1, 1, 0.95]. Filtering on the shaped reward keeps the group and
+    # punishes a correct answer: grpo mean 0.9875, population std 0.021651 -> [0.577, 0.577, 0.577, -1.732].
+    # DAPO filters on correctness (filter_groups.metric acc): all correct -> zero variance, dropped, no advantage.
+    samples = [sample("a", i, 1.0, n) for i, n in enumerate([50, 60, 70, 81])]
+    rows, metrics = build_batch(samples, AdvantageConfig(overlong_buffer=20), 100)
+    assert [r["drop_reason"] for r in rows] == ["zero_variance"] * 4 and [r["advantage"] for r in rows] == [0.0] * 4
+    assert [r["shaped_reward"] for r in rows] == pytest.approx([1.0, 1.0, 1.0, 0.95])
+    assert metrics["skipped"] is True
+    rows, _ = build_batch(samples, AdvantageConfig(overlong_buffer=20, filter_metric="reward"), 100)
+    assert [r["advantage"] for r in rows] == pytest.approx([0.57735, 0.57735, 0.57735, -1.73205], abs=1e-4)
+    # seq_reward is the scored reward before shaping: all 1.0, dropped too
+    rows, _ = build_batch(samples, AdvantageConfig(overlong_buffer=20, filter_metric="seq_reward"), 100)
+    assert {r["drop_reason"] for r in rows} == {"zero_variance"}
+
+
+def test_dynamic_sampling_counts_groups_by_the_filter_metric():
+    # partial rewards [0.5, 0.2] are both wrong (acc [0, 0]): dropped under acc, kept under seq_reward;
+    # with target_groups 2 the acc batch is one group short, the seq_reward one is full
+    samples = [sample("a", 0, 1.0), sample("a", 1, 0.0), sample("b", 0, 0.5), sample("b", 1, 0.2)]
+    _, metrics = build_batch(samples, AdvantageConfig(target_groups=2), 96)
+    assert metrics["groups_kept"] == 1 and metrics["groups_needed"] == 1
+    _, metrics = build_batch(samples, AdvantageConfig(target_groups=2, filter_metric="seq_reward"), 96)
+    assert metrics["groups_kept"] == 2 and metrics["groups_needed"] == 0
+    # max_generation_rounds 0 is unlimited (verl's max_num_gen_batches 0): short after 9 rounds, no error
+    many = [sample(f"p{r}", i, 0.0, round_=r) for r in range(9) for i in range(2)]
+    _, metrics = build_batch(many, AdvantageConfig(target_groups=1, max_generation_rounds=0), 96)
+    assert metrics["rounds"] == 9 and metrics["groups_needed"] == 1
+
+
 def test_dynamic_sampling_target():
     samples = [sample(p, i, float(i)) for p in ("a", "b", "c") for i in range(2)]
     rows, metrics = build_batch(samples, AdvantageConfig(target_groups=2, max_generation_rounds=2), 96)
@@ -110,11 +145,13 @@ def test_dynamic_sampling_target():
 ROLLOUT_SCHEMA = pa.schema([("run_id", pa.string()), ("iteration", pa.int32()), ("round", pa.int32()),
                             ("prompt_id", pa.string()), ("sample_idx", pa.int32()), ("num_tokens", pa.int32()),
                             ("truncated", pa.bool_())])
-SCORE_SCHEMA = pa.schema([*(ROLLOUT_SCHEMA.field(name) for name in ROLLOUT_SCHEMA.names[:5]), ("reward", pa.float64())])
+SCORE_SCHEMA = pa.schema([*(ROLLOUT_SCHEMA.field(name) for name in ROLLOUT_SCHEMA.names[:5]), ("reward", pa.float64()),
+                          ("status", pa.string())])
 
 
 def rollouts(*rows: dict) -> pa.Table:
-    return pa.Table.from_pylist([{k: v for k, v in r.items() if k != "reward"} for r in rows], schema=ROLLOUT_SCHEMA)
+    return pa.Table.from_pylist([{k: v for k, v in r.items() if k not in ("reward", "status")} for r in rows],
+                                schema=ROLLOUT_SCHEMA)
 
 
 def scores(*rows: dict) -> pa.Table:

@@ -9,13 +9,18 @@ import torch
 
 from stages.rl.losses import (
     aggregate,
+    cispo_loss,
+    gspo_loss,
     kl_estimate,
     kl_k1,
     kl_k2,
     kl_k3,
+    m2po_mask,
     ppo_clip_loss,
-    reinforce_is_loss,
+    reinforce_loss,
     rejection_mask,
+    sapo_loss,
+    sequence_skip_mask,
     step_stat_metrics,
     step_stat_sums,
     truncated_is_weights,
@@ -27,6 +32,11 @@ LN = math.log
 
 def t(values):
     return torch.tensor(values, dtype=torch.float64)
+
+
+def rules(modes, low=0.5, high=2.0, divergence_max=2.0):
+    """Rejection rules with shared thresholds: (mode, low, high) for k1 modes, (mode, None, max) for the others."""
+    return [(mode, low, high) if mode.endswith("k1") else (mode, None, divergence_max) for mode in modes]
 
 
 def test_ppo_clip_loss_per_token():
@@ -67,13 +77,21 @@ def test_dual_clip_caps_negative_advantage_loss():
         ppo_clip_loss(logp, logp, logp, dual_clip=0.9)
 
 
-def test_reinforce_is_loss():
-    # loss = -A r: r = [2, 0.5], A = [1, -2] -> [-2, 1]; gradient -A r = [-2, 1] (no clipping)
-    logp = t([[LN(2.0), LN(0.5)]]).requires_grad_(True)
-    out = reinforce_is_loss(logp, torch.zeros_like(logp), t([[1.0, -2.0]]))
-    torch.testing.assert_close(out.loss_BT, t([[-2.0, 1.0]]))
+def test_reinforce_loss_weighs_log_pi_by_the_detached_weight():
+    # verl's reinforce: L = -A * w * log pi, w detached. logp = [ln 0.5, ln 0.25], A = [1, -2], w = [2, 0.5]:
+    #   L = [-1 * 2 * ln 0.5, 2 * 0.5 * ln 0.25] = [1.386294, -1.386294]; dL/dlogp = -A w = [-2, 1]
+    # (ratios pi / pi_old = [0.5, 0.25] play no part; the old -A * r would have given the gradient -A r = [-0.5, 0.5])
+    logp = t([[LN(0.5), LN(0.25)]]).requires_grad_(True)
+    weights = t([[2.0, 0.5]]).requires_grad_(True)
+    out = reinforce_loss(logp, torch.zeros_like(logp), t([[1.0, -2.0]]), weights)
+    torch.testing.assert_close(out.loss_BT, t([[2 * LN(2.0), -2 * LN(2.0)]]))
     out.loss_BT.sum().backward()
     torch.testing.assert_close(logp.grad, t([[-2.0, 1.0]]))
+    assert weights.grad is None  # the weight is a constant of the loss
+    # without weights (w = 1): plain REINFORCE / GPG, gradient -A
+    logp.grad = None
+    reinforce_loss(logp, torch.zeros_like(logp), t([[1.0, -2.0]]), None).loss_BT.sum().backward()
+    torch.testing.assert_close(logp.grad, t([[-1.0, 2.0]]))
 
 
 # values [[1, 2, 3], [4, pad, pad]], mask [[1, 1, 1], [1, 0, 0]]
@@ -87,7 +105,7 @@ MASK = t([[1.0, 1.0, 1.0], [1.0, 0.0, 0.0]])
         ("token-mean", (1 + 2 + 3 + 4) / 4),  # 2.5
         ("seq-mean-token-sum", (6 + 4) / 2),  # 5
         ("seq-mean-token-mean", (2 + 4) / 2),  # 3
-        ("seq-mean-token-sum-norm", (6 + 4) / (2 * 3)),  # 1.6667, T_norm = padded width 3
+        ("seq-mean-token-sum-norm", (6 + 4) / 3),  # 3.3333: verl divides by T_norm (padded width 3) only
     ],
 )
 def test_aggregate_modes(mode, expected):
@@ -95,7 +113,8 @@ def test_aggregate_modes(mode, expected):
 
 
 def test_aggregate_sum_norm_with_explicit_length():
-    assert aggregate(VALUES, MASK, "seq-mean-token-sum-norm", norm_length=10).item() == pytest.approx(0.5)
+    # (6 + 4) / 10 = 1.0 (the old (#sequences x T) normaliser gave 10 / 20 = 0.5)
+    assert aggregate(VALUES, MASK, "seq-mean-token-sum-norm", norm_length=10).item() == pytest.approx(1.0)
 
 
 @pytest.mark.parametrize(
@@ -152,23 +171,23 @@ def test_rejection_modes():
     behaviour = torch.zeros_like(old)
     mask = t([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
     # token_k1 in [0.6, 1.6]: rejects the 2 and the 0.5
-    keep = rejection_mask(old, behaviour, mask, ["token_k1"], ratio_low=0.6, ratio_high=1.6)
+    keep = rejection_mask(old, behaviour, mask, rules(["token_k1"], 0.6, 1.6))
     assert keep.tolist() == [[0.0, 0.0, 1.0], [1.0, 1.0, 0.0]]
     # seq_mean_k1: row 0 geometric mean exp((ln2 - ln2 + 0)/3) = 1 -> kept;
     # row 1 = 1.2 -> rejected at high 1.1
-    keep = rejection_mask(old, behaviour, mask, ["seq_mean_k1"], ratio_low=0.9, ratio_high=1.1)
+    keep = rejection_mask(old, behaviour, mask, rules(["seq_mean_k1"], 0.9, 1.1))
     assert keep.tolist() == [[1.0, 1.0, 1.0], [0.0, 0.0, 0.0]]
     # seq_sum_k1: row 0 product 1 kept; row 1 product 1.44 rejected at high 1.4
-    keep = rejection_mask(old, behaviour, mask, ["seq_sum_k1"], ratio_low=0.7, ratio_high=1.4)
+    keep = rejection_mask(old, behaviour, mask, rules(["seq_sum_k1"], 0.7, 1.4))
     assert keep.tolist() == [[1.0, 1.0, 1.0], [0.0, 0.0, 0.0]]
     # seq_max_k2: row 0 max (ln 2)^2 / 2 = 0.2402 > 0.1 -> rejected; row 1 (ln 1.2)^2 / 2 = 0.0166 kept
-    keep = rejection_mask(old, behaviour, mask, ["seq_max_k2"], divergence_max=0.1)
+    keep = rejection_mask(old, behaviour, mask, rules(["seq_max_k2"], divergence_max=0.1))
     assert keep.tolist() == [[0.0, 0.0, 0.0], [1.0, 1.0, 0.0]]
     # token_k3: k3(ln 2) = 2 - 1 - ln2 = 0.3069, k3(-ln 2) = 0.5 - 1 + ln 2 = 0.1931, k3(ln 1.2) = 0.0177
-    keep = rejection_mask(old, behaviour, mask, ["token_k3"], divergence_max=0.2)
+    keep = rejection_mask(old, behaviour, mask, rules(["token_k3"], divergence_max=0.2))
     assert keep.tolist() == [[0.0, 1.0, 1.0], [1.0, 1.0, 0.0]]
     # criteria combine with AND: token_k1 + seq_max_k2
-    keep = rejection_mask(old, behaviour, mask, ["token_k1", "seq_max_k2"], 0.6, 1.6, divergence_max=0.1)
+    keep = rejection_mask(old, behaviour, mask, rules(["token_k1", "seq_max_k2"], 0.6, 1.6, divergence_max=0.1))
     assert keep.tolist() == [[0.0, 0.0, 0.0], [1.0, 1.0, 0.0]]
 
 
@@ -223,19 +242,19 @@ REJ_MASK = t([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
     ],
 )
 def test_rejection_divergence_modes(mode, divergence_max, expected):
-    keep = rejection_mask(REJ_OLD, REJ_BEHAVIOUR, REJ_MASK, [mode], divergence_max=divergence_max)
+    keep = rejection_mask(REJ_OLD, REJ_BEHAVIOUR, REJ_MASK, rules([mode], divergence_max=divergence_max))
     assert keep.tolist() == expected
 
 
 def test_rejection_k3_is_not_clamped_and_unknown_mode_fails():
     # rejection's k3 has no clamp at 10 (that bound belongs to the KL penalty): rho = e^3 gives
     # k3 = e^3 - 1 - 3 = 16.085537, rejected at 12 (a clamp at 10 would keep it)
-    keep = rejection_mask(t([[3.0]]), t([[0.0]]), t([[1.0]]), ["token_k3"], divergence_max=12.0)
+    keep = rejection_mask(t([[3.0]]), t([[0.0]]), t([[1.0]]), rules(["token_k3"], divergence_max=12.0))
     assert keep.tolist() == [[0.0]]
-    keep = rejection_mask(t([[3.0]]), t([[0.0]]), t([[1.0]]), ["token_k3"], divergence_max=16.1)
+    keep = rejection_mask(t([[3.0]]), t([[0.0]]), t([[1.0]]), rules(["token_k3"], divergence_max=16.1))
     assert keep.tolist() == [[1.0]]
     with pytest.raises(ValueError, match="unknown rejection mode"):
-        rejection_mask(REJ_OLD, REJ_BEHAVIOUR, REJ_MASK, ["seq_max_k1"])  # type: ignore[list-item]
+        rejection_mask(REJ_OLD, REJ_BEHAVIOUR, REJ_MASK, [("seq_max_k1", 0.5, 2.0)])
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -256,7 +275,7 @@ STAT_MASK = t([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
 
 def test_step_stats_by_hand():
     out = ppo_clip_loss(STAT_LOGP, STAT_OLD, STAT_ADV, clip_low=0.2, clip_high=0.2)
-    keep = rejection_mask(STAT_OLD, STAT_SAMPLER, STAT_MASK, ["token_k1"], ratio_low=0.4, ratio_high=3.0)
+    keep = rejection_mask(STAT_OLD, STAT_SAMPLER, STAT_MASK, rules(["token_k1"], 0.4, 3.0))
     assert keep.tolist() == [[1.0, 1.0, 0.0], [1.0, 1.0, 0.0]]
     sums = step_stat_sums(out, keep, STAT_MASK, STAT_OLD, STAT_SAMPLER)
     # clip_high counts kept tokens only: row 0 token 0 (token 2 is clipped but rejected) -> 1
@@ -297,7 +316,7 @@ def test_step_stats_by_hand():
 def test_step_stats_add_up_over_micro_batches_and_dual_clip():
     # the two rows as two micro-batches: sums add, min/max combine -> the same metrics as the whole batch
     out = ppo_clip_loss(STAT_LOGP, STAT_OLD, STAT_ADV, clip_low=0.2, clip_high=0.2, dual_clip=1.2)
-    keep = rejection_mask(STAT_OLD, STAT_SAMPLER, STAT_MASK, ["token_k1"], ratio_low=0.4, ratio_high=3.0)
+    keep = rejection_mask(STAT_OLD, STAT_SAMPLER, STAT_MASK, rules(["token_k1"], 0.4, 3.0))
     whole = step_stat_sums(out, keep, STAT_MASK, STAT_OLD, STAT_SAMPLER)
     # dual clip c = 1.2 for A < 0: row 1 token 1 has r = 1.3 > 1.2 -> 1 dual-clipped kept token; 1 / 4
     assert whole["clip_dual"] == 1.0 and step_stat_metrics(whole)["clip_frac_dual"] == 0.25
@@ -325,35 +344,93 @@ def test_step_stats_with_nothing_to_count():
     assert metrics["clip_frac_low"] == metrics["rejected_frac"] == 0.0
 
 
-def test_bypass_takes_the_sampler_logprobs_as_old_policy():
-    # Bypass (train.bypass_old_logprobs): old_logp := the sampler's, so the PPO ratio is pi_theta / pi_b.
-    # Same example: pi_theta / pi_b = exp(STAT_LOGP - STAT_SAMPLER) = row 0 [1.5, 1, 1.4 * 4 = 5.6],
-    # row 1 [0.5 / 2 = 0.25, 1.3, pad]. With A = +1 / -1, eps 0.2:
-    #   row 0: max(-1.5, -1.2) = -1.2 (high clip), -1.0, max(-5.6, -1.2) = -1.2 (high clip)
-    #   row 1: max(0.25, 0.8) = 0.8 (low clip), max(1.3, 1.2) = 1.3
-    #   token-mean over the 5 response tokens: (-1.2 - 1 - 1.2 + 0.8 + 1.3) / 5 = -1.3 / 5 = -0.26
-    # Recomputing pi_old instead gives the ratios exp(STAT_LOGP - 0) (token 2: 1.4, not 5.6). With A = -1
-    # on row 0 that reaches the loss: bypass max(5.6, 1.2) = 5.6, recompute max(1.4, 1.2) = 1.4.
-    bypass = ppo_clip_loss(STAT_LOGP, STAT_SAMPLER, STAT_ADV)
-    torch.testing.assert_close(bypass.ratio_BT * STAT_MASK, t([[1.5, 1.0, 5.6], [0.25, 1.3, 0.0]]))
-    torch.testing.assert_close(
-        aggregate(bypass.loss_BT, STAT_MASK, "token-mean"), torch.tensor(-0.26, dtype=torch.float64)
-    )
-    flipped = -STAT_ADV
-    assert ppo_clip_loss(STAT_LOGP, STAT_SAMPLER, flipped).loss_BT[0, 2].item() == pytest.approx(5.6)
-    assert ppo_clip_loss(STAT_LOGP, STAT_OLD, flipped).loss_BT[0, 2].item() == pytest.approx(1.4)
-    # and the step's is_ratio columns then describe that same ratio (ratio_logp = pi_theta's logp):
-    # [1.5, 1, 5.6, 0.25, 1.3] -> mean 9.65 / 5 = 1.93, min 0.25, max 5.6
-    sums = step_stat_sums(bypass, STAT_MASK, STAT_MASK, STAT_LOGP, STAT_SAMPLER)
-    metrics = step_stat_metrics(sums)
-    assert (metrics["is_ratio_mean"], metrics["is_ratio_min"], metrics["is_ratio_max"]) == pytest.approx(
-        (1.93, 0.25, 5.6)
-    )
-    # clip counts: high at row 0 tokens 0 and 2 (2 of 5), low at row 1 token 0 (1 of 5)
-    assert (metrics["clip_frac_high"], metrics["clip_frac_low"]) == pytest.approx((0.4, 0.2))
-
 def test_weight_stats():
     # w = [1, 3] on the unmasked tokens: mean 2, min 1, max 3, ESS = (1+3)^2 / (2 * (1+9)) = 0.8
     stats = weight_stats(t([[1.0, 3.0, 7.0]]), t([[1.0, 1.0, 0.0]]))
     assert (stats.mean, stats.min, stats.max) == (2.0, 1.0, 3.0)
     assert stats.ess == pytest.approx(0.8)
+
+
+def test_token_k1_bounds_the_inverse_ratio_as_verl():
+    # verl's token_k1 is -log r, r = pi_old / pi_b: it keeps pi_b / pi_old in [low, high]. With [0.6, 1.6]:
+    # r = 0.62 -> 1 / 0.62 = 1.613 > 1.6: rejected (r itself is inside [0.6, 1.6]);
+    # r = 1.65 -> 1 / 1.65 = 0.606 >= 0.6: kept (r itself is outside); r = 1: kept
+    old = t([[LN(0.62), LN(1.65), 0.0]])
+    keep = rejection_mask(old, torch.zeros_like(old), torch.ones_like(old), [("token_k1", 0.6, 1.6)])
+    assert keep.tolist() == [[0.0, 1.0, 1.0]]
+    # the sequence forms use -sum / -mean of l too: prod r = 0.62 * 1.65 = 1.023 -> inverse 0.9775
+    assert rejection_mask(old, torch.zeros_like(old), torch.ones_like(old), [("seq_sum_k1", 0.98, 1.5)]).sum() == 0
+    assert rejection_mask(old, torch.zeros_like(old), torch.ones_like(old), [("seq_sum_k1", 0.97, 1.5)]).sum() == 3
+
+
+@pytest.mark.parametrize(
+    ("mode", "high", "expected"),
+    [
+        # seq_sum_k2: row 0 2 * 0.240227 = 0.480453, row 1 2 * 0.016621 = 0.033241
+        ("seq_sum_k2", 0.4, [[0.0, 0.0, 0.0], [1.0, 1.0, 0.0]]),
+        ("seq_sum_k2", 0.03, [[0.0, 0.0, 0.0], [0.0, 0.0, 0.0]]),
+        # seq_sum_k3: row 0 0.306853 + 0.193147 = 0.5, row 1 2 * 0.017678 = 0.035357
+        ("seq_sum_k3", 0.04, [[0.0, 0.0, 0.0], [1.0, 1.0, 0.0]]),
+        ("seq_sum_k3", 0.5001, [[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]]),
+    ],
+)
+def test_rejection_seq_sum_divergences(mode, high, expected):
+    assert rejection_mask(REJ_OLD, REJ_BEHAVIOUR, REJ_MASK, [(mode, None, high)]).tolist() == expected
+
+
+def test_cispo_weighs_log_pi_by_the_capped_ratio():
+    # r = [1.5, 0.5], A = [1, -1], eps_high 0.28: w = min(r, 1.28) = [1.28, 0.5] (no lower bound)
+    # L = -w A log pi = [-1.28 ln 1.5, 0.5 ln 0.5]; dL/dlogp = -w A = [-1.28, 0.5]
+    logp = t([[LN(1.5), LN(0.5)]]).requires_grad_(True)
+    out = cispo_loss(logp, torch.zeros_like(logp), t([[1.0, -1.0]]), clip_high=0.28)
+    torch.testing.assert_close(out.loss_BT, t([[-1.28 * LN(1.5), 0.5 * LN(0.5)]]))
+    out.loss_BT.sum().backward()
+    torch.testing.assert_close(logp.grad, t([[-1.28, 0.5]]))
+    assert out.clipped_high_BT.tolist() == [[1.0, 0.0]]
+
+
+def test_sapo_soft_gate():
+    # L = -(4 / tau) sigmoid(tau (r - 1)) A, tau 1 for A > 0, 1.05 for A < 0:
+    #   r = 1.5, A = 1:  -4 sigmoid(0.5) = -2.489837;  r = 0.5, A = -1: (4 / 1.05) sigmoid(-0.525) = 1.415938
+    # dL/dlogp = -A 4 s (1 - s) r: -4 * 0.622459 * 0.377541 * 1.5 = -1.410022;  4 * s(1-s) * 0.5 = 0.467070
+    logp = t([[LN(1.5), LN(0.5)]]).requires_grad_(True)
+    out = sapo_loss(logp, torch.zeros_like(logp), t([[1.0, -1.0]]), tau_pos=1.0, tau_neg=1.05)
+    torch.testing.assert_close(out.loss_BT, t([[-2.489837, 1.415938]]), atol=1e-6, rtol=0)
+    out.loss_BT.sum().backward()
+    torch.testing.assert_close(logp.grad, t([[-1.410022, 0.467070]]), atol=1e-6, rtol=0)
+    # at r = 1 the gradient is -A, PPO's
+    logp = t([[0.0]]).requires_grad_(True)
+    sapo_loss(logp, t([[0.0]]), t([[2.0]]), 1.0, 1.05).loss_BT.sum().backward()
+    assert logp.grad.item() == pytest.approx(-2.0)
+
+
+def test_gspo_sequence_ratio():
+    # row 0: token ratios [1.1, 1.0] -> s = exp((ln 1.1 + 0) / 2) = sqrt(1.1) = 1.048809, inside [0.8, 1.2]:
+    #   L = -A s on both tokens; dL/dlogp_t = -A s (not the token's own ratio: [-1.1, -1.0] under PPO)
+    # row 1: one token, ratio 0.5, A = -1: s = 0.5 < 0.8 -> low clip, L = max(0.5, 0.8) = 0.8, no gradient
+    logp = t([[LN(1.1), 0.0], [LN(0.5), 0.0]]).requires_grad_(True)
+    mask = t([[1.0, 1.0], [1.0, 0.0]])
+    out = gspo_loss(logp, torch.zeros_like(logp), t([[1.0, 1.0], [-1.0, -1.0]]), mask, 0.2, 0.2)
+    torch.testing.assert_close(out.loss_BT[0], t([-1.048809, -1.048809]), atol=1e-6, rtol=0)
+    assert out.loss_BT[1, 0].item() == pytest.approx(0.8)
+    (out.loss_BT * mask).sum().backward()
+    torch.testing.assert_close(logp.grad, t([[-1.048809, -1.048809], [0.0, 0.0]]), atol=1e-6, rtol=0)
+    assert out.clipped_low_BT.tolist()[1][0] == 1.0
+
+
+def test_m2po_drops_the_largest_squared_log_ratios():
+    # l = [0.5, -0.3, 0.1, 0], l^2 = [0.25, 0.09, 0.01, 0], mean 0.0875 (the pad's 9 plays no part)
+    # tau 0.04: drop 0.25 -> (0.09 + 0.01 + 0) / 3 = 0.0333 <= 0.04;  tau 0.03: also drop 0.09 -> 0.005
+    ratio = t([[0.5, -0.3], [0.1, 0.0], [9.0, 0.0]])
+    mask = t([[1.0, 1.0], [1.0, 1.0], [0.0, 0.0]])
+    behaviour = torch.zeros_like(ratio)
+    assert m2po_mask(ratio, behaviour, mask, 0.04).tolist() == [[0.0, 1.0], [1.0, 1.0], [0.0, 0.0]]
+    assert m2po_mask(ratio, behaviour, mask, 0.03).tolist() == [[0.0, 0.0], [1.0, 1.0], [0.0, 0.0]]
+    assert m2po_mask(ratio, behaviour, mask, 0.1).tolist() == [[1.0, 1.0], [1.0, 1.0], [0.0, 0.0]]
+
+
+def test_sequence_skip_mask():
+    # mean token ratio pi_theta / pi_old: row 0 (2 + 4) / 2 = 3, row 1 (1 + 1.5) / 2 = 1.25, row 2 one token 2.5
+    logp = t([[LN(2.0), LN(4.0)], [0.0, LN(1.5)], [LN(2.5), 7.0]])
+    mask = t([[1.0, 1.0], [1.0, 1.0], [1.0, 0.0]])
+    assert sequence_skip_mask(logp, torch.zeros_like(logp), mask, 2.5).tolist() == [[0.0], [1.0], [1.0]]

@@ -31,7 +31,17 @@ def test_two_iterations_then_a_skipped_one(run_layout):
     assert json.loads((ckpt / "trainer_state.json").read_text())["global_step"] == 1
     table = pq.read_table(Path(layout.table_path("train_metrics", 0))).to_pylist()
     assert len(table) == 1 and table[0]["skipped"] is False and table[0]["step"] == 0
-    assert table[0]["grad_norm"] > 0 and table[0]["tokens"] > 0 and table[0]["approx_kl"] == 0.0
+    assert table[0]["grad_norm"] > 0 and table[0]["tokens"] > 0
+    # one on-policy step: PPO ratio 1, so the token-mean policy loss is -sum_i A_i L_i / sum_i L_i over the kept
+    # rows, from the batch table's advantages and the rollouts' response lengths (not from the trainer)
+    batch_rows = pq.read_table(Path(layout.table_path("batch", 0))).to_pylist()
+    batch = {(r["prompt_id"], r["sample_idx"]): r for r in batch_rows}
+    rollouts = pq.read_table(Path(layout.table_path("rollouts", 0))).to_pylist()
+    lengths = {(r["prompt_id"], r["sample_idx"]): len(r["response_token_ids"]) for r in rollouts}
+    kept = [key for key, row in batch.items() if row["kept"]]
+    expected = -sum(batch[k]["advantage"] * lengths[k] for k in kept) / sum(lengths[k] for k in kept)
+    assert table[0]["policy_loss"] == pytest.approx(expected, abs=1e-6)
+    assert table[0]["loss_tokens"] == sum(lengths[k] for k in kept)
     # the sampler agreed with the trainer: importance ratios are 1
     assert table[0]["is_ratio_min"] == pytest.approx(1.0, abs=1e-4)
     assert table[0]["is_ratio_max"] == pytest.approx(1.0, abs=1e-4)

@@ -120,11 +120,25 @@ def test_metrics_row_and_multi_step():
 MISMATCH_R = [[1.5, 0.9], [0.5, 1.1]]
 
 
+def _with_mismatch(trainer: PolicyTrainer, samples: list[TrainSample], ratios: list[list[float]]) -> None:
+    """Set each sample's sampler logprobs to the model's own minus ln r: pi_trainer / pi_sampler = r exactly."""
+    for sample, logp, r in zip(samples, trainer.sequence_logprobs(trainer.policy, samples), ratios, strict=True):
+        sample.behaviour_logprobs = (logp.double() - torch.tensor(r, dtype=torch.float64).log()).tolist()
+
+
+def _two_samples() -> list[TrainSample]:
+    return [TrainSample([1, 5, 6], [3, 4], [0.0, 0.0], 2.0), TrainSample([1, 7], [8, 9], [0.0, 0.0], -3.0)]
+
+
 @pytest.mark.parametrize(
     ("overrides", "expected"),
     [
-        # recomputed pi_old (fast path): PPO ratio 1, loss -A: (-2 - 2 + 3 + 3) / 4 = 0.5; nothing clipped
-        ({}, {"policy_loss": 0.5, "clip_frac_low": 0.0, "clip_frac_high": 0.0, "approx_kl": 0.0}),
+        # recomputed pi_old, PPO ratio 1, per-token loss -A = [-2, -2], [3, 3]:
+        # seq-mean-token-sum: (-4 + 6) / 2 = 1.0
+        ({"loss_aggregation": "seq-mean-token-sum"}, {"policy_loss": 1.0, "clip_frac_low": 0.0}),
+        # seq-mean-token-sum-norm, no norm_length given: the token sum 2 / the batch's longest response 2 = 1.0
+        # (verl divides by T only; the old (#sequences x T) normaliser gave 2 / 4 = 0.5)
+        ({"loss_aggregation": "seq-mean-token-sum-norm"}, {"policy_loss": 1.0}),
         # bypass: old := sampler, PPO ratio = r.
         #   (0,0) A=2, r=1.5: max(-3, -2.4) = -2.4 (high clip)  (0,1) r=0.9: max(-1.8, -1.8) = -1.8
         #   (1,0) A=-3, r=0.5: max(1.5, 2.4) = 2.4 (low clip)   (1,1) r=1.1: max(3.3, 3.3) = 3.3
@@ -135,23 +149,46 @@ MISMATCH_R = [[1.5, 0.9], [0.5, 1.1]]
             {"bypass_old_logprobs": True},
             {"policy_loss": 0.375, "clip_frac_low": 0.25, "clip_frac_high": 0.25, "approx_kl": 0.074433},
         ),
-        # token_k1 rejection in [0.8, 1.6]: rejects (1,0) (r = 0.5): rejected_frac 1/4; ratio 1 on the kept:
-        #   (-2 - 2 + 3) / 3 = -1/3
+        # token_k1 rejection in [0.8, 1.6] keeps pi_b / pi_old = 1 / r = [0.667, 1.111], [2, 0.909] inside it:
+        # rejects (0,0) and (1,0), rejected_frac 2/4; ratio 1 on the kept: (-2 + 3) / 2 = 0.5
         (
             {"rejection": ["token_k1"], "rejection_ratio_low": 0.8, "rejection_ratio_high": 1.6},
-            {"policy_loss": -1 / 3, "rejected_frac": 0.25, "loss_tokens": 3},
+            {"policy_loss": 0.5, "rejected_frac": 0.5, "loss_tokens": 2},
         ),
         # token TIS, C = 1.2: loss -A min(r, 1.2): -2 * 1.2, -2 * 0.9, 3 * 0.5, 3 * 1.1 -> 0.6 / 4 = 0.15
         ({"is_level": "token", "is_threshold": 1.2}, {"policy_loss": 0.15, "rejected_frac": 0.0}),
+        # verl's bypass recipe: bypass, token IS 2.0, rejection token_k1 0.6_1.6 and seq_max_k2 2.5. The
+        # rejection compares pi_theta (= pi_old at the first step) with the sampler: 1 / r = 2 > 1.6 rejects
+        # (1,0); seq max k2 = (ln 1.5)^2 / 2 = 0.082, (ln 0.5)^2 / 2 = 0.240 <= 2.5 keep both rows. ppo_clip
+        # applies no IS weight under bypass (its ratio is r): (-2.4 - 1.8 + 3.3) / 3 = -0.3; one of the 3 kept
+        # tokens high-clipped; approx_kl over the kept: (0.094535 + 0.005361 + 0.004690) / 3 = 0.034862
+        (
+            {"bypass_old_logprobs": True, "is_level": "token", "is_threshold": 2.0,
+             "rejection": ["token_k1", "seq_max_k2"], "rejection_thresholds": ["0.6_1.6", "2.5"]},
+            {"policy_loss": -0.3, "rejected_frac": 0.25, "loss_tokens": 3, "clip_frac_high": 1 / 3,
+             "clip_frac_low": 0.0, "approx_kl": 0.034862},
+        ),
+        # the same with seq_max_k2 at 0.2: row 1's 0.240 > 0.2 rejects it whole: (-2.4 - 1.8) / 2 = -2.1
+        (
+            {"bypass_old_logprobs": True, "rejection": ["token_k1", "seq_max_k2"],
+             "rejection_thresholds": ["0.6_1.6", "0.2"]},
+            {"policy_loss": -2.1, "rejected_frac": 0.5, "loss_tokens": 2},
+        ),
+        # sequence IS weights under token rejection (decoupled): token_k1 0.5_2.0 keeps 1 / r in [0.5, 2]:
+        # all kept here; weights min(prod r, 2) = min(1.35, 2), min(0.55, 2): (-2 * 1.35 * 2 + 3 * 0.55 * 2) / 4
+        # = (-5.4 + 3.3) / 4 = -0.525
+        (
+            {"is_level": "sequence", "rejection": ["token_k1"], "rejection_thresholds": ["0.5_2.0"]},
+            {"policy_loss": -0.525, "rejected_frac": 0.0},
+        ),
     ],
 )
 def test_metrics_by_hand_with_a_known_mismatch(overrides, expected):
     model = make_tiny_model()
     cfg = TrainConfig(lr=1e-9, clip_low=0.2, clip_high=0.2, **overrides)
     trainer = PolicyTrainer(model, cfg, TorchStepper(model, make_adamw(model, cfg), 1.0))
-    samples = [TrainSample([1, 5, 6], [3, 4], [0.0, 0.0], 2.0), TrainSample([1, 7], [8, 9], [0.0, 0.0], -3.0)]
-    for sample, logp, r in zip(samples, trainer.sequence_logprobs(trainer.policy, samples), MISMATCH_R, strict=True):
-        sample.behaviour_logprobs = (logp.double() - torch.tensor(r, dtype=torch.float64).log()).tolist()
+    samples = _two_samples()
+    _with_mismatch(trainer, samples, MISMATCH_R)
     [row] = trainer.train(samples)
     expected = {
         "is_ratio_mean": 1.0, "is_ratio_min": 0.5, "is_ratio_max": 1.5, "is_ess": 16 / 18.08,
@@ -159,6 +196,60 @@ def test_metrics_by_hand_with_a_known_mismatch(overrides, expected):
     }  # fmt: skip
     assert {k: row[k] for k in expected} == pytest.approx(expected, abs=1e-5)
     assert row["loss"] == pytest.approx(row["policy_loss"])  # no KL, no entropy term
+
+
+def test_sequence_weights_count_the_rejected_tokens_as_verl():
+    # r = pi_old / pi_sampler: sample 0 [0.41, 0.71], sample 1 [1, 1]; A = +2, -3; token_k1 0.5_2.0 rejects
+    # (0,0) (1 / 0.41 = 2.44 > 2). Sequence weight of sample 0 over every response token (verl computes the
+    # weights before rejecting): 0.41 * 0.71 = 0.2911; over the kept token only it would be 0.71.
+    # Kept tokens, PPO ratio 1: (-2 * 0.2911 + 3 + 3) / 3 = 1.805933 (kept-only: (-1.42 + 6) / 3 = 1.526667)
+    model = make_tiny_model()
+    cfg = TrainConfig(lr=1e-9, is_level="sequence", is_threshold=2.0, rejection=["token_k1"],
+                      rejection_ratio_low=0.5, rejection_ratio_high=2.0)
+    trainer = PolicyTrainer(model, cfg, TorchStepper(model, make_adamw(model, cfg), 1.0))
+    samples = _two_samples()
+    _with_mismatch(trainer, samples, [[0.41, 0.71], [1.0, 1.0]])
+    [row] = trainer.train(samples)
+    assert row["policy_loss"] == pytest.approx((-2 * 0.41 * 0.71 + 6) / 3, abs=1e-5)
+    assert row["rejected_frac"] == pytest.approx(0.25)
+
+
+def test_dual_clip_is_on_by_default_at_3():
+    # bypass, r = pi_theta / pi_sampler: sample 0 [1, 1] (A = +2), sample 1 [5, 1] (A = -3).
+    # (1,0): PPO max(-A r, -A clip(r)) = max(15, 3.6) = 15, capped by the dual clip at -A * 3 = 9.
+    # token-mean: (-2 - 2 + 9 + 3) / 4 = 2.0 (without the dual clip (-4 + 15 + 3) / 4 = 3.5); 1 of 4 dual-clipped
+    assert TrainConfig().dual_clip == 3.0
+    rows = {}
+    for dual_clip in (3.0, None):
+        model = make_tiny_model()
+        cfg = TrainConfig(lr=1e-9, bypass_old_logprobs=True) if dual_clip else TrainConfig(
+            lr=1e-9, bypass_old_logprobs=True, dual_clip=None)
+        trainer = PolicyTrainer(model, cfg, TorchStepper(model, make_adamw(model, cfg), 1.0))
+        samples = _two_samples()
+        _with_mismatch(trainer, samples, [[1.0, 1.0], [5.0, 1.0]])
+        [rows[dual_clip]] = trainer.train(samples)
+    assert rows[3.0]["policy_loss"] == pytest.approx(2.0, abs=1e-5)
+    assert rows[3.0]["clip_frac_dual"] == pytest.approx(0.25)
+    assert rows[None]["policy_loss"] == pytest.approx(3.5, abs=1e-5)
+
+
+@pytest.mark.parametrize("bypass", [True, False])
+def test_reinforce_weighs_log_pi_by_the_truncated_weight(bypass):
+    # reinforce, token IS truncated at 1.2: w = min(r, 1.2) = [1.2, 0.9], [0.5, 1.1], r = pi_theta / pi_sampler
+    # under bypass, pi_old / pi_sampler otherwise (equal before the first update).
+    # L = -A w log pi_theta per token, token-mean; log pi_theta: the model's own logprobs of the tokens.
+    # The old -A * r loss (times w without bypass) gave a loss that does not involve log pi at all.
+    model = make_tiny_model()
+    cfg = TrainConfig(lr=1e-9, bypass_old_logprobs=bypass, policy_loss="reinforce", is_level="token",
+                      is_threshold=1.2)
+    trainer = PolicyTrainer(model, cfg, TorchStepper(model, make_adamw(model, cfg), 1.0))
+    samples = _two_samples()
+    logp = [lp.double() for lp in trainer.sequence_logprobs(trainer.policy, samples)]
+    _with_mismatch(trainer, samples, MISMATCH_R)
+    [row] = trainer.train(samples)
+    (a, b), (c, d) = logp[0].tolist(), logp[1].tolist()
+    expected = (-2 * 1.2 * a - 2 * 0.9 * b + 3 * 0.5 * c + 3 * 1.1 * d) / 4
+    assert row["policy_loss"] == pytest.approx(expected, abs=1e-5)
 
 
 def test_step_totals_weigh_micro_batches_and_count_each_ratio_once():
@@ -264,6 +355,13 @@ def test_toy_problem_moves_policy_toward_reward(estimator):
         {"is_level": "token", "is_threshold": 2.0, "rejection": ["seq_max_k2"]},
         {"bypass_old_logprobs": True, "loss_aggregation": "seq-mean-token-sum-norm"},
         {"dtype": "bfloat16", "entropy_coef": 1e-3},
+        {"policy_loss": "reinforce", "bypass_old_logprobs": True, "is_level": "token"},
+        {"policy_loss": "cispo", "epochs": 2, "clip_high": 4.0},
+        {"policy_loss": "sapo", "epochs": 2},
+        {"policy_loss": "gspo", "epochs": 2, "minibatches": 2},
+        {"m2po_threshold": 0.04, "skip_threshold": 2.0, "epochs": 2},
+        {"bypass_old_logprobs": True, "policy_loss": "reinforce", "is_level": "sequence", "is_batch_normalize": True,
+         "rejection": ["token_k1", "seq_max_k2"], "rejection_thresholds": ["0.6_1.6", "2.5"]},
     ],
 )
 def test_toy_problem_loss_variants(overrides):

@@ -68,30 +68,49 @@ def test_section_digest_changes_only_with_its_section() -> None:
     assert a.generate.digest() == b.generate.digest()
 
 
+def test_bypass_with_rollout_correction_is_verls_recipe() -> None:
+    # verl's most used off-policy recipe: bypass_mode with token IS 2.0 and rollout_rs token_k1,seq_max_k2 with
+    # thresholds 0.6_1.6,2.5 (under bypass the correction compares pi_theta with the sampler)
+    config = load_config(None, ["train.bypass_old_logprobs=true", "train.is_level=token", "train.is_threshold=2.0",
+                                "train.rejection=[token_k1,seq_max_k2]",
+                                "train.rejection_thresholds=['0.6_1.6','2.5']"])
+    assert config.train.rejection_rules() == [("token_k1", 0.6, 1.6), ("seq_max_k2", None, 2.5)]
+    # one threshold is shared by every rule; a k1 rule given one number u keeps [1/u, u]
+    shared = load_config(None, ["train.rejection=[token_k1,seq_mean_k1]", "train.rejection_thresholds=['2']"])
+    assert shared.train.rejection_rules() == [("token_k1", 0.5, 2.0), ("seq_mean_k1", 0.5, 2.0)]
+
+
 @pytest.mark.parametrize(
-    "correction",
+    ("overrides", "message"),
     [
-        ["train.rejection=[token_k1]"],
-        ["train.is_level=sequence"],
-        ["train.rejection=[seq_max_k2]", "train.is_level=token"],
+        (["train.rejection=[token_k1,seq_max_k2]", "train.rejection_thresholds=['2','3','4']"], "3 entries for 2"),
+        (["train.rejection=[seq_max_k2]", "train.rejection_thresholds=['0.5_2']"], "one upper bound"),
+        (["train.rejection=[token_k1]", "train.rejection_thresholds=['2_0.5']"], "keeps nothing"),
+        (["train.rejection=[token_k1]", "train.rejection_thresholds=[x_2]"], "is not a number"),
+        # unquoted, YAML reads 0.5_2 as the number 0.52: refused rather than taken as a bound
+        (["train.rejection=[seq_max_k2]", "train.rejection_thresholds=[0.5_2]"], "valid string"),
     ],
 )
-def test_bypass_with_rollout_correction_is_refused(correction: list[str]) -> None:
-    # under bypass pi_old is the sampler, so pi_old / pi_sampler = 1: IS weights and rejection would be ignored
-    with pytest.raises(ConfigError) as error:
-        load_config(None, ["train.bypass_old_logprobs=true", *correction])
-    message = str(error.value)
-    assert "  train: " in message  # the section the error belongs to, then the fields it names
-    assert "train.bypass_old_logprobs with train.rejection / train.is_level" in message
-    # each alone is fine
-    assert load_config(None, ["train.bypass_old_logprobs=true"]).train.bypass_old_logprobs
-    assert load_config(None, correction).train.bypass_old_logprobs is False
+def test_bad_rejection_thresholds_are_refused(overrides: list[str], message: str) -> None:
+    with pytest.raises(ConfigError, match="train.rejection_thresholds") as error:
+        load_config(None, overrides)
+    assert message in str(error.value)
 
 
-def test_bypass_with_correction_is_refused_on_assignment_too() -> None:
-    config = load_config(None, ["train.bypass_old_logprobs=true"])
-    with pytest.raises(ValueError, match=r"train\.bypass_old_logprobs with train\.rejection"):
-        config.train.is_level = "token"
+@pytest.mark.parametrize(
+    "training",
+    [["train.is_level=token"], ["train.rejection=[token_k1]"], ["train.bypass_old_logprobs=true"],
+     ["train.epochs=2"], ["train.minibatches=2"]],
+)
+@pytest.mark.parametrize("sampling", [["generate.top_p=0.95"], ["generate.top_k=50"]])
+def test_truncated_sampling_with_off_policy_training_is_refused(sampling: list[str], training: list[str]) -> None:
+    # the sampler's logprobs are of the top-p/top-k truncated distribution: every ratio to them is off by 1/Z
+    with pytest.raises(ConfigError, match="kept probability mass Z") as error:
+        load_config(None, [*sampling, *training])
+    assert sampling[0] in str(error.value) and training[0].split("=")[0] in str(error.value)
+    # each alone is fine: one on-policy step never compares the two distributions
+    assert load_config(None, sampling).generate.top_p <= 1.0
+    assert load_config(None, training).generate.top_p == 1.0
 
 
 @pytest.mark.parametrize("path", sorted((Path(__file__).parents[2] / "deployments" / "configs").glob("*.yaml")),

@@ -37,7 +37,7 @@ def test_rows_read_as_written_by_hand() -> None:
     assert '| `generate.backend` | `"auto" \\| "hf" \\| "vllm"` | `"auto"` |' in reference
     assert "| `data.max_test_prompts` | `int \\| null (>= 1)` | `8` |" in reference
     assert "| `evaluate.k` | `list[int]` | `[1, 4]` |" in reference
-    assert "| `train.dual_clip` | `float \\| null (> 1)` | `null` |" in reference
+    assert "| `train.dual_clip` | `float \\| null (> 1)` | `3.0` |" in reference
     assert "## `advantage`" in reference and "| `advantage.target_groups` |" in reference
     # Sections are tables of their own, not rows of the run table.
     assert "| `train` |" not in reference
