@@ -163,3 +163,50 @@ def test_ppo_with_a_critic_through_the_stages(run_layout):
     critic_from_0, _ = load_value_model(Path(layout.checkpoint_dir(0)), Path("unused"))
     assert not torch.equal(critic_1.head.weight, critic_from_0.head.weight)
     assert manifest_1.metrics["steps"] == 1
+
+
+def test_a_critic_needs_the_torch_backend():
+    from schemas.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match="has no critic yet"):
+        load_config(None, ["advantage.estimator=gae", "train.backend=deepspeed"])
+
+
+@pytest.mark.slow
+def test_the_adaptive_kl_in_the_reward_carries_its_coefficient_across_iterations(run_layout):
+    # The advantage stage takes KL(pi_sampler || pi_base) per token from the reward. Iteration 0 samples from the
+    # base model itself, so its KL is ~0 (the fake sampler's logprobs are the model's own): below the target,
+    # the adaptive coefficient falls by the clipped 20%: 0.5 * (1 - 0.2 * 8 / 100) = 0.492 (8 samples).
+    make, _ = run_layout
+    layout = make("advantage.use_kl_in_reward=true", "advantage.kl_ctrl=adaptive", "advantage.kl_coef=0.5",
+                  "advantage.kl_target=0.1", "advantage.kl_horizon=100")
+    batch_0, _, _ = run_iteration(layout, 0)
+    assert batch_0.metrics["kl_in_reward_coef"] == 0.5
+    assert batch_0.metrics["kl_in_reward_mean"] == pytest.approx(0.0, abs=1e-5)
+    assert batch_0.metrics["kl_in_reward_next_coef"] == pytest.approx(0.492)
+    # iteration 1 samples from checkpoint 0, which moved: a positive KL, taken at the coefficient handed on
+    batch_1, _, _ = run_iteration(layout, 1)
+    assert batch_1.metrics["kl_in_reward_coef"] == pytest.approx(0.492)
+    assert batch_1.metrics["kl_in_reward_mean"] > 1e-4
+    rows = pq.read_table(Path(layout.table_path("batch", 1))).to_pylist()
+    assert all(r["kl_in_reward"] == pytest.approx(r["reward"] - r["shaped_reward"], abs=1e-9) for r in rows)
+    assert sum(r["kl_in_reward"] for r in rows) > 0
+
+
+def test_a_batch_table_of_the_previous_version_is_still_read(tmp_path: Path):
+    # batch/v1 had no kl_in_reward, values, returns, token_advantages: read, they are 0 and null
+    import fsspec
+
+    from schemas.tables import TABLES
+    from storage.tables import SCHEMA_METADATA_KEY, read_table
+
+    v2 = TABLES["batch"].schema
+    v1 = pa.schema([f for f in v2 if f.name not in ("kl_in_reward", "values", "returns", "token_advantages")])
+    row = {"run_id": "r", "iteration": 0, "round": 0, "prompt_id": "p", "sample_idx": 0, "reward": 1.0,
+           "shaped_reward": 1.0, "advantage": 0.5, "kept": True, "drop_reason": None, "group_size": 2,
+           "group_mean": 0.5, "group_std": 0.5}
+    table = pa.Table.from_pylist([row], schema=v1).replace_schema_metadata({SCHEMA_METADATA_KEY: b"batch/v1"})
+    pq.write_table(table, tmp_path / "batch.parquet")
+    [read] = read_table(fsspec.filesystem("file"), str(tmp_path / "batch.parquet"), TABLES["batch"]).to_pylist()
+    assert read["advantage"] == 0.5 and read["kl_in_reward"] == 0.0
+    assert read["values"] is None and read["returns"] is None and read["token_advantages"] is None
