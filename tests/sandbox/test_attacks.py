@@ -18,7 +18,7 @@ from schemas.config import ScoreConfig
 from stages.sandbox import Sandbox, ScoreJob, ScoreResult, view
 from stages.sandbox import isolation as isolation_module
 from stages.sandbox.isolation import BwrapIsolation, Isolation, Limits, nproc_limit
-from stages.sandbox.sandbox import PROJECT_ROOT, missing_layers
+from stages.sandbox.sandbox import PROJECT_ROOT, IsolationRefused, missing_layers
 
 from .conftest import SECRET
 
@@ -489,6 +489,11 @@ def test_fallback_modes_contain_the_same_attacks(mode: str):
     if mode == "uid" and os.geteuid() != 0:
         pytest.skip("uid mode needs root")
     cfg = ScoreConfig(workers=1, timeout_s=2.0, isolation=mode, memory_mb=512, max_processes=16, output_limit_kb=64)
+    if mode == "minimal" and os.geteuid() != 0:
+        # jobs would share this user's uid: kill(-1) would reach the test runner. Start must refuse by default.
+        with pytest.raises(IsolationRefused, match="separate_uid"):
+            Sandbox.from_config(cfg).start()
+        pytest.skip("minimal mode as a user: refused by default, and its attacks would reach this user's processes")
     with Sandbox.from_config(cfg) as fallback:
         layers = fallback.layers
         assert fallback.isolation == mode
