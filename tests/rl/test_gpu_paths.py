@@ -146,3 +146,31 @@ def test_model_stage_manifests_record_the_device(run_layout) -> None:  # noqa: A
     assert check_records(records, "cpu") == ["evaluate: not done"]
     assert check_records(records, "cuda") == ["train: ran on cpu, not cuda", "evaluate: not done"]
     assert stage_state(run, instance("evaluate_base", BASE)).done is False
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+def test_zero_offload_trains_like_plain_torch(tmp_path) -> None:  # noqa: ANN001
+    """ZeRO-Offload for real on the CPU (gloo, one rank): DeepSpeed builds its own AdamW from the config (its CPU
+    Adam, compiled on first use, ~1.5 min) in place of our torch AdamW; two off-policy steps must give plain
+    torch's losses and weights (the tolerances of test_deepspeed.py), and the same checkpoint files."""
+    from safetensors.torch import load_file
+
+    from stages.rl.deepspeed_backend import launch
+    from stages.rl.session import run_job
+
+    from .pipeline_helpers import save_tiny_model
+    from .test_deepspeed import make_job
+
+    policy = save_tiny_model(tmp_path / "policy")
+    train = {"zero_stage": 2, "minibatches": 2}
+    torch_rows, _ = run_job(make_job(tmp_path, "torch", policy, **train))
+    job = make_job(tmp_path, "ds", policy, backend="deepspeed", processes=1, zero_offload=True, **train)
+    ds_rows, metrics = launch(job, tmp_path / "job.json", processes=1, timeout_s=1000)
+    assert (metrics["zero_offload"], metrics["peak_gpu_memory_mb"], len(ds_rows)) == (True, None, 2)
+    for a, b in zip(torch_rows, ds_rows, strict=True):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-4, abs=1e-6)
+    expected = load_file(tmp_path / "torch" / "model.safetensors")
+    got = load_file(tmp_path / "ds" / "model.safetensors")
+    for key in expected:
+        torch.testing.assert_close(got[key], expected[key], rtol=1e-4, atol=1e-5)
