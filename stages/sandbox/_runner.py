@@ -343,10 +343,21 @@ ACCESS_TRUNCATE = 1 << 14
 SCOPE_ABSTRACT_UNIX_SOCKET, SCOPE_SIGNAL = 1, 2
 
 
-def _libc():  # noqa: ANN202 - ctypes' CDLL; imported here so that the runner's start-up stays lean
-    import ctypes
+_CTYPES: tuple | None = None
 
-    return ctypes, ctypes.CDLL(None, use_errno=True)
+
+def _libc():  # noqa: ANN202 - (ctypes, the C library, struct sock_fprog)
+    """ctypes, loaded on first use so that an exec'd job's start stays lean, and once: the fork server loads it
+    before its first fork, so its children only make the system calls."""
+    global _CTYPES
+    if _CTYPES is None:
+        import ctypes
+
+        class Program(ctypes.Structure):  # struct sock_fprog
+            _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_char_p)]
+
+        _CTYPES = (ctypes, ctypes.CDLL(None, use_errno=True), Program)
+    return _CTYPES
 
 
 def _no_new_privs(libc) -> None:  # noqa: ANN001
@@ -356,11 +367,7 @@ def _no_new_privs(libc) -> None:  # noqa: ANN001
 
 def install_seccomp(program: bytes) -> None:
     """Apply a seccomp filter (a sock_filter array) to this process and everything it starts."""
-    ctypes, libc = _libc()
-
-    class Program(ctypes.Structure):
-        _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_char_p)]
-
+    ctypes, libc, Program = _libc()
     _no_new_privs(libc)
     code = Program(len(program) // 8, program)
     if libc.prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, ctypes.byref(code), 0, 0) != 0:
@@ -370,7 +377,7 @@ def install_seccomp(program: bytes) -> None:
 
 def landlock_abi() -> int:
     """The Landlock ABI version this kernel offers (0: none, or refused by a filter)."""
-    ctypes, libc = _libc()
+    ctypes, libc, _ = _libc()
     version = libc.syscall(SYS_LANDLOCK_CREATE_RULESET, None, ctypes.c_size_t(0),
                            ctypes.c_uint32(LANDLOCK_CREATE_RULESET_VERSION))
     return max(0, version)
@@ -381,7 +388,7 @@ def restrict_files(view: dict, workdir: str) -> None:
     read and write the files `view["devices"]`, do anything below `workdir`, and open nothing else.
     With ABI 4 it may not bind or connect TCP; with ABI 6 it may not signal processes outside its own
     domain nor connect to abstract UNIX sockets made outside it."""
-    ctypes, libc = _libc()
+    ctypes, libc, _ = _libc()
     abi = int(view["abi"])
     handled_fs = (1 << 13) - 1  # ABI 1: execute ... make_sym
     handled_fs |= (1 << 13) if abi >= 2 else 0  # refer
@@ -465,6 +472,7 @@ def _zygote(control_fd: int) -> None:
     signal.signal(signal.SIGCHLD, lambda signum, frame: None)
     message, _, _, _ = socket.recv_fds(control, 1 << 16, 0)
     _, setup = decode_value(message)
+    _libc()  # for the children's Landlock and seccomp calls; before _preload freezes the heap
     _preload()
     control.send(encode_value(("ready",)))
     jobs: set[int] = set()

@@ -41,7 +41,6 @@ from .kernel import (
     CLONE_NEWUTS,
     MOUNT_ATTR_NOSUID,
     MOUNT_ATTR_RDONLY,
-    MS_BIND,
     MS_NODEV,
     MS_NOSUID,
     MS_PRIVATE,
@@ -56,6 +55,7 @@ from .view import (
     CLEAN_ENV,
     DEVICES,
     SYSTEM_DIRS,
+    bind_into,
     build_job_root,
     interpreter_candidates,
     job_file_system,
@@ -695,10 +695,7 @@ class NativeIsolation(Isolation):
         # An interpreter that lives under /tmp (a checkout's virtual environment there) is bound into the job's
         # /tmp, read-only, as bubblewrap does; the detach after the job takes these mounts with it.
         for path in filter(under_tmp, self.view):
-            target = self.root + path
-            os.makedirs(target, exist_ok=True)
-            mount(path, target, None, MS_BIND | MS_REC)
-            set_mount_attr(target, MOUNT_ATTR_RDONLY | MOUNT_ATTR_NOSUID, 0)
+            set_mount_attr(bind_into(self.root, path), MOUNT_ATTR_RDONLY | MOUNT_ATTR_NOSUID, 0)
         return self.workdir
 
     def job_view(self, workdir: str) -> str:

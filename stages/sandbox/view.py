@@ -111,8 +111,7 @@ def build_job_root(root: str, interpreter: tuple[str, ...]) -> bool:
             mount(path, target, None, MS_BIND | MS_REC)
     for path in interpreter:  # not nested in each other nor in SYSTEM_DIRS (_outside_system_dirs)
         if not under_tmp(path):  # those are bound into each job's /tmp (NativeIsolation.begin_job)
-            os.makedirs(root + path)
-            mount(path, root + path, None, MS_BIND | MS_REC)
+            bind_into(root, path)
     os.makedirs(root + "/dev")
     for device in DEVICES:
         if os.path.exists(device):
@@ -126,6 +125,23 @@ def build_job_root(root: str, interpreter: tuple[str, ...]) -> bool:
     except OSError:
         mount("proc", root + "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
         return False
+
+
+def bind_into(root: str, path: str) -> str:
+    """Bind host directory `path` at the same path below `root`, returning the target. The directories leading
+    to it are made with the host's modes and owners, so the tree lets a job's uid reach no more than the host
+    does (an interpreter under /root, mode 0700, stays out of its reach, as it is outside the tree)."""
+    parts = path.strip("/").split("/")
+    for depth in range(1, len(parts) + 1):
+        host = "/" + "/".join(parts[:depth])
+        target = root + host
+        if not os.path.isdir(target):
+            os.mkdir(target)
+            status = os.stat(host)
+            os.chown(target, status.st_uid, status.st_gid)
+            os.chmod(target, status.st_mode & 0o7777)
+    mount(path, root + path, None, MS_BIND | MS_REC)
+    return root + path
 
 
 def under_tmp(path: str) -> bool:
