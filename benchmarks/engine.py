@@ -9,7 +9,9 @@ and context length, vLLM's defaults otherwise), per iteration `reload_weights` o
 generated with and `LLM.generate` of the same prompts with `SamplingParams(n=...)`, no seeds, no logprobs.
 Throughput of generate including its amortised engine start: tokens / (generation + loading + the engine start
 x generate's share of the engine's users (N of 2N+1 stages)), the same share for both; target: warm stage >=
-0.95 x bare. Runs one after the other; loads are printed (the machine may be shared).
+0.95 x bare. Runs one after the other; loads are printed (the machine may be shared). On a shared machine wall
+time follows the other jobs, so the same ratio is also printed in CPU seconds: the generation server's own
+(it reports them per request and engine start) against the bare engine's process tree (/proc).
 
 Run: `.venv/bin/python -m benchmarks.engine` (`--iterations 2`, small sizes: `--help`; `--root DIR` keeps runs).
 """
@@ -70,6 +72,9 @@ class RunFigures:
     generate_seconds: float  # generation inside the generate stages
     generate_load_seconds: float  # what each generate stage paid to have its engine (own start, or load)
     engine_start_seconds: float  # the warm run's one engine start (server side); the fresh run's mean start
+    start_and_load_seconds: float  # every model stage's engine start or checkpoint load, the whole run
+    generate_cpu_seconds: float  # the generation server's CPU seconds in the generate stages (warm run)
+    engine_start_cpu_seconds: float  # the server's CPU seconds for its engine start (warm run)
     load_before: float
     load_after: float
 
@@ -97,7 +102,10 @@ def figures(name: str, run_dir: Path, wall: float, load_before: float) -> RunFig
         name, wall, sum(m["seconds"] for m in manifests), len(warm_engines) + len(own_engines),
         sum(m["metrics"]["generated_tokens"] for m in generate),
         sum(m["metrics"]["generation_seconds"] for m in generate),
-        sum(m["metrics"]["engine_start_seconds"] for m in generate), start, load_before, load1(),
+        sum(m["metrics"]["engine_start_seconds"] for m in generate), start,
+        sum(m["metrics"]["engine_start_seconds"] for m in manifests),  # a warm stage's includes the start it waited for
+        sum(m["metrics"]["warm_engine"].get("generation_cpu_seconds", 0.0) for m in generate),
+        sum(r.get("engine_start_cpu_seconds", 0.0) for r in records), load_before, load1(),
     )
 
 
@@ -109,6 +117,25 @@ class BareFigures:
     engine_start_seconds: float
     load_before: float
     load_after: float
+    generate_cpu_seconds: float = 0.0
+    reload_cpu_seconds: float = 0.0
+    engine_start_cpu_seconds: float = 0.0
+
+
+def tree_cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of a process and its live descendants (vLLM's engine core is a child)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    total, pending = 0.0, [pid]
+    while pending:
+        current = pending.pop()
+        try:
+            fields = Path(f"/proc/{current}/stat").read_text().rsplit(")", 1)[1].split()
+            total += (int(fields[11]) + int(fields[12])) / tick
+            for task in Path(f"/proc/{current}/task").iterdir():
+                pending += [int(child) for child in (task / "children").read_text().split()]
+        except (OSError, ValueError):
+            continue
+    return total
 
 
 def bare_vllm(run_dir: Path, iterations: int, args: argparse.Namespace) -> BareFigures:
@@ -119,7 +146,7 @@ def bare_vllm(run_dir: Path, iterations: int, args: argparse.Namespace) -> BareF
 
     load_before = load1()
     configure_cpu_environment(args.kv_cache_gib, 1)
-    started = time.monotonic()
+    started, cpu = time.monotonic(), tree_cpu_seconds(os.getpid())
     from vllm import LLM, SamplingParams
 
     dtype, enforce_eager = resolve_engine_settings("auto", "auto", on_cpu=True)
@@ -127,26 +154,29 @@ def bare_vllm(run_dir: Path, iterations: int, args: argparse.Namespace) -> BareF
     model_dir = base["metrics"]["local_path"]
     llm = LLM(model=model_dir, dtype=dtype, enforce_eager=enforce_eager, seed=0,
               max_model_len=context_length(768, args.max_new_tokens))
-    start_seconds = time.monotonic() - started
-    tokens, generate_seconds, reload_seconds = 0, 0.0, 0.0
+    start_seconds, start_cpu = time.monotonic() - started, tree_cpu_seconds(os.getpid()) - cpu
+    tokens, generate_seconds, reload_seconds, generate_cpu, reload_cpu = 0, 0.0, 0.0, 0.0, 0.0
     for k in range(iterations):
         if k > 0:
-            started = time.monotonic()
+            started, cpu = time.monotonic(), tree_cpu_seconds(os.getpid())
             checkpoint = run_dir / "checkpoints" / f"iter={k - 1:04d}"
             llm.collective_rpc("reload_weights", kwargs={"weights_path": str(checkpoint)})
             llm.reset_prefix_cache()
             reload_seconds += time.monotonic() - started
+            reload_cpu += tree_cpu_seconds(os.getpid()) - cpu
         rows = pq.read_table(run_dir / f"iter={k:04d}" / "rollouts.parquet").to_pylist()
         prompts = list({tuple(r["prompt_token_ids"]): None for r in rows})
         params = SamplingParams(n=args.samples, temperature=1.0, max_tokens=args.max_new_tokens)
-        started = time.monotonic()
+        started, cpu = time.monotonic(), tree_cpu_seconds(os.getpid())
         outputs = llm.generate([{"prompt_token_ids": list(p)} for p in prompts], params, use_tqdm=False)
         generate_seconds += time.monotonic() - started
+        generate_cpu += tree_cpu_seconds(os.getpid()) - cpu
         tokens += sum(len(c.token_ids) for o in outputs for c in o.outputs)
     llm.llm_engine.engine_core.shutdown()
     del llm
     gc.collect()
-    return BareFigures(tokens, generate_seconds, reload_seconds, start_seconds, load_before, load1())
+    return BareFigures(tokens, generate_seconds, reload_seconds, start_seconds, load_before, load1(), generate_cpu,
+                       reload_cpu, start_cpu)
 
 
 def parse_args() -> argparse.Namespace:
@@ -198,6 +228,8 @@ def main() -> None:
     fresh, warm = runs["fresh"], runs["warm"]
     print(f"generate + evaluate time, warm / fresh = {warm.stage_seconds / fresh.stage_seconds:.2f}   "
           f"(engine starts: warm {warm.engine_starts} (target 1), fresh {fresh.engine_starts})")
+    print(f"engine starts + checkpoint loads, whole run: fresh {fresh.start_and_load_seconds:.1f} s, warm "
+          f"{warm.start_and_load_seconds:.1f} s")
     print(f"the warm run's server was {'STILL RUNNING' if server_left else 'stopped'} after the run")
     warm_rate = warm.generate_tokens / (warm.generate_seconds + warm.generate_load_seconds
                                         + warm.engine_start_seconds * share)
@@ -209,6 +241,13 @@ def main() -> None:
           f"{bare.reload_seconds:.1f} s + engine start {bare.engine_start_seconds:.1f} s x {share:.2f} = "
           f"{bare_rate:.1f} tok/s   (load {bare.load_before:.1f} -> {bare.load_after:.1f})")
     print(f"warm generate stage / bare vLLM (amortised start) = {warm_rate / bare_rate:.2f}   (target >= 0.95)")
+    warm_cpu_rate = warm.generate_tokens / (warm.generate_cpu_seconds + warm.engine_start_cpu_seconds * share)
+    bare_cpu_rate = bare.tokens / (bare.generate_cpu_seconds + bare.reload_cpu_seconds
+                                   + bare.engine_start_cpu_seconds * share)
+    print(f"in CPU seconds: warm stage {warm.generate_cpu_seconds:.1f} + start {warm.engine_start_cpu_seconds:.1f} x "
+          f"{share:.2f} = {warm_cpu_rate:.1f} tok/CPU-s; bare {bare.generate_cpu_seconds:.1f} + reloads "
+          f"{bare.reload_cpu_seconds:.1f} + start {bare.engine_start_cpu_seconds:.1f} x {share:.2f} = "
+          f"{bare_cpu_rate:.1f} tok/CPU-s; ratio {warm_cpu_rate / bare_cpu_rate:.2f}")
 
 
 if __name__ == "__main__":

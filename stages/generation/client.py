@@ -278,6 +278,7 @@ class WarmEngine:
         self.server_engine_start_seconds = 0.0
         self.server_starts = 0
         self.reloads, self.reload_seconds, self.hash_seconds = 0, 0.0, 0.0
+        self.engine_start_cpu_seconds, self.generation_cpu_seconds = 0.0, 0.0
         started = time.monotonic()
         self._call({"op": "load", **self._checkpoint()})
         self.engine_start_seconds = time.monotonic() - started
@@ -312,6 +313,8 @@ class WarmEngine:
         if load["engine_started"]:
             self.engine_started = True
             self.server_engine_start_seconds += load["engine_start_seconds"]
+            self.engine_start_cpu_seconds += load["engine_start_cpu_seconds"]
+        self.generation_cpu_seconds += answer.get("cpu_seconds", 0.0)
         self.reloads += int(load["reloaded"])
         self.reload_seconds += load["reload_seconds"]
         self.hash_seconds += load["hash_seconds"]
@@ -356,6 +359,9 @@ class WarmEngine:
             "reloads": self.reloads,
             "reload_seconds": round(self.reload_seconds, 3),
             "hash_seconds": round(self.hash_seconds, 3),
+            # The server's own CPU seconds (all its threads): what the work cost, whatever else loads the machine.
+            "engine_start_cpu_seconds": round(self.engine_start_cpu_seconds, 3),
+            "generation_cpu_seconds": round(self.generation_cpu_seconds, 3),
             "sleep_mode": self.server["sleep_mode"],
         }
 

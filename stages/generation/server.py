@@ -125,10 +125,16 @@ def engine_structure(model_dir: Path, files: dict[str, dict[str, Any]]) -> dict[
     return structure
 
 
+def process_cpu_seconds() -> float:
+    """User + system CPU time of this process, every thread (the CPU engine's too: it runs in this process)."""
+    times = os.times()
+    return times.user + times.system
+
+
 @dataclass
 class LoadResult:
     """What a load did: the hash the server confirmed, whether it started the engine or swapped weights, and the
-    seconds each part took (hashing, engine start, reload)."""
+    seconds each part took (hashing, engine start and its CPU seconds, reload)."""
 
     checkpoint_sha256: str
     engine_started: bool
@@ -136,6 +142,7 @@ class LoadResult:
     hash_seconds: float
     engine_start_seconds: float
     reload_seconds: float
+    engine_start_cpu_seconds: float = 0.0
 
 
 class EngineHost:
@@ -167,12 +174,13 @@ class EngineHost:
                                  f"{expected_sha256[:12]}: not loaded")
         structure = engine_structure(model_dir, files)
         if self.backend is None:
-            started = time.monotonic()
+            started, cpu_started = time.monotonic(), process_cpu_seconds()
             self.backend = self.start_engine(model_dir)
             self.engine_start_seconds = time.monotonic() - started
             self.engine_id = uuid.uuid4().hex[:16]
             self.structure, self.loaded_sha256 = structure, digest
-            return LoadResult(digest, True, False, hash_seconds, self.engine_start_seconds, 0.0)
+            return LoadResult(digest, True, False, hash_seconds, self.engine_start_seconds, 0.0,
+                              process_cpu_seconds() - cpu_started)
         if structure != self.structure:
             changed = sorted(k for k in {*structure, *self.structure} if structure.get(k) != self.structure.get(k))
             raise RequestRefused("incompatible", f"{model_dir} differs from the engine's model in more than its "
@@ -251,9 +259,11 @@ def handle(connection: socket.socket, message: dict[str, Any], host: EngineHost)
     answer: dict[str, Any] = {"ok": True, "load": asdict(loaded)}
     if op == "generate":
         spec = SamplingSpec(**message["sampling"])
+        cpu_started = process_cpu_seconds()
         samples = host.generate(decode_requests(message["requests"]), spec,
                                 lambda done, tokens: send_message(connection, {"progress": [done, tokens]}))
         answer["samples"] = encode_samples(samples)
+        answer["cpu_seconds"] = process_cpu_seconds() - cpu_started  # the engine's work, whatever else loads the CPU
     answer["server"] = host.describe()
     send_message(connection, answer)
     return "served"

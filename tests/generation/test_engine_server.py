@@ -244,7 +244,7 @@ def lying_server(path: Path, confirmed: str) -> threading.Thread:
             receive_message(connection)
             send_message(connection, {"ok": True, "load": {
                 "checkpoint_sha256": confirmed, "engine_started": False, "reloaded": False, "hash_seconds": 0.0,
-                "engine_start_seconds": 0.0, "reload_seconds": 0.0,
+                "engine_start_seconds": 0.0, "reload_seconds": 0.0, "engine_start_cpu_seconds": 0.0,
             }, "server": {"pid": 1, "engine_id": "e", "loaded_sha256": confirmed, "sleep_mode": False}})
 
     thread = threading.Thread(target=answer_once)
