@@ -34,8 +34,9 @@ from stages.rl.advantages import TOKEN_COLUMNS
 from stages.rl.checkpoint import TrainerState, copy_policy, read_state
 from stages.rl.critic import copy_value_model
 from stages.rl.filters import is_skip_step
+from stages.rl.schedule import lr_at
 from stages.rl.session import TrainJob, peak_rss_mb, run_job
-from stages.rl.trainer import lr_at, optimizer_steps
+from stages.rl.trainer import optimizer_steps
 
 
 def _key(row: dict[str, Any]) -> tuple:

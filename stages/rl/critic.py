@@ -25,6 +25,7 @@ import torch
 
 from schemas.config import TrainConfig
 from stages.rl.logprobs import MicroBatch, build_micro_batch, pack_by_tokens
+from stages.rl.schedule import lr_at
 
 CRITIC_DIR = "critic"
 HEAD_FILE = "value_head.safetensors"
@@ -103,10 +104,8 @@ def copy_value_model(source_checkpoint: Path, out_checkpoint: Path) -> None:
 
 
 def critic_lr_at(step: int, cfg: TrainConfig) -> float:
-    """The critic's learning rate at its optimizer step `step`: the policy's schedule (trainer.lr_at) with
+    """The critic's learning rate at its optimizer step `step`: the policy's schedule (schedule.lr_at) with
     critic_lr, critic_warmup_steps and critic_lr_schedule (lr_decay_steps and lr_min_ratio shared)."""
-    from stages.rl.trainer import lr_at
-
     return lr_at(step, cfg.model_copy(update={
         "lr": cfg.critic_lr, "warmup_steps": cfg.critic_warmup_steps, "lr_schedule": cfg.critic_lr_schedule,
     }))  # fmt: skip

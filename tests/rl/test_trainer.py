@@ -11,7 +11,8 @@ import torch
 
 from schemas.config import TrainConfig
 from stages.rl.advantages import ESTIMATORS, compute_advantages
-from stages.rl.trainer import PolicyTrainer, StepTotals, TorchStepper, TrainSample, lr_at, make_adamw, metrics_row
+from stages.rl.schedule import lr_at
+from stages.rl.trainer import PolicyTrainer, StepTotals, TorchStepper, TrainSample, make_adamw, metrics_row
 
 from .conftest import make_tiny_model
 
