@@ -70,7 +70,7 @@ def test_each_backend_gets_its_own_dtype(recorded: list[dict[str, Any]]) -> None
     assert recorded == [
         {"model_dir": Path("/m"), "dtype": "bfloat16", "compiled": "auto", "max_model_len": 3100,
          "kv_cache_gib": 3, "tensor_parallel_size": 2, "device": "cpu", "gpu_memory_utilization": 0.9,
-         "max_num_seqs": None, "kv_cache_dtype": "auto"},
+         "max_num_seqs": None, "kv_cache_dtype": "auto", "sleep_mode": False},
         {"model_dir": Path("/m"), "dtype": "float32", "batch_size": 5, "device": "cpu"},
     ]
     make_backend("vllm", Path("/m"), GenerateConfig(vllm_dtype="auto", dtype="bfloat16"))
