@@ -6,23 +6,30 @@ config, tokenizer. Optimizer state is left out, so saving it (or not) does not c
 Every file, optimizer state included, goes into the manifest's `files` with its own hash, so a download is
 verified file by file and a tampered or truncated file is named.
 
-sha256 runs at ~1.1 GB/s a core here (SHA-NI): the files of a directory are hashed in parallel threads
-(hashlib lets go of the GIL), so a trainer checkpoint of 0.54 GB weights and 1.08 GB optimizer state takes as
-long as its largest file, ~0.95 s instead of 1.45 s. The per-file hashes are cached in a sidecar keyed on
-(size, mtime_ns), so hashing the same unchanged directory again is free.
+The per-file hashes are cached in a sidecar keyed on (size, mtime_ns), so hashing an unchanged directory
+again is free. The trainer fills that cache as it saves (`HashWhileWriting`): each finished file is hashed in a
+background thread while the next one is written, and the optimizer state is read back and hashed as it grows,
+so the hashes of a 1.6 GB checkpoint overlap its save (which waits on the disk) instead of following it
+(~0.9 s). A skipped step's copy keeps its source's hashes. Uncached files are hashed in parallel threads
+(hashlib lets go of the GIL).
 """
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 import hashlib
+import io
 import json
 import os
 import shutil
+import threading
+import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import fsspec
 
@@ -46,18 +53,35 @@ def sha256_local_file(path: Path) -> str:
     return digest.hexdigest()
 
 
+def _read_cache(local_dir: Path) -> dict[str, dict[str, Any]]:
+    try:
+        return json.loads((local_dir / HASH_CACHE_NAME).read_text())
+    except (OSError, json.JSONDecodeError):
+        return {}
+
+
+def _write_cache(local_dir: Path, cache: dict[str, dict[str, Any]]) -> None:
+    try:
+        (local_dir / HASH_CACHE_NAME).write_text(json.dumps(cache))
+    except OSError:
+        pass  # a read-only model directory is fine: we just hash again next time
+
+
+def _checkpoint_file(local_dir: Path, path: Path) -> str | None:
+    """The relative name of a file that belongs to the checkpoint, or None (manifest, hash cache, dot-files)."""
+    relative = path.relative_to(local_dir).as_posix()
+    if relative in EXCLUDED or relative.startswith(".") or "/." in relative:
+        return None
+    return relative
+
+
 def directory_files(local_dir: Path) -> dict[str, dict[str, Any]]:
     """Relative path -> {"bytes", "sha256"} for every checkpoint file, using the sidecar cache."""
-    cache_path = local_dir / HASH_CACHE_NAME
-    try:
-        cache = json.loads(cache_path.read_text())
-    except (OSError, json.JSONDecodeError):
-        cache = {}
+    cache = _read_cache(local_dir)
     files: dict[str, dict[str, Any]] = {}
     to_hash: dict[str, tuple[Path, os.stat_result]] = {}
     for path in sorted(p for p in local_dir.rglob("*") if p.is_file()):
-        relative = path.relative_to(local_dir).as_posix()
-        if relative in EXCLUDED or relative.startswith(".") or "/." in relative:
+        if (relative := _checkpoint_file(local_dir, path)) is None:
             continue
         stat = path.stat()
         cached = cache.get(relative)
@@ -74,11 +98,134 @@ def directory_files(local_dir: Path) -> dict[str, dict[str, Any]]:
     for relative, (_, stat) in to_hash.items():
         files[relative] = {"bytes": stat.st_size, "sha256": digests[relative]}
         cache[relative] = {**files[relative], "mtime_ns": stat.st_mtime_ns}
-    try:
-        cache_path.write_text(json.dumps(cache))
-    except OSError:
-        pass  # a read-only model directory is fine: we just hash again next time
+    _write_cache(local_dir, cache)
     return dict(sorted(files.items()))
+
+
+def _stat_key(stat: os.stat_result) -> tuple[int, int]:
+    return stat.st_size, stat.st_mtime_ns
+
+
+def _hash_unchanged(path: Path) -> tuple[os.stat_result, str] | None:
+    """(stat, sha256) of a finished file, or None if it changed while it was read."""
+    before = path.stat()
+    digest = sha256_local_file(path)
+    after = path.stat()
+    return (after, digest) if _stat_key(before) == _stat_key(after) else None
+
+
+class _SequentialWriter(io.RawIOBase):
+    """A file opened for writing that only appends (no seek, no truncate), so a reader that follows it from
+    its start sees every byte exactly once."""
+
+    def __init__(self, handle: BinaryIO) -> None:
+        super().__init__()
+        self.handle = handle
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data: Any) -> int:  # noqa: ANN401 - any buffer (bytes, memoryview)
+        self.handle.write(data)  # a buffered file: writes all of it or raises
+        return memoryview(data).nbytes
+
+
+def _follow(path: Path, finished: threading.Event) -> str:
+    """sha256 of a file that another thread is still appending to: read what is there, wait a little when
+    caught up, until the writer has closed it (`finished`) and the end is reached. No hand-off per write: on
+    a loaded machine each one could cost the writer a scheduler time slice."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        while True:
+            closed = finished.is_set()  # asked before reading: an empty read after it is the true end
+            if chunk := handle.read(8 << 20):
+                digest.update(chunk)
+            elif closed:
+                return digest.hexdigest()
+            else:
+                time.sleep(0.005)
+
+
+class HashWhileWriting:
+    """Hashes a checkpoint directory's files while its writer is still writing others, and leaves the
+    hashes in the directory's sidecar cache, keyed on each file's size and mtime as it was hashed, so that
+    `checkpoint_digest` (the harness) reads none of them again.
+
+        with HashWhileWriting(out_dir) as hashes:
+            model.save_pretrained(out_dir)
+            hashes.hash_written()                          # what is on disk now, in a background thread
+            with hashes.open("optimizer.pt") as handle:   # hashed as it grows
+                torch.save(state, handle)
+
+    A file left unhashed, or changed after it was hashed, is simply hashed by `checkpoint_digest`.
+    `waited_seconds`: the wall time the writer spent waiting for hashes, i.e. what hashing still cost it.
+    """
+
+    def __init__(self, local_dir: Path) -> None:
+        self.local_dir = Path(local_dir)
+        self._files = ThreadPoolExecutor(max_workers=1)  # finished files, one after another
+        self._stream = ThreadPoolExecutor(max_workers=1)  # the file being written, as it grows
+        self._pending: dict[str, Future[tuple[os.stat_result, str] | None]] = {}
+        self._done: dict[str, tuple[os.stat_result, str]] = {}
+        self._following: dict[str, tuple[os.stat_result, Future[str]]] = {}
+        self.waited_seconds = 0.0
+
+    def hash_written(self) -> None:
+        """Start hashing every file of the directory that is there now and not hashed yet; they must be
+        finished (a file that changes while it is read is left to `checkpoint_digest`)."""
+        for path in sorted(p for p in self.local_dir.rglob("*") if p.is_file()):
+            relative = _checkpoint_file(self.local_dir, path)
+            if relative is not None and relative not in self._pending and relative not in self._done:
+                self._pending[relative] = self._files.submit(_hash_unchanged, path)
+
+    def copied(self, source: Path, relative: str) -> None:
+        """`relative` was just copied from `source` with its mtime (shutil.copy2): it takes the source's cached
+        hash when that still fits the source and the copy has the source's size and mtime, else it is hashed
+        in the background."""
+        source_stat, path = source.stat(), self.local_dir / relative
+        stat = path.stat()
+        cached = _read_cache(source.parent).get(source.name)
+        if (cached and (cached["bytes"], cached["mtime_ns"]) == _stat_key(source_stat) == _stat_key(stat)):
+            self._done[relative] = (stat, cached["sha256"])
+        elif relative not in self._pending:
+            self._pending[relative] = self._files.submit(_hash_unchanged, path)
+
+    @contextlib.contextmanager
+    def open(self, relative: str) -> Iterator[io.RawIOBase]:
+        """`relative` in the directory, opened for appending only; a background thread hashes it as it grows."""
+        path = self.local_dir / relative
+        finished = threading.Event()
+        try:
+            with open(path, "wb") as handle:
+                following = self._stream.submit(_follow, path, finished)
+                yield _SequentialWriter(handle)
+        finally:
+            finished.set()
+        self._following[relative] = (path.stat(), following)
+
+    def close(self) -> None:
+        """Wait for the hashes under way and record them all in the sidecar cache."""
+        started = time.monotonic()
+        for relative, pending in self._pending.items():
+            if (result := pending.result()) is not None:
+                self._done[relative] = result
+        for relative, (stat, following) in self._following.items():
+            self._done[relative] = (stat, following.result())
+        self._pending.clear()
+        self._following.clear()
+        self.waited_seconds += time.monotonic() - started
+        self._files.shutdown()
+        self._stream.shutdown()
+        cache = _read_cache(self.local_dir)
+        for relative, (stat, digest) in self._done.items():
+            cache[relative] = {"bytes": stat.st_size, "sha256": digest, "mtime_ns": stat.st_mtime_ns}
+        _write_cache(self.local_dir, cache)
+
+    def __enter__(self) -> HashWhileWriting:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 def is_policy_file(relative: str) -> bool:

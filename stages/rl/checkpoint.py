@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from schemas.config import TrainConfig
+from storage.checkpoints import HashWhileWriting
 
 OPTIMIZER_FILE = "optimizer.pt"
 STATE_FILE = "trainer_state.json"
@@ -114,28 +115,38 @@ def save_policy(
     source_dir: Path,
     out_dir: Path,
     state: TrainerState,
-) -> None:
-    """Write the trained policy (merged if LoRA) + tokenizer files + optimizer state + trainer state."""
+) -> float:
+    """Write the trained policy (merged if LoRA) + tokenizer files + optimizer state + trainer state; returns
+    the seconds the save waited for its files' content hashes."""
     out_dir.mkdir(parents=True, exist_ok=True)
     to_save = model
     if hasattr(model, "merge_and_unload"):  # peft
         to_save = model.merge_and_unload()
     to_save.config.use_cache = True
-    to_save.save_pretrained(out_dir, safe_serialization=True)
-    copy_non_model_files(source_dir, out_dir)
-    if optimizer is not None:
-        torch.save(optimizer.state_dict(), out_dir / OPTIMIZER_FILE)
-    (out_dir / STATE_FILE).write_text(json.dumps(state.__dict__, sort_keys=True) + "\n")
+    # Each file is hashed while the next is written (the harness's content hash then reads none of them).
+    with HashWhileWriting(out_dir) as hashes:
+        to_save.save_pretrained(out_dir, safe_serialization=True)
+        copy_non_model_files(source_dir, out_dir)
+        hashes.hash_written()
+        if optimizer is not None:
+            with hashes.open(OPTIMIZER_FILE) as handle:
+                torch.save(optimizer.state_dict(), handle)
+        (out_dir / STATE_FILE).write_text(json.dumps(state.__dict__, sort_keys=True) + "\n")
+        hashes.hash_written()
+    return hashes.waited_seconds
 
 
 def copy_policy(source_dir: Path, out_dir: Path, state: TrainerState) -> None:
     """A skipped step's checkpoint: the input policy's files unchanged (weights, tokenizer, optimizer)."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    for path in sorted(Path(source_dir).iterdir()):
-        if (
-            path.is_file()
-            and not path.name.startswith(".")
-            and path.name not in ("manifest.json", STATE_FILE)
-        ):
-            shutil.copy2(path, out_dir / path.name)
-    (out_dir / STATE_FILE).write_text(json.dumps(state.__dict__, sort_keys=True) + "\n")
+    with HashWhileWriting(out_dir) as hashes:  # a copy keeps its source's content hash
+        for path in sorted(Path(source_dir).iterdir()):
+            if (
+                path.is_file()
+                and not path.name.startswith(".")
+                and path.name not in ("manifest.json", STATE_FILE)
+            ):
+                shutil.copy2(path, out_dir / path.name)
+                hashes.copied(path, path.name)
+        (out_dir / STATE_FILE).write_text(json.dumps(state.__dict__, sort_keys=True) + "\n")
+        hashes.hash_written()
