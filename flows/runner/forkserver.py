@@ -208,6 +208,10 @@ def _preload_project(environment: dict[str, str]) -> None:
         sys.modules.pop(f"stages.{name}", None)
         with contextlib.suppress(AttributeError):
             delattr(sys.modules["stages"], name)
+    with contextlib.suppress(Exception):  # what each stage's first table validation would pay (GX's context...)
+        from schemas.contracts import warm_up
+
+        warm_up()
     _project.update(sources=_project_sources(), cwd=os.getcwd(), env=environment, streams=_stream_ids())
 
 

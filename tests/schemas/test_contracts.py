@@ -238,3 +238,23 @@ def test_data_docs_templates_compile_once_per_machine(
         return re.sub(r"\d{8}T\d{6}\.\d{6}Z", "TIME", html)
 
     assert cached is not None and comparable(cached) == comparable(fresh)
+
+
+def test_warm_up_leaves_no_thread_and_validation_still_judges_after_it(
+    tables: dict[str, pa.Table], config: RunConfig
+) -> None:
+    import threading
+
+    from tqdm._monitor import TMonitor
+
+    from schemas.contracts import warm_up
+
+    validate_table("batch", tables["batch"], config)  # GX's progress bars start tqdm's monitor thread
+    assert warm_up() > 0
+    assert not [t for t in threading.enumerate() if isinstance(t, TMonitor)]  # a fork copies no held lock
+    scores = tables["scores"]
+    rewards = scores.column("reward").to_pylist()
+    rewards[2] = -3.0
+    result = validate_table("scores", replace(scores, "reward", rewards), config)
+    assert failing(result, "expect_column_values_to_be_between", "reward").unexpected_count == 1
+    assert validate_table("scores", scores, config).success
