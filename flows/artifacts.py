@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import re
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -130,10 +131,14 @@ def publish_iteration_artifacts(run: Run, iteration: int) -> dict[str, Any]:
     from prefect.artifacts import create_link_artifact, create_table_artifact
     from prefect.logging import get_run_logger
 
-    rows = iteration_metrics(run, iteration)
-    description = f"run `{run.run_id}` iteration {iteration} of {run.config.iterations} ({run.layout.run_dir})"
-    create_table_artifact(table=rows, key=artifact_key(run.run_id, "metrics"), description=description)
-    link, why = report_link(run)
+    # The report (DuckDB over the run's tables, no Prefect) is built in a second thread while this one
+    # gathers the metrics and sends them to the Prefect server, which artifacts must be created from.
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        report = pool.submit(report_link, run)
+        rows = iteration_metrics(run, iteration)
+        description = f"run `{run.run_id}` iteration {iteration} of {run.config.iterations} ({run.layout.run_dir})"
+        create_table_artifact(table=rows, key=artifact_key(run.run_id, "metrics"), description=description)
+        link, why = report.result()
     if link is not None:
         create_link_artifact(
             link=link, link_text=f"{run.run_id} report", key=artifact_key(run.run_id, "report"),
