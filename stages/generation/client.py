@@ -18,7 +18,6 @@ measured check made before an engine starts (`memory_refusal`); on a GPU the eng
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import hashlib
 import json
 import os
@@ -27,12 +26,12 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from stages.generation.base import Backend, GenerationRequest, ProgressCallback, Sample, SamplingSpec
+from stages.generation.models import file_lock
 from stages.generation.server import (
     ServerGone,
     decode_samples,
@@ -146,16 +145,6 @@ def ping(address: ServerAddress) -> dict[str, Any] | None:
         return None
 
 
-@contextlib.contextmanager
-def _locked(path: Path) -> Iterator[None]:
-    with open(path, "a") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
-
-
 def start_server(
     address: ServerAddress, cfg: GenerateConfig, device: str, idle_timeout_s: float | None,
     env: dict[str, str] | None = None, watch_stdin: bool = False,
@@ -163,7 +152,7 @@ def start_server(
     """Start a server at `address` unless one listens there already (then None). The socket is bound here and
     passed in, so requests queue while the server imports vLLM. `device`: torch's name for the stage's device
     in `env` (the server claims it again, so a `cuda:N` stage's narrowed GPU stays the server's)."""
-    with _locked(address.lock_path):
+    with file_lock(address.lock_path):
         existing = connect(address)
         if existing is not None:
             existing.close()

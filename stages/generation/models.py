@@ -187,7 +187,7 @@ def with_chat_template(model_dir: Path, cfg: ModelConfig) -> Path:
     target = Path(cfg.cache_dir).expanduser().resolve() / "templated" / f"{model_dir.name}-{digest}"
     if _is_complete(target):
         return target
-    with _file_lock(target.parent / f".{target.name}.lock"):
+    with file_lock(target.parent / f".{target.name}.lock"):
         if _is_complete(target):
             return target
         if target.exists():
@@ -221,7 +221,7 @@ def _is_complete(model_dir: Path) -> bool:
 
 
 @contextlib.contextmanager
-def _file_lock(path: Path) -> Iterator[None]:
+def file_lock(path: Path) -> Iterator[None]:
     """An exclusive advisory lock held for the block; the OS drops it if the process dies."""
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "a") as handle:
@@ -237,7 +237,7 @@ def ensure_converted(gguf: Path, target: Path) -> Path:
     if _is_complete(target):  # fast path: a directory only ever appears complete (rename below)
         return target
     cache_dir = target.parent
-    with _file_lock(cache_dir / f".{target.name}.lock"):
+    with file_lock(cache_dir / f".{target.name}.lock"):
         if _is_complete(target):  # another process converted while this one waited for the lock
             return target
         # Holding the lock, nobody else is converting: leftovers are from crashed runs, or a directory

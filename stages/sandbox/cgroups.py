@@ -50,7 +50,8 @@ def read_pids(directory: str) -> list[int]:
     return [int(line) for line in _read(os.path.join(directory, "cgroup.procs")).split() if line.isdigit()]
 
 
-def _reap() -> None:
+def reap_children() -> None:
+    """Collect every exited child of this process (the worker is a subreaper: orphans land here)."""
     while True:
         try:
             pid, _ = os.waitpid(-1, os.WNOHANG)
@@ -220,7 +221,7 @@ class JobGroup:
         pause = 0.0005
         try:
             while True:
-                _reap()
+                reap_children()
                 pids = self.pids()
                 if not pids:
                     return True
@@ -260,7 +261,7 @@ def remove(dirs: dict[str, str]) -> None:
     deadline = time.monotonic() + 10.0
     for directory in present.values():
         while read_pids(directory) and time.monotonic() < deadline:
-            _reap()
+            reap_children()
             time.sleep(0.001)
         try:
             os.rmdir(directory)

@@ -32,7 +32,7 @@ from pathlib import Path
 from schemas.config import ScoreConfig
 
 from . import _runner, cgroups
-from .cgroups import JobGroup
+from .cgroups import JobGroup, reap_children
 from .kernel import (
     CLONE_NEWIPC,
     CLONE_NEWNET,
@@ -110,16 +110,6 @@ def job_uid(owner_pid: int, slot: int) -> int:
 def set_subreaper() -> None:
     """Orphans of a job (a daemonized grandchild) become the worker's children, so it can reap them."""
     _libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
-
-
-def reap_children() -> None:
-    while True:
-        try:
-            pid, _ = os.waitpid(-1, os.WNOHANG)
-        except ChildProcessError:
-            return
-        if pid == 0:
-            return
 
 
 def _signal_uid(uid: int) -> None:
