@@ -67,7 +67,7 @@ PROMPTS = TableSchema(
 
 ROLLOUTS = TableSchema(
     name="rollouts",
-    version=1,
+    version=2,
     schema=_schema(
         _KEY_FIELDS
         + [
@@ -83,10 +83,28 @@ ROLLOUTS = TableSchema(
             ("num_tokens", pa.int32()),
             ("seed", pa.int64()),
             ("backend", pa.string()),
-        ]
+            # Multi-turn (generate.multi_turn): the response is the whole conversation after the prompt, the
+            # model's turns and the tool or environment observations between them, as one token sequence.
+            # loss_mask: 1 per model token, 0 per observation token; null = every token is the model's.
+            ("loss_mask", pa.list_(pa.int8())),
+            ("turn_spans", pa.list_(pa.list_(pa.int32()))),  # each model turn's [start, end) in response tokens
+            ("turn_rewards", pa.list_(pa.float64())),  # per model turn, where the mode scores each (feedback)
+            ("num_turns", pa.int32()),  # model turns; 1 single-turn
+            ("tool_calls", pa.int32()),
+            ("tool_errors", pa.int32()),  # calls that raised, timed out or crashed
+            ("tool_seconds", pa.float64()),  # wall time in the sandbox, all calls
+            ("conversation", pa.string()),  # JSON list of {"role", "content"} after the prompt; null single-turn
+        ],
+        nullable=frozenset({"loss_mask", "turn_spans", "turn_rewards", "conversation"}),
     ),
     key=ROLLOUT_KEY,
+    # v2: multi-turn columns; a v1 table reads as single-turn rollouts.
+    older=(1,),
+    added=(("loss_mask", None), ("turn_spans", None), ("turn_rewards", None), ("num_turns", 1), ("tool_calls", 0),
+           ("tool_errors", 0), ("tool_seconds", 0.0), ("conversation", None)),
 )
+# What a single-turn rollout row holds in the multi-turn columns.
+SINGLE_TURN_ROLLOUT = dict(ROLLOUTS.added)
 
 SCORES = TableSchema(
     name="scores",

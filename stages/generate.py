@@ -24,6 +24,7 @@ from typing import Any
 
 import pyarrow as pa
 
+from schemas.tables import SINGLE_TURN_ROLLOUT
 from stages.generation.base import GenerationRequest, Sample, SamplingSpec, sample_seed
 from stages.generation.client import open_stage_engine
 from stages.generation.device import Device, backend_device_record, claim_device, resolve_dtype
@@ -124,6 +125,7 @@ def run(ctx: StageContext) -> None:
             "response_logprobs": sample.logprobs, "response_text": sample.text,
             "finish_reason": sample.finish_reason, "truncated": sample.finish_reason == "length",
             "num_tokens": len(sample.token_ids), "seed": seed, "backend": backend.name,
+            **SINGLE_TURN_ROLLOUT,
         })
     ctx.write_table("rollouts", pa.Table.from_pylist(rows), {
         "backend": backend.name,

@@ -25,6 +25,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from schemas.config import load_config
+from schemas.tables import SINGLE_TURN_ROLLOUT
 from stages.data.sources import code_messages, code_tests_spec, prompt_id_of
 from stages.harness import StageContext
 from stages.registry import ITERATION_STAGES, RUN_STAGES, STAGES, instance, stage_state
@@ -152,7 +153,7 @@ def rollout_rows(
                 "run_id": run_id, "iteration": iteration, "round": 0, "prompt_id": pid, "sample_idx": s,
                 "policy_version": policy, "prompt_token_ids": [1, 2, 3], "response_token_ids": [4, 5],
                 "response_logprobs": [-0.5, -0.25], "response_text": text, "finish_reason": "stop",
-                "truncated": False, "num_tokens": 2, "seed": s, "backend": "standin",
+                "truncated": False, "num_tokens": 2, "seed": s, "backend": "standin", **SINGLE_TURN_ROLLOUT,
             })
     return rows
 

@@ -18,6 +18,7 @@ from flows.artifacts import iteration_metrics
 from flows.cli.status import extra_rounds
 from flows.runner.process import StageOutcome, dynamic_sampling_rounds
 from schemas.config import load_config
+from schemas.tables import SINGLE_TURN_ROLLOUT
 from stages.data.sources import code_messages, code_tests_spec, prompt_id_of
 from stages.generate import select_round_prompts
 from stages.harness import StageContext, StageInputError
@@ -66,6 +67,7 @@ def standin_generate(ctx: StageContext) -> None:
                 "sample_idx": s, "policy_version": ctx.inputs["policy"].sha256, "prompt_token_ids": [1, 2],
                 "response_token_ids": [4, 5], "response_logprobs": [-0.5, -0.25], "response_text": text,
                 "finish_reason": "stop", "truncated": False, "num_tokens": 2, "seed": s, "backend": "standin",
+                **SINGLE_TURN_ROLLOUT,
             })
     ctx.write_table("rollouts", pa.Table.from_pylist(rows), {"backend": "standin", "deterministic": True})
 

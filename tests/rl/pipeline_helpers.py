@@ -10,6 +10,7 @@ import numpy as np
 import pyarrow as pa
 
 from schemas.config import TrainConfig
+from schemas.tables import SINGLE_TURN_ROLLOUT
 from stages import advantage, train
 from stages.harness import StageContext
 from stages.rl.trainer import PolicyTrainer, TorchStepper, TrainSample, make_adamw
@@ -79,7 +80,7 @@ def fake_generate(ctx: StageContext) -> None:
                 "truncated": False,
                 "num_tokens": len(sample.response_ids),
                 "seed": 0,
-                "backend": "fake",
+                "backend": "fake", **SINGLE_TURN_ROLLOUT,
             }
         )
     ctx.write_table("rollouts", pa.Table.from_pylist(rows))

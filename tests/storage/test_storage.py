@@ -65,7 +65,7 @@ def test_reader_refuses_other_schema_version(tmp_path: Path) -> None:
 def test_reader_refuses_wrong_table(tmp_path: Path) -> None:
     fs = filesystem(str(tmp_path))
     written = write_table(fs, f"{tmp_path}/p.parquet", pa.Table.from_pylist(prompt_rows(1)), PROMPTS)
-    with pytest.raises(TableVersionError, match="rollouts/v1"):
+    with pytest.raises(TableVersionError, match="rollouts/v2"):
         read_table(fs, written.path, ROLLOUTS)
 
 
@@ -120,3 +120,25 @@ def test_run_layout_refuses_a_run_id_that_is_not_one_path_segment(run_id: str) -
 
     with pytest.raises(InvalidRunId, match="run_id"):
         RunLayout.create("/data", run_id)
+
+
+def test_a_rollouts_v1_table_reads_as_single_turn_rollouts(tmp_path: Path) -> None:
+    """Proves: a rollouts table written before the multi-turn columns (v1) is read with them filled in as a
+    single-turn rollout: no mask (every token the model's), no spans, one turn, no tool calls."""
+    v1_names = ["run_id", "iteration", "round", "prompt_id", "sample_idx", "policy_version", "prompt_token_ids",
+                "response_token_ids", "response_logprobs", "response_text", "finish_reason", "truncated",
+                "num_tokens", "seed", "backend"]
+    v1 = pa.schema([ROLLOUTS.schema.field(name) for name in v1_names])
+    row = {"run_id": "r", "iteration": 0, "round": 0, "prompt_id": "p", "sample_idx": 0, "policy_version": "h",
+           "prompt_token_ids": [1], "response_token_ids": [2, 3], "response_logprobs": [-0.5, -1.0],
+           "response_text": "x", "finish_reason": "stop", "truncated": False, "num_tokens": 2, "seed": 7,
+           "backend": "hf"}
+    path = tmp_path / "rollouts.parquet"
+    pq.write_table(pa.Table.from_pylist([row], schema=v1).replace_schema_metadata({b"rlpipe.schema": b"rollouts/v1"}),
+                   path)
+    read = read_table(filesystem(str(tmp_path)), str(path), ROLLOUTS).to_pylist()[0]
+    assert {k: read[k] for k in ("loss_mask", "turn_spans", "turn_rewards", "num_turns", "tool_calls",
+                                 "tool_errors", "tool_seconds", "conversation")} == {
+        "loss_mask": None, "turn_spans": None, "turn_rewards": None, "num_turns": 1, "tool_calls": 0,
+        "tool_errors": 0, "tool_seconds": 0.0, "conversation": None}
+    assert read["response_token_ids"] == [2, 3]

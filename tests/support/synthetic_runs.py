@@ -296,6 +296,10 @@ class SyntheticRun:
             "num_tokens": pa.array(lengths),
             "seed": pa.array(rng.integers(0, 2**62, rows)),
             "backend": _take(["synthetic"], np.zeros(rows, dtype=np.int64)),
+            # single-turn rollouts: no mask, spans or conversation; one turn, no tool calls
+            **{name: pa.nulls(rows, TABLES["rollouts"].schema.field(name).type)
+               for name in ("loss_mask", "turn_spans", "turn_rewards", "conversation")},
+            "num_turns": pa.array(np.ones(rows, dtype=np.int32)),
         }, rows)
         scores = build_table("scores", {
             **key_columns,
