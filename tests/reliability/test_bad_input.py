@@ -233,7 +233,7 @@ def test_group_smaller_than_n_samples_is_refused(run: RunLayout) -> None:
     short = {h.TRAIN_IDS[0]: h.N_SAMPLES, h.TRAIN_IDS[1]: h.N_SAMPLES - 1}
 
     def short_generate(ctx: StageContext) -> None:
-        write_raw(ctx, "rollouts", rollouts_table(ctx, groups=short), "rollouts/v1")
+        write_raw(ctx, "rollouts", rollouts_table(ctx, groups=short), "rollouts/v2")
 
     def short_score(ctx: StageContext) -> None:
         rows = [{**{k: r[k] for k in ROLLOUT_KEY}, "reward": float(r["sample_idx"] % 2 == 0), "passed": 1,
