@@ -10,6 +10,9 @@ top-p set (logprob -inf) are counted (`outside_filter`) and left out of the stat
 The trainer recomputes under temperature alone, so with a filter on every stored logprob exceeds the
 trainer's by -log(the filtered mass) at that step; the summary then also holds `as_trained`, the same
 statistics against the temperature-only logprobs (its `mean_signed` is that gap).
+
+In a multi-turn rollout the response holds tool / environment observation tokens too (loss mask 0, sampler
+logprob 0.0, meaningless); with `loss_masks` only model tokens (mask 1) are counted, observations being context.
 """
 
 from __future__ import annotations
@@ -70,13 +73,22 @@ def recompute_logprobs(
             for sample, logits_T in _response_logits(model, requests, samples, batch_size, pad_id)]
 
 
-def summarize(sampler: Sequence[Sequence[float]], recomputed: Sequence[Sequence[float]]) -> dict[str, float]:
-    """Per-token |sampler - recomputed|: mean, p99, max; signed mean; token counts."""
+def summarize(
+    sampler: Sequence[Sequence[float]],
+    recomputed: Sequence[Sequence[float]],
+    loss_masks: Sequence[Sequence[int] | None] | None = None,
+) -> dict[str, float]:
+    """Per-token |sampler - recomputed|: mean, p99, max; signed mean; token counts. With `loss_masks` (one per
+    row; None = every token the model's) only tokens whose mask is 1 are counted."""
     diffs: list[float] = []
     signed = 0.0
     outside = 0
-    for row_sampler, row_recomputed in zip(sampler, recomputed, strict=True):
-        for a, b in zip(row_sampler, row_recomputed, strict=True):
+    masks = loss_masks if loss_masks is not None else [None] * len(sampler)
+    for row_sampler, row_recomputed, mask in zip(sampler, recomputed, masks, strict=True):
+        keep = [1] * len(row_sampler) if mask is None else mask
+        for a, b, model_token in zip(row_sampler, row_recomputed, keep, strict=True):
+            if not model_token:
+                continue
             if not math.isfinite(b) or not math.isfinite(a):
                 outside += 1
                 continue
@@ -104,9 +116,11 @@ def logprob_mismatch(
     dtype: str = "float32",
     batch_size: int = 4,
     device: str = "cpu",
+    loss_masks: Sequence[Sequence[int] | None] | None = None,
 ) -> dict[str, Any]:
     """Load `model_dir` with Hugging Face, recompute the samples' logprobs, and compare (see `summarize`);
-    with a top-k / top-p filter, also against the trainer's temperature-only logprobs (`as_trained`)."""
+    with a top-k / top-p filter, also against the trainer's temperature-only logprobs (`as_trained`).
+    `loss_masks` (per sample, None = all model tokens): count model tokens only (multi-turn rollouts)."""
     from stages.generation.models import load_model, load_tokenizer
 
     torch.set_num_threads(TORCH_THREADS)
@@ -122,7 +136,7 @@ def logprob_mismatch(
             if filtered:
                 trainer.append(_token_logprobs(logits_T, sample.token_ids, as_trained))
     sampler = [s.logprobs for s in samples]
-    stats: dict[str, Any] = summarize(sampler, recomputed)
+    stats: dict[str, Any] = summarize(sampler, recomputed, loss_masks)
     if filtered:
-        stats["as_trained"] = summarize(sampler, trainer)
+        stats["as_trained"] = summarize(sampler, trainer, loss_masks)
     return stats
