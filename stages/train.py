@@ -8,7 +8,8 @@ the sampler's are the behaviour policy for rollout correction (or the old policy
 The KL reference is the base model, verified against the run's base-model hash. A skipped batch (no kept
 nonzero advantage) trains nothing: the checkpoint is a copy of the input policy, so iteration k+1 has one,
 and the table holds one row with skipped = True. Seeds are fixed by (train.seed, iteration). With GAE a critic
-trains beside the policy (stages/rl/critic.py), in the checkpoint's `critic/`. A progress bar counts the
+trains beside the policy (stages/rl/critic.py), in the checkpoint's `critic/`. A multi-turn rollout's
+`loss_mask` goes with its sample: observation tokens are context, never loss. A progress bar counts the
 optimizer steps with loss, KL and tokens/s; DeepSpeed's rank 0 reports each step through a file.
 """
 
@@ -71,6 +72,8 @@ def training_samples(
                 "advantage": float(row["advantage"]),
                 # GAE's per-token columns (batch/v2), absent or null for outcome estimators
                 **{name: [float(x) for x in row[name]] for name in TOKEN_COLUMNS if row.get(name) is not None},
+                # multi-turn: observation tokens (0) stay out of every loss term; absent single-turn
+                **({"loss_mask": [int(x) for x in mask]} if (mask := rollout.get("loss_mask")) is not None else {}),
             }
         )
     return samples, empty
@@ -183,7 +186,7 @@ def run(ctx: StageContext) -> None:
 
         ranks = resolve_processes(cfg.processes, device.type, device.gpus)  # refused here, before any work
     batch = ctx.read_input("batch").to_pylist()
-    columns = [*ROLLOUT_KEY, "prompt_token_ids", "response_token_ids", "response_logprobs"]
+    columns = [*ROLLOUT_KEY, "prompt_token_ids", "response_token_ids", "response_logprobs", "loss_mask"]
     rollouts = ctx.read_rounds("rollouts", columns).to_pylist()  # every generation round the batch drew on
     samples, empty = training_samples(batch, rollouts, ctx.inputs["batch"].path)
     policy_dir = ctx.policy_dir()

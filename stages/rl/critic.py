@@ -9,7 +9,8 @@ Hugging Face directory, the head, AdamW's state, its step count), is read by the
 GAE) and the train stage of the next iteration, and is resumed like the policy. `CriticTrainer.step` runs one
 optimizer step of verl's clipped value loss (`value_loss`) on a minibatch, beside each policy step, with its
 own learning rate and schedule (`train.critic_lr`, `critic_warmup_steps`, `critic_lr_schedule`). The critic
-trains in fp32 on the torch backend only (TrainConfig refuses a critic with DeepSpeed).
+trains in fp32 on the torch backend only (TrainConfig refuses a critic with DeepSpeed). A multi-turn sample's
+loss mask keeps observation tokens out of the value loss and its statistics, as out of the policy's.
 """
 
 from __future__ import annotations
@@ -151,6 +152,7 @@ class CriticSample:
     response_ids: list[int]
     values: list[float]
     returns: list[float]
+    loss_mask: list[int] | None = None  # multi-turn: 0 at observation tokens (no value loss there)
 
 
 class CriticTrainer:
@@ -170,13 +172,15 @@ class CriticTrainer:
         """Backward the token-mean clipped value loss of `minibatch` micro-batch by micro-batch, step; the row's
         value_loss, vf_clip_frac and vf_explained_var (of the values before the update)."""
         cfg = self.cfg
-        tokens = float(sum(len(samples[i].response_ids) for i in minibatch))
+        masks = [s.loss_mask for s in samples]
+        tokens = float(sum(len(samples[i].response_ids) if masks[i] is None else sum(masks[i]) for i in minibatch))
         lengths = [len(samples[i].prompt_ids) + len(samples[i].response_ids) for i in minibatch]
         sums = dict.fromkeys(("loss", "clipped", "r", "r_sq", "e", "e_sq", "count"), 0.0)
         self.model.train()
         for group in pack_by_tokens(lengths, cfg.micro_batch_tokens):
             indices = [minibatch[j] for j in group]
-            micro = build_micro_batch(indices, [s.prompt_ids for s in samples], [s.response_ids for s in samples])
+            micro = build_micro_batch(indices, [s.prompt_ids for s in samples], [s.response_ids for s in samples],
+                                      loss_masks=masks)
             micro = micro.to(self.device)
             mask_BT = micro.response_mask_BT()
             old_BT = micro.to_BT(torch.tensor([v for i in indices for v in samples[i].values], device=self.device))

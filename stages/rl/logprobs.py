@@ -11,10 +11,16 @@ The cost is one extra LM-head matmul per token in backward (about 15% of SmolLM2
 Log-probs follow the sampler: logits are divided by the sampling temperature (the behaviour policy's
 logprobs in the rollouts table are "after temperature"), so pi_old / pi_b compares like with like. Top-p /
 top-k truncation is not reproduced: the trainer's policy is the untruncated tempered softmax.
+
+Multi-turn rollouts: a response holds tool / environment observation tokens between the model's turns. Every
+response token is forwarded and gets a logprob (observations are context), but `response_mask_BT` (the one mask
+the trainer uses for every loss term and statistic) is the response mask times the per-token loss mask, built
+once with the micro-batch: observation tokens are 0 there like padding.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 import torch
@@ -34,6 +40,8 @@ class MicroBatch:
     positions_N: torch.Tensor
     columns_N: torch.Tensor
     targets_N: torch.Tensor
+    # Per response token (flattened like targets_N): 1 a model token, 0 an observation; None: every token the model's
+    loss_mask_N: torch.Tensor | None = None
 
     @property
     def width(self) -> int:
@@ -50,6 +58,9 @@ class MicroBatch:
         return int(self.input_ids_BL.numel())
 
     def response_mask_BT(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """(B, T) 1 at the response tokens the loss sees: not padding, and a model token (loss mask 1)."""
+        if self.loss_mask_N is not None:
+            return self.to_BT(self.loss_mask_N.to(dtype))
         columns_T = torch.arange(self.width, device=self.response_lengths_B.device)
         return (columns_T[None, :] < self.response_lengths_B[:, None]).to(dtype)
 
@@ -59,7 +70,8 @@ class MicroBatch:
             return self
         tensors = ("input_ids_BL", "attention_mask_BL", "response_lengths_B", "rows_N", "positions_N", "columns_N",
                    "targets_N")
-        return replace(self, **{name: getattr(self, name).to(device) for name in tensors})
+        mask = {} if self.loss_mask_N is None else {"loss_mask_N": self.loss_mask_N.to(device)}
+        return replace(self, **{name: getattr(self, name).to(device) for name in tensors}, **mask)
 
     def to_BT(self, values_N: torch.Tensor, fill: float = 0.0) -> torch.Tensor:
         """Scatter flat per-token values into (B, T) (differentiable)."""
@@ -68,9 +80,15 @@ class MicroBatch:
 
 
 def build_micro_batch(
-    indices: list[int], prompts: list[list[int]], responses: list[list[int]], pad_id: int = 0
+    indices: list[int],
+    prompts: list[list[int]],
+    responses: list[list[int]],
+    pad_id: int = 0,
+    loss_masks: Sequence[Sequence[int] | None] | None = None,
 ) -> MicroBatch:
-    """Right-pad the sequences `indices` of (prompts, responses) into one micro-batch."""
+    """Right-pad the sequences `indices` of (prompts, responses) into one micro-batch. `loss_masks` (aligned with
+    `responses`; an entry None = all model tokens): the multi-turn loss mask, kept only when one of `indices` has
+    one, so a single-turn micro-batch is exactly what it was without it."""
     lengths = [len(prompts[i]) + len(responses[i]) for i in indices]
     width = max(lengths)
     input_ids_BL = torch.full((len(indices), width), pad_id, dtype=torch.long)
@@ -89,6 +107,15 @@ def build_micro_batch(
         positions.extend(range(start - 1, start - 1 + len(response)))
         columns.extend(range(len(response)))
         targets.extend(response)
+    loss_mask_N = None
+    if loss_masks is not None and any(loss_masks[i] is not None for i in indices):
+        flat_mask: list[int] = []
+        for i in indices:
+            mask = [1] * len(responses[i]) if loss_masks[i] is None else list(loss_masks[i])
+            if len(mask) != len(responses[i]):
+                raise ValueError(f"sequence {i}: {len(responses[i])} response tokens but {len(mask)} loss mask values")
+            flat_mask.extend(mask)
+        loss_mask_N = torch.tensor(flat_mask, dtype=torch.float32)
     return MicroBatch(
         indices=list(indices),
         input_ids_BL=input_ids_BL,
@@ -98,6 +125,7 @@ def build_micro_batch(
         positions_N=torch.tensor(positions, dtype=torch.long),
         columns_N=torch.tensor(columns, dtype=torch.long),
         targets_N=torch.tensor(targets, dtype=torch.long),
+        loss_mask_N=loss_mask_N,
     )
 
 

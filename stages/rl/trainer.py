@@ -11,6 +11,10 @@ minibatch into micro-batches by token budget with gradients accumulated, every l
 minibatch's totals (`losses.aggregate`) so the gradient is the minibatch loss's whatever the packing;
 (4) clipping, `lr_at(global_step)`, the step.
 
+Multi-turn samples carry a `loss_mask` (0 at tool / environment observation tokens): the micro-batch's
+`response_mask_BT` includes it, so the policy loss, KL terms, entropy, importance weights, rejection and every
+loss denominator count model tokens only, while the forward covers the whole sequence (observations are context).
+
 Dropout is forced off: PPO's ratio and the single-step fast path need a deterministic policy. The optimizer
 side is behind `Stepper` (plain torch here, DeepSpeed in stages/rl/deepspeed_backend.py).
 """
@@ -61,6 +65,19 @@ class TrainSample:
     token_advantages: list[float] | None = None
     values: list[float] | None = None
     returns: list[float] | None = None
+    # Multi-turn: 1 per model token, 0 per observation token (out of every loss term); None: all the model's
+    loss_mask: list[int] | None = None
+
+    @property
+    def model_tokens(self) -> int:
+        """Response tokens the loss sees: the model's (all of them without a loss mask)."""
+        return len(self.response_ids) if self.loss_mask is None else int(sum(self.loss_mask))
+
+    def model_mask(self, device: torch.device | str = "cpu") -> torch.Tensor:
+        """(T,) float 1 at model tokens, 0 at observations."""
+        if self.loss_mask is None:
+            return torch.ones(len(self.response_ids), device=device)
+        return torch.tensor(self.loss_mask, dtype=torch.float32, device=device)
 
     def __post_init__(self) -> None:
         if len(self.behaviour_logprobs) != len(self.response_ids):
@@ -76,6 +93,11 @@ class TrainSample:
                 raise ValueError(f"{len(self.response_ids)} response tokens but {len(values)} {name}")
             if values is not None and not all(math.isfinite(v) for v in values):
                 raise ValueError(f"{name} are not all finite")
+        if self.loss_mask is not None:
+            if len(self.loss_mask) != len(self.response_ids):
+                raise ValueError(f"{len(self.response_ids)} response tokens but {len(self.loss_mask)} loss mask values")
+            if any(m not in (0, 1) for m in self.loss_mask):
+                raise ValueError("loss_mask values must be 0 (observation) or 1 (model token)")
 
 
 def optimizer_steps(cfg: TrainConfig, samples: int) -> int:
@@ -171,7 +193,8 @@ class TrainBatch:
     @property
     def critic_samples(self) -> list[CriticSample]:
         """What the critic trains on (GAE's samples carry values and returns)."""
-        return [CriticSample(s.prompt_ids, s.response_ids, s.values or [], s.returns or []) for s in self.samples]
+        return [CriticSample(s.prompt_ids, s.response_ids, s.values or [], s.returns or [], s.loss_mask)
+                for s in self.samples]
 
 
 @dataclass
@@ -291,7 +314,8 @@ class PolicyTrainer:
             yield
 
     def _micro(self, samples: list[TrainSample], indices: list[int]) -> MicroBatch:
-        micro = build_micro_batch(indices, [s.prompt_ids for s in samples], [s.response_ids for s in samples])
+        micro = build_micro_batch(indices, [s.prompt_ids for s in samples], [s.response_ids for s in samples],
+                                  loss_masks=[s.loss_mask for s in samples])
         return micro.to(self.device)
 
     def sequence_logprobs(self, policy: torch.nn.Module, samples: list[TrainSample]) -> list[torch.Tensor]:
@@ -393,7 +417,8 @@ class PolicyTrainer:
         cfg, samples = self.cfg, batch.samples
         lengths = [len(samples[i].response_ids) for i in minibatch]
         if not self._corrects_minibatch():
-            num_sequences, num_tokens = float(sum(1 for n in lengths if n > 0)), float(sum(lengths))
+            model_tokens = [samples[i].model_tokens for i in minibatch]
+            num_sequences, num_tokens = float(sum(1 for n in model_tokens if n > 0)), float(sum(model_tokens))
             norm = {"num_sequences": num_sequences, "num_tokens": num_tokens, "norm_length": self._norm_length(batch)}
             return StepCorrection(None, None, norm)
         if cfg.bypass_old_logprobs:
@@ -404,7 +429,7 @@ class PolicyTrainer:
         pad = torch.nn.utils.rnn.pad_sequence
         ratio_BT = pad(ratio_logp, batch_first=True)
         behaviour_BT = pad([batch.behaviour[i] for i in minibatch], batch_first=True)
-        mask_BT = pad([torch.ones(n, device=ratio_BT.device) for n in lengths], batch_first=True)
+        mask_BT = pad([samples[i].model_mask(ratio_BT.device) for i in minibatch], batch_first=True)
         keep_BT = rejection_mask(ratio_BT, behaviour_BT, mask_BT, cfg.rejection_rules()) if cfg.rejection else mask_BT
         if cfg.m2po_threshold is not None:
             keep_BT = keep_BT * m2po_mask(ratio_BT, behaviour_BT, keep_BT, cfg.m2po_threshold)
