@@ -133,6 +133,48 @@ class DataConfig(Section):
         return value
 
 
+class MultiTurnConfig(Section):
+    """Multi-turn rollouts in generate and evaluate: a code-interpreter tool or test-feedback retries."""
+
+    mode: Literal["off", "tool", "feedback"] = Field(
+        "off", description="`off`: one response per sample; `tool`: a code-interpreter loop; `feedback`: retries "
+        "with the failing tests' messages."
+    )
+    max_turns: int = Field(4, ge=1, le=64, description="Model turns per conversation at most.")
+    max_tool_calls: int = Field(3, ge=0, description="Code blocks run per conversation at most (tool mode).")
+    max_response_tokens: int = Field(
+        512, ge=1, description="Token budget of the whole conversation after the prompt (model and observation "
+        "tokens); a conversation that reaches it is cut there, finish_reason `budget`. Each turn samples at most "
+        "generate.max_new_tokens (evaluate.max_new_tokens in evaluation) of it."
+    )
+    tool_timeout_s: float = Field(5.0, gt=0, le=60, description="Wall-clock seconds of one tool call in the sandbox.")
+    tool_output_chars: int = Field(
+        1024, ge=16, description="Characters of a tool call's output (stdout, then stderr) kept in the observation."
+    )
+    code_format: Literal["markdown", "code_tags"] = Field(
+        "markdown", description="How the model writes a tool call: a ```python fenced block (the turn stops at the "
+        "closing fence) or `<code>...</code>` (stops at `</code>`)."
+    )
+    observation_format: Literal["auto", "tool_role", "interpreter"] = Field(
+        "auto", description="How a tool's output is shown to the model: a `tool` message rendered by the chat "
+        "template, `<interpreter>...</interpreter>` text continuing the model's own turn, or `auto` (the tool role "
+        "when the chat template mentions it, else interpreter text)."
+    )
+    feedback_chars: int = Field(
+        1024, ge=16, description="Characters of failing-test messages in a feedback turn (feedback mode)."
+    )
+
+    @model_validator(mode="after")
+    def _mode_fits_limits(self) -> MultiTurnConfig:
+        if self.mode == "tool" and self.max_tool_calls == 0:
+            raise ValueError("generate.multi_turn.mode=tool with max_tool_calls=0 never runs a tool: raise "
+                             "max_tool_calls or use mode=off")
+        if self.mode in ("tool", "feedback") and self.max_turns < 2:
+            raise ValueError(f"generate.multi_turn.mode={self.mode} with max_turns=1 has no turn after the first: "
+                             "set max_turns >= 2 or mode=off")
+        return self
+
+
 class GenerateConfig(Section):
     """Rollout generation: the engine, how many prompts and samples, and how they are sampled."""
 
@@ -234,6 +276,14 @@ class GenerateConfig(Section):
         description="A generation server exits after this many seconds without a request (the run's end stops it "
         "too); keep it above the longest train stage, or the next stage pays a new engine start.",
     )
+    multi_turn: MultiTurnConfig = Field(
+        default_factory=MultiTurnConfig, description="Multi-turn rollouts (section)."
+    )
+
+    @property
+    def response_token_limit(self) -> int:
+        """The longest response a sample can have: the conversation budget when multi-turn, else max_new_tokens."""
+        return self.multi_turn.max_response_tokens if self.multi_turn.mode != "off" else self.max_new_tokens
 
     @field_validator("warm_engine", mode="before")
     @classmethod
@@ -254,11 +304,12 @@ class GenerateConfig(Section):
 
     @model_validator(mode="after")
     def _context_fits_a_prompt_and_response(self) -> GenerateConfig:
-        needed = self.max_prompt_tokens + self.max_new_tokens
+        needed = self.max_prompt_tokens + self.response_token_limit
         if self.vllm_max_model_len is not None and self.vllm_max_model_len < needed:
+            limit = "multi_turn.max_response_tokens" if self.multi_turn.mode != "off" else "max_new_tokens"
             raise ValueError(
                 f"generate.vllm_max_model_len={self.vllm_max_model_len} is shorter than max_prompt_tokens + "
-                f"max_new_tokens = {needed}: a prompt the stage lets through would not fit with a full response"
+                f"{limit} = {needed}: a prompt the stage lets through would not fit with a full response"
             )
         return self
 

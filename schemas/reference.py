@@ -72,11 +72,17 @@ def section_table(model: type[BaseModel], prefix: str) -> list[str]:
 
 def sections() -> list[tuple[str, type[BaseModel]]]:
     """(YAML key, model) of each section of RunConfig, in declaration order."""
-    return [
-        (name, field.annotation)
-        for name, field in RunConfig.model_fields.items()
-        if isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel)
-    ]
+    return _nested_sections(RunConfig, "")
+
+
+def _nested_sections(model: type[BaseModel], prefix: str) -> list[tuple[str, type[BaseModel]]]:
+    """(dotted key, model) of each section of `model`, each followed by the sections nested in it."""
+    found = []
+    for name, field in model.model_fields.items():
+        if isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel):
+            found.append((prefix + name, field.annotation))
+            found += _nested_sections(field.annotation, f"{prefix}{name}.")
+    return found
 
 
 def config_reference() -> str:

@@ -62,7 +62,7 @@ def make_backend(
         Path(model_dir),
         dtype=cfg.vllm_dtype,
         compiled=cfg.vllm_compile,
-        max_model_len=cfg.vllm_max_model_len or context_length(cfg.max_prompt_tokens, cfg.max_new_tokens),
+        max_model_len=cfg.vllm_max_model_len or context_length(cfg.max_prompt_tokens, cfg.response_token_limit),
         kv_cache_gib=cfg.vllm_kv_cache_gib,
         tensor_parallel_size=cfg.vllm_tensor_parallel_size,
         device=device,

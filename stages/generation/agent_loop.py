@@ -1,0 +1,349 @@
+"""The multi-turn agent loop (generate.multi_turn): a code-interpreter tool or test-feedback retries.
+
+Works over any `Backend` (HF, vLLM, the warm engine's client): each turn is one `backend.generate` call per
+group of unfinished conversations that share a token budget, never one sample at a time, so a turn is batched
+as a single-turn generation is. A turn's request is the prompt plus every token so far; the model's sampled
+tokens are kept as sampled (never re-tokenized), and the tokens between turns (observations) are the chat
+template's rendering of the added message, found as the text after a placeholder assistant message (prefix
+diff), or `<interpreter>` text that continues the model's own turn. Observation tokens get loss_mask 0 and
+logprob 0.0. Turn 0 uses the sample's own seed (so it draws what single-turn generation would), turn t a seed
+derived from (seed, t).
+
+tool mode: a turn that ends at the code stop sequence (the closing ``` fence, or </code>) is a tool call; its
+last code block runs through the sandbox's run_code path (the scoring sandbox's isolation, a per-call timeout,
+output cap), and what came out, an error, a timeout or a flood included, is the next observation: a tool call
+never fails the stage. A turn that ends otherwise (eos, its length) is the final answer. feedback mode: every
+answer is scored by the score stage's scorer; a failed one gets the failing tests' messages back as a user turn,
+up to max_turns; each turn's reward is kept. The conversation's token budget cuts it (finish_reason `budget`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+from schemas.config import MultiTurnConfig
+from stages.generation.base import Backend, GenerationRequest, SamplingSpec
+from stages.generation.sampling import generate_with_progress
+
+# Finish reasons of a conversation: the model's final answer ("stop"), its last turn hit the per-turn token cap
+# ("length"), the conversation budget ran out ("budget"), or a tool call was refused at a limit.
+FINISH_REASONS = ("stop", "length", "budget", "max_turns", "max_tool_calls")
+TRUNCATING = ("length", "budget")
+CODE_STOPS = {"markdown": "\n```\n", "code_tags": "</code>"}
+PLACEHOLDER = "RLPIPE-TURN-PLACEHOLDER-1b7e"
+
+
+def turn_seed(seed: int, turn: int) -> int:
+    """Turn 0 keeps the sample's seed; turn t >= 1 gets a 63-bit hash of (seed, t)."""
+    if turn == 0:
+        return seed
+    return int.from_bytes(hashlib.sha256(f"{seed}:turn:{turn}".encode()).digest()[:8], "big") >> 1
+
+
+@dataclass
+class ConversationStart:
+    """One sample to roll out: its prompt (messages and the tokens the model saw) and its seed."""
+
+    messages: list[dict[str, str]]
+    prompt_token_ids: list[int]
+    seed: int
+
+
+@dataclass
+class Conversation:
+    """One sample's whole rollout, in the rollouts table's multi-turn terms (schemas/tables.py)."""
+
+    start: ConversationStart
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    loss_mask: list[int] = field(default_factory=list)
+    turn_spans: list[list[int]] = field(default_factory=list)
+    turn_rewards: list[float] = field(default_factory=list)
+    turn_passed: list[bool] = field(default_factory=list)  # feedback mode: each answer passed every test
+    messages: list[dict[str, str]] = field(default_factory=list)
+    tool_calls: int = 0
+    tool_errors: int = 0
+    tool_seconds: float = 0.0
+    finish_reason: str | None = None
+    turn_cut: bool = False  # the last turn ended at its token cap
+
+    @property
+    def num_turns(self) -> int:
+        return len(self.turn_spans)
+
+    @property
+    def final_answer(self) -> str:
+        """The last assistant message: what the score stage grades."""
+        return next((m["content"] for m in reversed(self.messages) if m["role"] == "assistant"), "")
+
+    def columns(self) -> dict[str, Any]:
+        """The rollouts row's multi-turn columns and finish reason."""
+        finish = self.finish_reason or "stop"
+        return {
+            "finish_reason": finish, "truncated": finish in TRUNCATING, "loss_mask": self.loss_mask,
+            "turn_spans": self.turn_spans, "turn_rewards": self.turn_rewards or None, "num_turns": self.num_turns,
+            "tool_calls": self.tool_calls, "tool_errors": self.tool_errors,
+            "tool_seconds": round(self.tool_seconds, 6), "conversation": json.dumps(self.messages),
+        }
+
+
+@dataclass
+class ToolResult:
+    output: str  # what the observation shows
+    error: bool  # raised, timed out, flooded, or the sandbox could not run it
+    seconds: float
+
+
+class SandboxTool:
+    """The code interpreter: a started sandbox's `run_code` (Sandbox or FusionSandbox), calls run in parallel."""
+
+    def __init__(self, sandbox: Any, timeout_s: float, output_chars: int) -> None:  # noqa: ANN401 - a sandbox
+        self.sandbox = sandbox
+        self.timeout_s = timeout_s
+        self.output_chars = output_chars
+        self.threads = max(1, len(getattr(sandbox, "workers", [])) or 4)
+
+    def run(self, codes: list[str]) -> list[ToolResult]:
+        with ThreadPoolExecutor(self.threads, thread_name_prefix="tool") as pool:
+            return list(pool.map(self._run_one, codes))
+
+    def _run_one(self, code: str) -> ToolResult:
+        from stages.sandbox.reward_host import _code_run
+
+        started = time.monotonic()
+        request = {"code": code, "stdin": "", "language": "python", "run_timeout": self.timeout_s,
+                   "files": {}, "fetch_files": []}
+        try:
+            run = _code_run(self.sandbox.run_code(request))
+        except Exception as error:  # noqa: BLE001 - a sandbox failure is the model's observation, not the stage's
+            return ToolResult(f"sandbox error: {error}", True, time.monotonic() - started)
+        # stdout from its start, stderr from its end (where a traceback names the error), half the cap each at most
+        half = self.output_chars // 2
+        parts = [cap(run.stdout.strip("\n"), self.output_chars if not run.stderr.strip() else half)]
+        if run.status == "error":
+            parts = [f"sandbox error: {run.stderr.strip()}"]
+        elif run.stderr.strip():
+            parts.append(cap_tail(run.stderr.strip("\n"), half))
+        if run.status == "timeout":
+            parts.append(f"TimeoutError: the code ran longer than {self.timeout_s:g} s")
+        text = "\n".join(part for part in parts if part)
+        return ToolResult(cap(text, self.output_chars + 64), run.status != "ok", run.seconds)
+
+
+def cap(text: str, chars: int) -> str:
+    """`text` cut to its first `chars` characters, the cut marked."""
+    return text if len(text) <= chars else text[:chars] + f"\n... [cut at {chars} characters]"
+
+
+def cap_tail(text: str, chars: int) -> str:
+    """`text` cut to its last `chars` characters, the cut marked."""
+    return text if len(text) <= chars else f"[... cut to the last {chars} characters]\n" + text[-chars:]
+
+
+# (index of the conversation, its answer text) -> (reward, passed, feedback message) per answer
+Judge = Callable[[list[int], list[str]], list[tuple[float, bool, str]]]
+
+
+def feedback_message(tests: list[dict[str, Any]], status: str, chars: int) -> str:
+    """The user turn after a failed answer: each failing test's name, status and message, capped."""
+    if status == "no_code":
+        lines = ["No code block was found in your answer."]
+    else:
+        lines = [f"- {t.get('name', '?')}: {t.get('status', 'fail')}" + (f": {t['message']}" if t.get("message")
+                                                                          else "")
+                 for t in tests if not t.get("passed")] or [f"- the answer's status was {status}"]
+    body = cap("\n".join(lines), chars)
+    return f"Your answer failed these tests:\n{body}\nFix the code and give the whole corrected solution."
+
+
+def sandbox_judge(sandbox: Any, score_cfg: Any, specs: list[dict], inputs: list[Any], chars: int) -> Judge:  # noqa: ANN401
+    """A Judge that scores answers with the score stage's scorer (stages/sandbox/rewards.score)."""
+    from stages.sandbox import ScoreJob, rewards
+
+    def judge(indices: list[int], texts: list[str]) -> list[tuple[float, bool, str]]:
+        jobs = [ScoreJob(text, specs[i]) for i, text in zip(indices, texts, strict=True)]
+        results = rewards.score(sandbox, score_cfg, jobs, [inputs[i] for i in indices])
+        return [(r.reward, r.status == "ok", feedback_message(r.tests, r.status, chars)) for r in results]
+
+    return judge
+
+
+class ObservationTokens:
+    """Observation text and tokens: the chat template's rendering of added messages, or interpreter text."""
+
+    def __init__(self, tokenizer: Any, cfg: MultiTurnConfig) -> None:  # noqa: ANN401 - a HF tokenizer
+        self.tokenizer = tokenizer
+        template = getattr(tokenizer, "chat_template", None) or ""
+        fmt = cfg.observation_format
+        self.tool_role = fmt == "tool_role" or (fmt == "auto" and "tool" in template)
+        self.special_ids = set(tokenizer.all_special_ids)
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def templated(self, messages: list[dict[str, str]], added: list[dict[str, str]], last_token: int | None) -> str:
+        """The template's text for `added` after an assistant turn, up to the next assistant generation prompt.
+
+        Rendered after a placeholder assistant message; the part of the assistant's closing that the model
+        already sampled (its end-of-turn token) is not repeated."""
+        rendered = self.tokenizer.apply_chat_template(
+            [*messages, {"role": "assistant", "content": PLACEHOLDER}, *added], add_generation_prompt=True,
+            tokenize=False,
+        )
+        after = rendered[rendered.rindex(PLACEHOLDER) + len(PLACEHOLDER):]
+        if last_token is not None and last_token in self.special_ids:
+            own = self.tokenizer.decode([last_token], skip_special_tokens=False)
+            if own and after.startswith(own):
+                after = after[len(own):]
+        return after
+
+    def tool(self, messages: list[dict[str, str]], output: str, last_token: int | None) -> list[int]:
+        if self.tool_role:
+            return self.encode(self.templated(messages, [{"role": "tool", "content": output}], last_token))
+        return self.encode(f"<interpreter>\n{output}\n</interpreter>\n")
+
+    def user(self, messages: list[dict[str, str]], text: str, last_token: int | None) -> list[int]:
+        return self.encode(self.templated(messages, [{"role": "user", "content": text}], last_token))
+
+
+def tool_code(text: str, code_format: str) -> str | None:
+    """The code of a turn that ended at the code stop sequence: its last ```python block or <code> body."""
+    if code_format == "code_tags":
+        start = text.rfind("<code>")
+        end = text.rfind("</code>")
+        body = text[start + len("<code>"):end] if 0 <= start < end else ""
+        return body.strip("\n") + "\n" if body.strip() else None
+    from stages.sandbox import extract_code
+
+    return extract_code(text)
+
+
+def run_conversations(
+    backend: Backend,
+    tokenizer: Any,  # noqa: ANN401 - a HF tokenizer
+    cfg: MultiTurnConfig,
+    starts: list[ConversationStart],
+    sampling: SamplingSpec,
+    label: str,
+    tool: SandboxTool | None = None,
+    judge: Judge | None = None,
+) -> tuple[list[Conversation], dict[str, float]]:
+    """Roll out every conversation; returns them and the loop's figures (generation seconds and model tokens,
+    tool seconds). `sampling.max_new_tokens` caps each turn; `cfg.max_response_tokens` the whole conversation."""
+    if cfg.mode == "tool" and tool is None:
+        raise ValueError("multi_turn mode tool needs a SandboxTool")
+    if cfg.mode == "feedback" and judge is None:
+        raise ValueError("multi_turn mode feedback needs a judge")
+    observe = ObservationTokens(tokenizer, cfg)
+    code_stop = CODE_STOPS[cfg.code_format]
+    stops = [*sampling.stop, code_stop] if cfg.mode == "tool" else list(sampling.stop)
+    conversations = [Conversation(start) for start in starts]
+    figures = {"generation_seconds": 0.0, "generated_tokens": 0, "tool_wall_seconds": 0.0, "judge_seconds": 0.0}
+    for turn in range(cfg.max_turns):
+        active = [c for c in conversations if c.finish_reason is None]
+        if not active:
+            break
+        budgets: dict[int, list[Conversation]] = {}
+        for c in active:
+            budgets.setdefault(min(sampling.max_new_tokens, cfg.max_response_tokens - len(c.token_ids)), []).append(c)
+        for max_new, group in sorted(budgets.items()):
+            spec = SamplingSpec(temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
+                                max_new_tokens=max_new, stop=stops)
+            requests = [GenerationRequest(c.start.prompt_token_ids + c.token_ids, turn_seed(c.start.seed, turn))
+                        for c in group]
+            result = generate_with_progress(backend, requests, spec, f"{label} turn {turn + 1}")
+            figures["generation_seconds"] += result.seconds
+            figures["generated_tokens"] += result.tokens
+            for c, sample in zip(group, result.samples, strict=True):
+                begin = len(c.token_ids)
+                c.token_ids += sample.token_ids
+                c.logprobs += sample.logprobs
+                c.loss_mask += [1] * len(sample.token_ids)
+                c.turn_spans.append([begin, len(c.token_ids)])
+                text = tokenizer.decode(sample.token_ids, skip_special_tokens=True)
+                c.messages.append({"role": "assistant", "content": text})
+                out_of_budget = len(c.token_ids) >= cfg.max_response_tokens
+                ended_at_code = (cfg.mode == "tool" and sample.finish_reason == "stop"
+                                 and sample.token_ids[-1:] != [] and sample.token_ids[-1] not in observe.special_ids
+                                 and code_stop in text)
+                c.turn_cut = sample.finish_reason == "length"
+                if c.turn_cut and (max_new < sampling.max_new_tokens or out_of_budget):
+                    c.finish_reason = "budget"
+                elif cfg.mode == "feedback":
+                    c.finish_reason = "budget" if out_of_budget else None  # the judge decides (_feedback_step)
+                elif c.turn_cut:
+                    c.finish_reason = "length"
+                elif not ended_at_code:
+                    c.finish_reason = "stop"
+                elif c.tool_calls >= cfg.max_tool_calls:
+                    c.finish_reason = "max_tool_calls"
+                elif turn == cfg.max_turns - 1:
+                    c.finish_reason = "max_turns"
+                elif out_of_budget:
+                    c.finish_reason = "budget"
+        if cfg.mode == "tool":
+            _tool_step(active, tool, observe, cfg, figures)  # type: ignore[arg-type]
+        else:
+            _feedback_step(conversations, active, judge, observe, cfg, turn, figures)  # type: ignore[arg-type]
+    for c in conversations:
+        c.finish_reason = c.finish_reason or "max_turns"
+    return conversations, figures
+
+
+def _tool_step(active: list[Conversation], tool: SandboxTool, observe: ObservationTokens, cfg: MultiTurnConfig,
+               figures: dict[str, float]) -> None:
+    """Run the tool calls of the conversations still going and append each output as an observation."""
+    calling = [c for c in active if c.finish_reason is None]
+    codes = [tool_code(c.messages[-1]["content"], cfg.code_format) for c in calling]
+    started = time.monotonic()
+    results = tool.run([code or "" for code in codes])
+    figures["tool_wall_seconds"] += time.monotonic() - started
+    for c, code, result in zip(calling, codes, results, strict=True):
+        c.tool_calls += 1
+        if code is None:  # the stop fired on a fence that opened no python block
+            result = ToolResult("no code found in the block", True, 0.0)
+        c.tool_errors += int(result.error)
+        c.tool_seconds += result.seconds
+        tokens = observe.tool(c.start.messages, result.output, c.token_ids[-1] if c.token_ids else None)
+        c.messages.append({"role": "tool", "content": result.output})
+        _append_observation(c, tokens, cfg)
+
+
+def _feedback_step(conversations: list[Conversation], active: list[Conversation], judge: Judge,
+                   observe: ObservationTokens, cfg: MultiTurnConfig, turn: int, figures: dict[str, float]) -> None:
+    """Score this turn's answers; a failed one still within its limits gets the failures back as a user turn."""
+    position = {id(c): i for i, c in enumerate(conversations)}
+    indices = [position[id(c)] for c in active]
+    started = time.monotonic()
+    verdicts = judge(indices, [c.messages[-1]["content"] for c in active])
+    figures["judge_seconds"] += time.monotonic() - started
+    for c, (reward, passed, message) in zip(active, verdicts, strict=True):
+        c.turn_rewards.append(float(reward))
+        c.turn_passed.append(bool(passed))
+        if c.finish_reason is not None:
+            continue
+        if passed:
+            c.finish_reason = "stop"
+        elif turn == cfg.max_turns - 1:
+            c.finish_reason = "length" if c.turn_cut else "max_turns"
+        else:
+            tokens = observe.user(c.start.messages, message, c.token_ids[-1] if c.token_ids else None)
+            c.messages.append({"role": "user", "content": message})
+            _append_observation(c, tokens, cfg)
+
+
+def _append_observation(c: Conversation, tokens: list[int], cfg: MultiTurnConfig) -> None:
+    """Observation tokens with loss_mask 0 and logprob 0.0, cut at the conversation's budget (then finished)."""
+    room = cfg.max_response_tokens - len(c.token_ids)
+    if len(tokens) >= room:
+        tokens = tokens[:room]
+        c.finish_reason = "budget"
+    c.token_ids += tokens
+    c.logprobs += [0.0] * len(tokens)
+    c.loss_mask += [0] * len(tokens)
