@@ -427,10 +427,12 @@ class AdvantageConfig(Section):
 
     estimator: Literal[
         "grpo", "grpo_passk", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "opo", "gpg",
-        "mean_centered", "gae",
+        "mean_centered", "gae", "turn_rloo", "turn_gae",
     ] = Field(
-        "grpo", description="Advantage estimator: over a prompt's group, or `gae` (PPO with a critic, per token). "
-        "Formulas: docs/algorithms.md, stages/rl/advantages.py."
+        "grpo", description="Advantage estimator: over a prompt's group, or `gae` (PPO with a critic, per token), or "
+        "per model turn of multi-turn rollouts: `turn_rloo` (leave-one-out per turn index, delta-shaped turn "
+        "rewards) or `turn_gae` (GAE over turns with the critic). Formulas: docs/algorithms.md, "
+        "stages/rl/advantages.py."
     )
     gamma: float = Field(1.0, ge=0, le=1, description="GAE discount gamma (verl's algorithm.gamma).")
     lam: float = Field(1.0, ge=0, le=1, description="GAE lambda (verl's algorithm.lam).")
@@ -818,9 +820,10 @@ class RunConfig(Section):
 
     @model_validator(mode="after")
     def _critic_needs_the_torch_backend(self) -> RunConfig:
-        if self.advantage.estimator == "gae" and self.train.backend != "torch":
+        if self.advantage.estimator in ("gae", "turn_gae") and self.train.backend != "torch":
             raise ValueError(
-                "advantage.estimator=gae trains a critic, which the torch backend does (train.backend=torch); the "
+                f"advantage.estimator={self.advantage.estimator} trains a critic, which the torch backend does "
+                "(train.backend=torch); the "
                 f"DeepSpeed backend (train.backend={self.train.backend}) has no critic yet"
             )
         return self

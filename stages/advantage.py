@@ -15,6 +15,11 @@ manifest say `skipped: true`.
 `build_batch` is the pure core, one function per step on numpy columns of the rows in (round, prompt, sample)
 order, where a group is a run of rows; `run` reads, checks and joins the inputs (pyarrow), runs the models a
 config needs (reference logprobs, critic values: `with_model_columns`), calls it and writes.
+
+Multi-turn rollouts: the KL in the reward counts model tokens only (0 at observation tokens, whose sampler
+logprob means nothing), and the turn-level estimators (`turn_rloo`, `turn_gae`: `estimate_turns`) give each model
+turn its advantage from the rollouts' turn spans and per-turn rewards, the last turn's reward being the sample's
+shaped reward (the scores table's reward + shaping).
 """
 
 from __future__ import annotations
@@ -33,12 +38,17 @@ from schemas.config import AdvantageConfig
 from schemas.tables import ROLLOUT_KEY
 from stages.harness import StageContext, StageInputError, exit_with
 from stages.rl.advantages import (
+    CRITIC_ESTIMATORS,
     TOKEN_COLUMNS,
+    TURN_ESTIMATORS,
     EstimatorOptions,
     adaptive_kl_coef,
     compute_advantages,
     gae,
+    spread_over_turns,
     token_rewards,
+    turn_gae,
+    turn_rloo_advantages,
     whiten_token_values,
 )
 from stages.rl.filters import (
@@ -159,6 +169,8 @@ def build_batch(
     token_columns = {name: pa.nulls(samples.num_rows, pa.list_(pa.float32())) for name in TOKEN_COLUMNS}
     if cfg.estimator == "gae":
         advantages_N, token_columns = estimate_gae(samples, outcome_N, kl_by_sample, kl_coef, in_kept_group_N, cfg)
+    elif cfg.estimator in TURN_ESTIMATORS:
+        advantages_N, token_columns = estimate_turns(samples, shaped_N, groups, in_kept_group_N, cfg)
     else:
         advantages_N = estimate(shaped_N, lengths_N, groups, in_kept_group_N, cfg)
     drop_N = mask_samples(drop_K[groups.id_N], samples["truncated"].to_numpy(zero_copy_only=False), cfg)
@@ -180,8 +192,97 @@ def build_batch(
     )
     metrics = batch_metrics(batch, drop_K, groups, groups_needed, cfg)
     if cfg.use_kl_in_reward:
-        metrics.update(kl_in_reward_metrics(kl_by_sample, kl_coef, cfg))
+        metrics.update(kl_in_reward_metrics(kl_by_sample, kl_coef, cfg, model_masks(samples, kl_by_sample)))
     return batch, metrics
+
+
+def model_masks(samples: pa.Table, like: list[np.ndarray]) -> list[np.ndarray]:
+    """Each sample's loss mask (1 model token, 0 observation) as floats, ones where it is null or the table has
+    none (single-turn); `like`: per-sample arrays of the response length."""
+    masks = samples["loss_mask"].to_pylist() if "loss_mask" in samples.column_names else [None] * len(like)
+    return [np.ones(len(values)) if mask is None else np.asarray(mask, dtype=np.float64)
+            for mask, values in zip(masks, like, strict=True)]
+
+
+@dataclass(frozen=True)
+class Turns:
+    """One sample's model turns: the spans [start, end) in response tokens, the loss mask, the turn rewards."""
+
+    spans: list[list[int]]
+    mask_T: np.ndarray
+    rewards_K: np.ndarray
+
+
+def turns_of(samples: pa.Table, row: int, final_reward: float) -> Turns:
+    """Sample `row`'s turns. A single-turn row (turn_spans null) is one turn over its whole response. The turn
+    rewards are `turn_rewards` where the mode scored each turn (feedback), else 0 for every turn (tool mode), and
+    the last turn's is `final_reward` (the sample's shaped reward, the scores table's being the final word)."""
+    column = samples.column_names
+    mask = samples["loss_mask"][row].as_py() if "loss_mask" in column else None
+    length = len(mask) if mask is not None else int(samples["num_tokens"][row].as_py())
+    spans = samples["turn_spans"][row].as_py() if "turn_spans" in column else None
+    spans = [[0, length]] if spans is None else [list(span) for span in spans]
+    given = samples["turn_rewards"][row].as_py() if "turn_rewards" in column else None
+    where = key_of(samples, row)
+    for span in spans:
+        if len(span) != 2 or not 0 <= span[0] <= span[1] <= length:
+            raise StageInputError(f"rollout {where}: turn span {span} is not a [start, end) within its {length} "
+                                  "response tokens")
+    if given is not None and len(given) != len(spans):
+        raise StageInputError(f"rollout {where}: {len(given)} turn_rewards for {len(spans)} turns")
+    rewards_K = np.zeros(len(spans)) if given is None else np.asarray(given, dtype=np.float64)
+    if len(spans):
+        rewards_K[-1] = final_reward
+    if not np.all(np.isfinite(rewards_K)):
+        raise StageInputError(f"rollout {where}: turn_rewards {given} are not all finite")
+    mask_T = np.ones(length) if mask is None else np.asarray(mask, dtype=np.float64)
+    return Turns(spans, mask_T, rewards_K)
+
+
+def estimate_turns(
+    samples: pa.Table, shaped_N: np.ndarray, groups: Groups, kept_N: np.ndarray, cfg: AdvantageConfig
+) -> tuple[np.ndarray, dict[str, pa.Array]]:
+    """The turn-level estimators for the samples of kept groups (stages/rl/advantages.py): `turn_rloo` (a
+    leave-one-out baseline per turn index across the group) or `turn_gae` (GAE over turns with the critic's value
+    at each turn's first model token, V = 0 without a critic; the advantages whitened over every model token of
+    those samples, as `gae`, and the critic's returns R_k on turn k's model tokens). Each model token of turn k
+    gets turn k's advantage, observation tokens 0 (masked in training anyway). Returns each sample's scalar
+    advantage (the mean over its model tokens) and the token columns (null outside kept groups; `values` and
+    `returns` null for turn_rloo)."""
+    columns: dict[str, list] = {name: [None] * samples.num_rows for name in TOKEN_COLUMNS}
+    rows = np.flatnonzero(kept_N)
+    turns = {int(i): turns_of(samples, int(i), float(shaped_N[i])) for i in rows}
+    tokens: dict[int, np.ndarray] = {}
+    if cfg.estimator == "turn_rloo":
+        for start, end in zip(groups.bounds_K1[:-1], groups.bounds_K1[1:], strict=True):
+            if not kept_N[start]:
+                continue
+            members = list(range(start, end))
+            per_turn = turn_rloo_advantages([turns[i].rewards_K for i in members])
+            for i, advantages_K in zip(members, per_turn, strict=True):
+                tokens[i] = spread_over_turns(advantages_K, turns[i].spans, turns[i].mask_T)
+    else:
+        values_by_sample = per_token(samples, "values")
+        for i, sample_turns in turns.items():
+            values_T = values_by_sample[i] if values_by_sample else np.zeros(len(sample_turns.mask_T))
+            starts = [start for start, _ in sample_turns.spans]
+            values_K = np.array([values_T[start] if start < len(values_T) else 0.0 for start in starts])
+            advantages_K, returns_K = turn_gae(sample_turns.rewards_K, values_K, cfg.gamma, cfg.lam)
+            tokens[i] = spread_over_turns(advantages_K, sample_turns.spans, sample_turns.mask_T)
+            columns["values"][i] = values_T.tolist()
+            columns["returns"][i] = spread_over_turns(returns_K, sample_turns.spans, sample_turns.mask_T).tolist()
+        # whitened over model tokens only (verl's masked_whiten over the response mask)
+        order = sorted(tokens)
+        model = [tokens[i][turns[i].mask_T > 0] for i in order]
+        for i, whitened in zip(order, whiten_token_values(model), strict=True):
+            tokens[i] = tokens[i].copy()
+            tokens[i][turns[i].mask_T > 0] = whitened
+    advantages_N = np.zeros(samples.num_rows)
+    for i, advantages_T in tokens.items():
+        columns["token_advantages"][i] = advantages_T.tolist()
+        model_T = turns[i].mask_T > 0
+        advantages_N[i] = advantages_T[model_T].mean() if model_T.any() else 0.0
+    return advantages_N, {name: pa.array(values, pa.list_(pa.float32())) for name, values in columns.items()}
 
 
 def per_token(samples: pa.Table, column: str) -> list[np.ndarray]:
@@ -226,11 +327,14 @@ def estimate_gae(
     return advantages_N, {name: pa.array(values, pa.list_(pa.float32())) for name, values in columns.items()}
 
 
-def kl_in_reward_metrics(kl_by_sample: list[np.ndarray], kl_coef: float, cfg: AdvantageConfig) -> dict[str, float]:
+def kl_in_reward_metrics(
+    kl_by_sample: list[np.ndarray], kl_coef: float, cfg: AdvantageConfig, masks: list[np.ndarray] | None = None
+) -> dict[str, float]:
     """The KL-in-reward coefficient used, the batch's KL (the mean over samples of each one's token-mean KL, as
-    verl's apply_kl_penalty) and the next iteration's coefficient (advantages.adaptive_kl_coef, n = the samples;
-    the same for `kl_ctrl: fixed`)."""
-    per_sample = [kl_T.mean() for kl_T in kl_by_sample if len(kl_T)]
+    verl's apply_kl_penalty; over model tokens with multi-turn `masks`) and the next iteration's coefficient
+    (advantages.adaptive_kl_coef, n = the samples; the same for `kl_ctrl: fixed`)."""
+    masks = masks if masks is not None else [np.ones(len(kl_T)) for kl_T in kl_by_sample]
+    per_sample = [(kl_T * m).sum() / m.sum() for kl_T, m in zip(kl_by_sample, masks, strict=True) if m.sum() > 0]
     current = float(np.mean(per_sample)) if per_sample else 0.0
     next_coef = kl_coef
     if cfg.kl_ctrl == "adaptive":
@@ -383,8 +487,10 @@ def with_model_columns(ctx: StageContext, samples: pa.Table) -> pa.Table:
         sampler = samples["response_logprobs"].to_pylist()
         kl = [kl_estimate(torch.tensor(old, dtype=torch.float32), ref, cfg.kl_penalty).double().numpy()
               for old, ref in zip(sampler, ref_logp, strict=True)]
+        # multi-turn: observation tokens are context, not the model's (their sampler logprob is a placeholder)
+        kl = [k * m for k, m in zip(kl, model_masks(samples, kl), strict=True)]
         samples = samples.append_column("kl", pa.array([k.tolist() for k in kl], pa.list_(pa.float64())))
-    if cfg.estimator == "gae" and "policy" in ctx.inputs:
+    if cfg.estimator in CRITIC_ESTIMATORS and "policy" in ctx.inputs:
         checkpoint = ctx.policy_dir("policy")
         if critic_dir(checkpoint).is_dir():
             critic, _ = load_value_model(checkpoint, checkpoint, device)
@@ -395,8 +501,13 @@ def with_model_columns(ctx: StageContext, samples: pa.Table) -> pa.Table:
 
 def run(ctx: StageContext) -> None:
     cfg = ctx.config.advantage
-    model_passes = cfg.use_kl_in_reward or (cfg.estimator == "gae" and "policy" in ctx.inputs)
+    model_passes = cfg.use_kl_in_reward or (cfg.estimator in CRITIC_ESTIMATORS and "policy" in ctx.inputs)
     token_columns = ["prompt_token_ids", "response_token_ids", "response_logprobs"] if model_passes else []
+    # multi-turn: the loss mask for the KL in the reward, the turns for the turn-level estimators
+    if cfg.estimator in TURN_ESTIMATORS:
+        token_columns += ["loss_mask", "turn_spans", "turn_rewards"]
+    elif cfg.use_kl_in_reward:
+        token_columns += ["loss_mask"]
     # Every generation round of the iteration (round 0, plus the rounds dynamic sampling asked for).
     rollouts = ctx.read_rounds("rollouts", [*ROLLOUT_KEY, "num_tokens", "truncated", *token_columns])
     scores = ctx.read_rounds("scores", [*ROLLOUT_KEY, "reward", "status"])

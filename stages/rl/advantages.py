@@ -289,8 +289,12 @@ def compute_advantages(
 
 # The batch table's per-token columns (GAE's), null for outcome estimators and in dropped groups.
 TOKEN_COLUMNS = ("values", "returns", "token_advantages")
-# The estimators that are not outcome (ESTIMATORS) ones: `advantage.estimator` lists both.
-TOKEN_ESTIMATORS = ("gae",)
+# The estimators that are not outcome (ESTIMATORS) ones: `advantage.estimator` lists both. Token-level GAE and
+# the multi-turn turn-level estimators (below) write per-token advantages into the batch.
+TOKEN_ESTIMATORS = ("gae", "turn_rloo", "turn_gae")
+TURN_ESTIMATORS = ("turn_rloo", "turn_gae")
+# The estimators that need the critic (its values in the advantage stage, its update in the train stage).
+CRITIC_ESTIMATORS = ("gae", "turn_gae")
 
 
 def token_rewards(reward: float, kl_T: np.ndarray | None, beta: float) -> np.ndarray:
@@ -338,3 +342,65 @@ def adaptive_kl_coef(coef: float, current_kl: float, target: float, horizon: int
     AdaptiveKLController.update): coef * (1 + clip(current_kl / target - 1, -0.2, 0.2) * n_steps / horizon)."""
     error = float(np.clip(current_kl / target - 1.0, -0.2, 0.2))
     return coef * (1.0 + error * n_steps / horizon)
+
+
+# --------------------------------------------------------------------------------------------------------
+# Turn level (multi-turn rollouts): each model turn is one step; its advantage goes to every model token of it.
+
+
+def delta_shaped_rewards(turn_rewards_K: np.ndarray) -> np.ndarray:
+    """r'_k = r_k - r_{k-1}, r_0 = 0 (delta reward shaping): a turn is rewarded for its improvement over the
+    previous turn's reward, so the rewards of a conversation sum to its last turn's (sum_k r'_k = r_K) and a turn
+    that only repeats an earlier partial success earns nothing for it."""
+    turn_rewards_K = check_finite(turn_rewards_K, "turn reward")
+    return np.diff(turn_rewards_K, prepend=0.0)
+
+
+def turn_returns(turn_rewards_K: np.ndarray) -> np.ndarray:
+    """G_k = sum_{l >= k} r'_l = r_K - r_{k-1} (undiscounted, delta-shaped): what the conversation gains from
+    turn k on. G_1 = r_K, the outcome."""
+    return np.cumsum(delta_shaped_rewards(turn_rewards_K)[::-1])[::-1].copy()
+
+
+def turn_rloo_advantages(turn_rewards_by_sample: list[np.ndarray]) -> list[np.ndarray]:
+    """Turn-level RLOO over one group (the G conversations of one prompt), one advantage per model turn:
+
+      r'_k = r_k - r_{k-1} (r_0 = 0);  G^i_k = sum_{l >= k} r'^i_l = r^i_{K_i} - r^i_{k-1}
+      A^i_k = G^i_k - (1 / (|S_k| - 1)) sum_{j in S_k, j != i} G^j_k,   S_k = {j : K_j >= k}
+    A conversation's first turn is therefore plain RLOO on the outcome (G_1 = r_K); a later turn k is credited
+    with the improvement made from it on, against the other conversations that also reached turn k.
+    Different turn counts: the baseline of turn index k is over the members that have a turn k (a conversation
+    that ended earlier has no state there); a turn index that only one member reaches gets advantage 0 (no other
+    sample, as RLOO with G = 1), and so does an index where every member's G_k is equal.
+    """
+    returns = [turn_returns(rewards_K) for rewards_K in turn_rewards_by_sample]
+    advantages = [np.zeros_like(returns_K) for returns_K in returns]
+    for k in range(max((len(returns_K) for returns_K in returns), default=0)):
+        members = [i for i, returns_K in enumerate(returns) if len(returns_K) > k]
+        returns_S = np.array([returns[i][k] for i in members])
+        if _no_signal(returns_S):
+            continue
+        baseline_S = (returns_S.sum() - returns_S) / (len(members) - 1)
+        for i, advantage in zip(members, returns_S - baseline_S, strict=True):
+            advantages[i][k] = advantage
+    return advantages
+
+
+def turn_gae(
+    turn_rewards_K: np.ndarray, turn_values_K: np.ndarray, gamma: float, lam: float
+) -> tuple[np.ndarray, np.ndarray]:
+    """GAE over the turns of one conversation, each turn a step (V after the last turn = 0):
+
+      r'_k = r_k - r_{k-1} (r_0 = 0);  V_k = the critic's value at turn k's first model token
+      delta_k = r'_k + gamma V_{k+1} - V_k;  A_k = sum_l (gamma lam)^l delta_{k+l};  R_k = A_k + V_k
+    `gae` with turns for tokens and the delta-shaped turn rewards. Returns (A, R), one per turn."""
+    return gae(delta_shaped_rewards(turn_rewards_K), turn_values_K, gamma, lam)
+
+
+def spread_over_turns(per_turn_K: np.ndarray, spans_K2: list[list[int]], loss_mask_T: np.ndarray) -> np.ndarray:
+    """(T,) per response token: turn k's value on each model token of its span [start, end), 0 on observation
+    tokens (loss mask 0) and outside every span."""
+    out_T = np.zeros(len(loss_mask_T))
+    for value, (start, end) in zip(per_turn_K, spans_K2, strict=True):
+        out_T[start:end] = value
+    return out_T * (np.asarray(loss_mask_T) > 0)
