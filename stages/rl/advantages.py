@@ -9,6 +9,8 @@ or infinite reward is a `ValueError` naming the sample (a scorer bug), never a s
 gets advantage 0 by default (verl falls back to the raw reward, a biased uncentred signal: `singleton_advantage:
 reward`). A group of equal rewards gets exactly 0 (the std-normalised estimators compute 0 / (0 + eps)). Each
 formula cites the verl function (verl/trainer/ppo/core_algos.py) it matches; docs/algorithms.md lists them.
+Below them: token-level GAE with a critic, and the turn-level estimators of multi-turn rollouts (`turn_rloo`,
+`turn_gae`: one advantage per model turn, spread over the turn's model tokens by the advantage stage).
 """
 
 from __future__ import annotations

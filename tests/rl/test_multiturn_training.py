@@ -208,3 +208,20 @@ def test_training_samples_carry_the_rollouts_loss_mask() -> None:
     assert empty == 0
     assert samples[0]["loss_mask"] == [1, 0, 1] and "loss_mask" not in samples[1]
     assert TrainSample(**samples[0]).model_tokens == 2
+
+
+def test_the_critic_value_loss_counts_model_tokens_only(tmp_path) -> None:  # noqa: ANN001
+    """A new critic predicts V = 0. Returns [1, 100, 1] with loss mask [1, 0, 1] and [2] single-turn, no value
+    clip: value_loss = 0.5 * mean over the 3 model tokens of (0 - R)^2 = 0.5 * (1 + 1 + 4) / 3 = 1.0 (the
+    observation's 100 would make it ~1668)."""
+    from stages.rl.critic import CriticSample, CriticTrainer, load_value_model
+
+    model_dir = tmp_path / "policy"
+    make_tiny_model(seed=4).save_pretrained(model_dir)
+    critic, _ = load_value_model(None, model_dir)
+    cfg = TrainConfig(value_clip=None)
+    trainer = CriticTrainer(critic, cfg, torch.optim.AdamW(critic.parameters(), lr=1e-9))
+    samples = [CriticSample([1, 5], [3, 7, 4], [0.0] * 3, [1.0, 100.0, 1.0], [1, 0, 1]),
+               CriticSample([1, 6], [8], [0.0], [2.0])]
+    row = trainer.step(samples, [0, 1])
+    assert row["value_loss"] == pytest.approx(1.0, abs=1e-6)
