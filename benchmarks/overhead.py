@@ -1,17 +1,20 @@
 """Where an iteration's wall time goes: model and sandbox work vs everything rlpipe adds around it.
 
 Runs the real thing once, as `rlpipe run` does: the Prefect `loop` flow in this process drives one iteration
-of a fresh run, every stage a child process; the run-level stages run first, untimed (once per run). The time
-is split per stage instance from clocks that never overlap: process wall (the flow, around each child), stage
-body (the manifest's `seconds`), the harness's read/validate/write timers and the engine start inside it:
+of a fresh run, every stage a child process; the run-level stages run first, untimed (once per run). The
+iteration is timed inside the flow run, and split per stage instance from clocks that never overlap: process
+wall (the flow, around each child), stage body (the manifest's `seconds`), the harness's read/validate/write
+timers (plus what the trainer's save waited for its checkpoint's hashes) and the engine start inside it:
 
   model / sandbox work   body - harness - engine start
-  process + harness      process wall - body        (interpreter or fork, imports, lease, manifests, exit)
+  process + harness      process wall - body        (fork, lease, manifests, process exit)
   Parquet I/O + checks   harness read + validate + write
-  orchestration          total wall - sum of process walls  (Prefect, done-checks, artifacts, report)
+  orchestration          iteration wall - sum of process walls  (Prefect task runs, done-checks, artifacts, report)
 
-Overhead = the last three, as a share of the iteration's wall time less engine start. Target: <= 5% (4.2%
-on 2026-11-23; the breakdown and its history: docs/measurements.md). Run: `.venv/bin/python -m
+Overhead = the last three, as a share of the iteration's wall time less engine start; target <= 2%. Once per
+run and reported apart: Prefect's import and temporary server, the stage server's imports, the flow run's own
+start and end (creating it, the run-level done-checks, joining its heartbeat thread); the share with the last
+counted in is printed too. Figures and history: docs/measurements.md. Run: `.venv/bin/python -m
 benchmarks.overhead` (the default config, iterations=1; `--config`, `--set s.f=v`, `--root DIR` keeps the run).
 """
 
@@ -23,12 +26,13 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 from rich.table import Table
 
 console = Console(width=140)  # the breakdown table is wide
+TARGET = 0.02  # overhead as a share of an iteration's wall time less engine start
 
 if TYPE_CHECKING:
     from flows.runner.process import StageOutcome
@@ -44,6 +48,7 @@ class StageTime:
     read: float
     validate: float
     write: float
+    skipped_step: bool = False
 
     @property
     def harness(self) -> float:
@@ -78,7 +83,9 @@ def stage_times(layout: RunLayout, outcomes: list[StageOutcome]) -> list[StageTi
             engine_start=float(manifest.metrics.get("engine_start_seconds", 0.0)),
             read=harness.get("read_seconds", 0.0),
             validate=harness.get("validate_seconds", 0.0),
-            write=harness.get("write_seconds", 0.0),
+            # The trainer hashes the checkpoint while saving it: what the save waited for hashes is I/O overhead.
+            write=harness.get("write_seconds", 0.0) + manifest.metrics.get("checkpoint_hash_wait_seconds", 0.0),
+            skipped_step=bool(manifest.metrics.get("skipped", False)),
         ))
     return times
 
@@ -118,7 +125,7 @@ def main() -> None:
     started = time.monotonic()
     from prefect import flow
 
-    from flows.pipeline import loop_flow
+    from flows import pipeline
 
     @flow(name="overhead-warm-up")
     def warm_up() -> None:
@@ -127,10 +134,27 @@ def main() -> None:
     warm_up()
     prefect_start = time.monotonic() - started
 
+    # The iteration itself, timed inside the flow run: the flow run's own start and end (creating it, the
+    # run-level stages' done-checks, joining its heartbeat thread, stopping the run's generation server) are
+    # paid once per run, however many iterations it has, and are reported apart.
+    iteration_clock: list[float] = []
+    run_iteration = pipeline._run_iteration
+
+    def timed_iteration(*args: Any, **kwargs: Any) -> Any:  # noqa: ANN401 - the flow's own signature
+        started = time.monotonic()
+        try:
+            return run_iteration(*args, **kwargs)
+        finally:
+            iteration_clock.append(time.monotonic() - started)
+
+    pipeline._run_iteration = timed_iteration
     started = time.monotonic()
-    outcomes = loop_flow(root=layout.root, run_id=layout.run_id)
-    total = time.monotonic() - started
+    outcomes = pipeline.loop_flow(root=layout.root, run_id=layout.run_id)
+    flow_wall = time.monotonic() - started
     load_after = os.getloadavg()[0]
+    if len(iteration_clock) != 1:
+        raise RuntimeError(f"expected the flow to run one iteration, it ran {len(iteration_clock)}")
+    total = iteration_clock[0]
 
     times = stage_times(layout, outcomes)
     table = Table(title=f"one iteration of {args.config} {' '.join(args.set)} (seconds)")
@@ -138,29 +162,34 @@ def main() -> None:
                    "read", "validate", "write"):
         table.add_column(column, justify="left" if column == "stage" else "right")
     for t in times:
-        table.add_row(t.label, *[f"{v:.1f}" for v in (t.process_wall, t.engine_start, t.work, t.process_overhead,
-                                                     t.read, t.validate, t.write)])
+        table.add_row(t.label, *[f"{v:.1f}" for v in (t.process_wall, t.engine_start, t.work)],
+                      *[f"{v:.2f}" for v in (t.process_overhead, t.read, t.validate, t.write)])
     console.print(table)
+    if any(t.skipped_step for t in times):
+        console.print("the train stage skipped its step (no group with a learning signal): its checkpoint is a copy")
 
     engine_start = sum(t.engine_start for t in times)
     work = sum(t.work for t in times)
     process = sum(t.process_overhead for t in times)
     io_checks = sum(t.harness for t in times)
     orchestration = total - sum(t.process_wall for t in times)
+    flow_run = flow_wall - total
     budget = total - engine_start
     overhead = process + io_checks + orchestration
     console.print(f"iteration wall {total:.1f} s, of which engine start {engine_start:.1f} s (reported apart); "
-                  f"once per run, before it: Prefect import and temporary server {prefect_start:.1f} s, stage server "
-                  f"imports {server_start:.1f} s" + ("" if server is not None else " (off: RLPIPE_STAGE_FORK=0)"))
+                  f"once per run, apart: Prefect import and temporary server {prefect_start:.1f} s, stage server "
+                  f"imports {server_start:.1f} s" + ("" if server is not None else " (off: RLPIPE_STAGE_FORK=0)")
+                  + f", the flow run's own start and end {flow_run:.2f} s")
     for name, seconds in [("model/sandbox work", work), ("process start + harness", process),
                           ("Parquet I/O + validation", io_checks), ("orchestration (Prefect, checks, report)",
                                                                     orchestration)]:
-        console.print(f"  {name:<42} {seconds:>8.1f} s  {100 * seconds / budget:>5.1f}% of wall less engine start")
+        console.print(f"  {name:<42} {seconds:>8.2f} s  {100 * seconds / budget:>5.1f}% of wall less engine start")
     share = overhead / budget
-    verdict = "met" if share <= 0.05 else "NOT met"
-    console.print(f"overhead {overhead:.1f} s = {100 * share:.1f}% (target <= 5%: {verdict}); "
+    with_flow_run = (overhead + flow_run) / (budget + flow_run)
+    verdict = "met" if share <= TARGET else "NOT met"
+    console.print(f"overhead {overhead:.2f} s = {100 * share:.1f}% (target <= {100 * TARGET:.0f}%: {verdict}); with "
+                  f"the flow run's start and end counted in too: {100 * with_flow_run:.1f}%; "
                   f"load average {load_before:.1f} -> {load_after:.1f}; run kept at {root}")
-
 
 if __name__ == "__main__":
     main()
