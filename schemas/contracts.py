@@ -37,6 +37,9 @@ SAMPLE_ROWS = 5
 STATUSES = ("ok", "fail", "timeout", "error", "no_code")
 REWARD_KINDS = ("code_tests", "code_stdio", "code_call", "math", "custom")
 FINISH_REASONS = ("stop", "length")
+# Multi-turn conversations (generate.multi_turn) also end at the conversation budget or at a refused tool call.
+MULTI_TURN_FINISH_REASONS = ("stop", "length", "budget", "max_turns", "max_tool_calls")
+TRUNCATING_FINISH_REASONS = ("length", "budget")
 EVAL_MODES = ("greedy", "sampled")
 SPLITS = ("train", "test")
 GROUP_KEY = ("run_id", "iteration", "round", "prompt_id")  # a generation group: n samples of one prompt
@@ -107,7 +110,7 @@ def _at_least(a: str, b: str, rule: str) -> Check:
 DERIVED: dict[str, tuple[str, ...]] = {
     "prompts": ("_reward_kind", "_messages_ok"),
     "rollouts": ("_group_size", "_response_len", "_logprobs_len", "_logprob_max", "_logprob_nonfinite",
-                 "_finish_is_length"),
+                 "_finish_is_length", "_loss_mask_len_ok", "_turns_ok"),
     "scores": ("_group_size", "_no_code_reward_ok"),
     "batch": ("_group_size", "_drop_reason_null"),
     "train_metrics": (),
@@ -215,6 +218,8 @@ def checks_for(table_name: str, config: RunConfig) -> list[Check]:
             _in_set("_messages_ok", [True], "messages is a JSON list of {role, content}", shows=("messages",)),
         ]
     elif table_name == "rollouts":
+        mt = gen.multi_turn
+        finish_reasons = MULTI_TURN_FINISH_REASONS if mt.mode != "off" else FINISH_REASONS
         checks += [
             _between("iteration", 0, config.iterations - 1, f"iteration within {iterations}"),
             _between("round", 0, None if config.advantage.round_cap is None else config.advantage.round_cap - 1,
@@ -222,16 +227,28 @@ def checks_for(table_name: str, config: RunConfig) -> list[Check]:
             _between("sample_idx", 0, gen.n_samples - 1, f"sample_idx within 0..n_samples-1 ({gen.n_samples - 1})"),
             _between("_group_size", gen.n_samples, gen.n_samples,
                      f"every (round, prompt) group has n_samples = {gen.n_samples} rows"),
-            _between("num_tokens", 0, gen.max_new_tokens,
+            _between("num_tokens", 0, gen.response_token_limit,
+                     f"num_tokens within 0..multi_turn.max_response_tokens ({gen.response_token_limit}), the "
+                     "conversation's budget" if mt.mode != "off" else
                      f"num_tokens within 0..max_new_tokens ({gen.max_new_tokens})"),
             _equal("num_tokens", "_response_len", "num_tokens = len(response_token_ids)"),
             _equal("_logprobs_len", "_response_len", "one logprob per response token"),
             Check("ExpectColumnValuesToBeBetween", {"column": "_logprob_max", "max_value": 0.0},
                   "every response logprob <= 0"),
             _between("_logprob_nonfinite", 0, 0, "every response logprob is finite"),
-            _in_set("finish_reason", FINISH_REASONS, "finish_reason is stop or length"),
-            _equal("truncated", "_finish_is_length", "truncated exactly when finish_reason = length",
+            _in_set("finish_reason", finish_reasons, f"finish_reason is one of {', '.join(finish_reasons)}"),
+            _equal("truncated", "_finish_is_length",
+                   f"truncated exactly when finish_reason is {' or '.join(TRUNCATING_FINISH_REASONS)}",
                    shows=("finish_reason",)),
+            _in_set("_loss_mask_len_ok", [True], "loss_mask is null or has one entry (0 or 1) per response token",
+                    shows=("num_tokens",)),
+            _between("num_turns", 1, mt.max_turns if mt.mode != "off" else 1,
+                     f"num_turns within 1..{mt.max_turns if mt.mode != 'off' else 1} (multi_turn.max_turns)"),
+            _between("tool_calls", 0, mt.max_tool_calls if mt.mode == "tool" else 0,
+                     "tool_calls within 0..multi_turn.max_tool_calls (0 outside tool mode)"),
+            _at_least("tool_calls", "tool_errors", "tool_errors <= tool_calls"),
+            _in_set("_turns_ok", [True], "turn_spans (where set) has num_turns ordered [start, end) spans within the "
+                    "response, and turn_rewards (where set) one value per turn", shows=("num_turns",)),
         ]
     elif table_name == "scores":
         checks += [
@@ -258,8 +275,12 @@ def checks_for(table_name: str, config: RunConfig) -> list[Check]:
             _between("iteration", -1, config.iterations - 1, f"iteration within -1 (base) .. {config.iterations - 1}"),
             _in_set("mode", EVAL_MODES, "mode is greedy or sampled"),
             _in_set("status", STATUSES, f"status is one of {', '.join(STATUSES)}"),
-            _between("num_tokens", 0, ev.max_new_tokens,
-                     f"num_tokens within 0..evaluate.max_new_tokens ({ev.max_new_tokens})"),
+            _between("num_tokens", 0, ev.max_new_tokens if gen.multi_turn.mode == "off" else
+                     gen.multi_turn.max_response_tokens,
+                     f"num_tokens within 0..evaluate.max_new_tokens ({ev.max_new_tokens})" if gen.multi_turn.mode ==
+                     "off" else f"num_tokens within 0..multi_turn.max_response_tokens "
+                     f"({gen.multi_turn.max_response_tokens})"),
+            _at_least("tool_calls", "tool_errors", "tool_errors <= tool_calls"),
             _equal("_group_size", "_group_expected",
                    f"each prompt has evaluate.n_samples = {ev.n_samples} sampled rows and 1 greedy row",
                    shows=("mode",)),
@@ -311,6 +332,23 @@ def _messages_ok(text: str | None) -> bool:
     )
 
 
+def _turns_ok(table: pa.Table, response_len: np.ndarray) -> list[bool]:
+    """Per rollout: turn_spans null, or num_turns spans [start, end) in order inside the response; turn_rewards
+    null or one per turn."""
+    spans = table.column("turn_spans").to_pylist()
+    turns = table.column("num_turns").to_pylist()
+    rewards = table.column("turn_rewards").to_pylist()
+    ok = []
+    for row_spans, n, row_rewards, length in zip(spans, turns, rewards, response_len, strict=True):
+        good = row_rewards is None or len(row_rewards) == n
+        if row_spans is not None:
+            edges = [edge for span in row_spans for edge in span]
+            good = good and len(row_spans) == n and all(len(span) == 2 for span in row_spans) and (
+                edges == sorted(edges) and all(0 <= e <= length for e in edges))
+        ok.append(good)
+    return ok
+
+
 def schema_mismatch(table: pa.Table, table_name: str) -> str:
     """"" when every column present has its declared type, else "col: has, expected want; ..."."""
     declared = TABLES[table_name].schema
@@ -354,7 +392,13 @@ def to_frame(table_name: str, table: pa.Table, config: RunConfig):  # noqa: ANN2
         frame["_logprobs_len"] = logprobs_len
         frame["_logprob_max"] = logprob_max
         frame["_logprob_nonfinite"] = nonfinite
-        frame["_finish_is_length"] = (frame["finish_reason"] == "length").to_numpy(bool)
+        frame["_finish_is_length"] = frame["finish_reason"].isin(TRUNCATING_FINISH_REASONS).to_numpy(bool)
+        masks = table.column("loss_mask").to_pylist() if "loss_mask" in names else [None] * rows
+        frame["_loss_mask_len_ok"] = [
+            mask is None or (len(mask) == n and set(mask) <= {0, 1})
+            for mask, n in zip(masks, response_len, strict=True)
+        ]
+        frame["_turns_ok"] = _turns_ok(table, response_len) if "turn_spans" in names else [True] * rows
     elif table_name == "scores":
         frame["_group_size"] = group_size(GROUP_KEY)
         no_code = (frame["status"] == "no_code").to_numpy(bool)

@@ -199,7 +199,8 @@ TRAIN_METRICS = TableSchema(
 
 EVAL = TableSchema(
     name="eval",
-    version=1,
+    # v2: num_turns, tool_calls, tool_errors, first_answer_correct (multi-turn evaluation)
+    version=2,
     schema=_schema(
         [
             ("run_id", pa.string()),
@@ -214,9 +215,17 @@ EVAL = TableSchema(
             ("status", pa.string()),
             ("num_tokens", pa.int32()),
             ("response_text", pa.string()),
-        ]
+            ("num_turns", pa.int32()),  # model turns (generate.multi_turn); 1 single-turn
+            ("tool_calls", pa.int32()),
+            ("tool_errors", pa.int32()),
+            # whether the first answer was already correct (feedback mode retries after it); null in a v1 table
+            ("first_answer_correct", pa.bool_()),
+        ],
+        nullable=frozenset({"first_answer_correct"}),
     ),
     key=("run_id", "iteration", "dataset", "prompt_id", "mode", "sample_idx"),
+    older=(1,),
+    added=(("num_turns", 1), ("tool_calls", 0), ("tool_errors", 0), ("first_answer_correct", None)),
 )
 
 TABLES: dict[str, TableSchema] = {t.name: t for t in (PROMPTS, ROLLOUTS, SCORES, BATCH, TRAIN_METRICS, EVAL)}

@@ -6,7 +6,9 @@ Chen et al. 2021). `evaluate_base` is the same stage on the base model, run once
 iteration -1 in `base/eval.parquet`. A sample is correct when every test passed (status "ok").
 
 The manifest's metrics hold one summary per dataset (keyed by dataset name; its intervals resample whole
-problem families where the prompts name one, see stages/evaluation/metrics.py) beside the engine figures the
+problem families where the prompts name one, see stages/evaluation/metrics.py; with generate.multi_turn also
+turns, tool calls per answer, tool error rate and solved-after-retry, grading each conversation's final
+answer) beside the engine figures the
 generate stage also records: backend, `deterministic`, `engine_start_seconds` apart from
 `generation_seconds`, tokens/s, and the overlong-prompt counts.
 """
@@ -17,12 +19,14 @@ import json
 
 import pyarrow as pa
 
-from stages.evaluation.metrics import aggregate, clusters_of
+from stages.evaluation.metrics import aggregate, clusters_of, multi_turn_summary
+from stages.generate import conversation_sample, roll_out
+from stages.generation.agent_loop import Conversation, ConversationStart
 from stages.generation.base import GenerationRequest, SamplingSpec, sample_seed
 from stages.generation.client import open_stage_engine
 from stages.generation.device import backend_device_record, claim_device
 from stages.generation.models import load_tokenizer
-from stages.generation.sampling import encode_prompts, generate_with_progress
+from stages.generation.sampling import GenerationResult, encode_prompts, generate_with_progress
 from stages.harness import StageContext, StageInputError, exit_with
 from stages.sandbox import ScoreJob
 from stages.sandbox.rewards import RewardInput
@@ -38,10 +42,16 @@ def run(ctx: StageContext) -> None:
     by_id = {row["prompt_id"]: row for row in prompts}
     device = claim_device(ctx.config.device)
     model_dir = ctx.policy_dir()
+    tokenizer = load_tokenizer(model_dir)
     encoded = encode_prompts(
-        load_tokenizer(model_dir), list(by_id), [row["messages"] for row in by_id.values()],
+        tokenizer, list(by_id), [row["messages"] for row in by_id.values()],
         gen.max_prompt_tokens, gen.overlong_prompt,
     )
+    mt = gen.multi_turn
+    multi_turn = mt.mode != "off"
+    answers: list[str] = []  # what is graded: the response, or a conversation's final answer
+    turns: list[dict[str, object]] = []  # multi-turn: each sample's turn columns
+    tool_seconds = 0.0
 
     engine = open_stage_engine(gen, model_dir, device, ctx.config.device, ctx.inputs["policy"].sha256,
                                ctx.layout.run_dir)
@@ -55,7 +65,7 @@ def run(ctx: StageContext) -> None:
             ("sampled", ev.n_samples, SamplingSpec(
                 temperature=ev.temperature, top_p=ev.top_p, max_new_tokens=ev.max_new_tokens)),
         ]:
-            requests = []
+            requests, ids = [], []
             for prompt_id, token_ids in zip(encoded.prompt_ids, encoded.token_ids, strict=True):
                 for sample_idx in range(n):
                     # Evaluation seeds do not depend on the iteration: every checkpoint is judged on the
@@ -63,18 +73,33 @@ def run(ctx: StageContext) -> None:
                     seed = sample_seed(ctx.config.seed, -1, prompt_id, sample_idx)
                     requests.append(GenerationRequest(token_ids, seed))
                     plan.append((prompt_id, mode, sample_idx))
-            if requests:
-                label = f"{ctx.spec.name} {mode}"
+                    ids.append(prompt_id)
+            if not requests:
+                continue
+            label = f"{ctx.spec.name} {mode}"
+            if multi_turn:
+                starts = [ConversationStart(json.loads(by_id[pid]["messages"]), r.prompt_token_ids, r.seed)
+                          for r, pid in zip(requests, ids, strict=True)]
+                conversations, figures = roll_out(
+                    ctx, backend, tokenizer, starts, spec, [json.loads(by_id[pid]["reward_spec"]) for pid in ids],
+                    [RewardInput.of_prompt(by_id[pid]) for pid in ids], label)
+                result = GenerationResult([conversation_sample(c, tokenizer) for c in conversations],
+                                          figures["generation_seconds"], figures["generated_tokens"])
+                turns += [turn_columns(c, mt.mode) for c in conversations]
+                answers += [c.final_answer for c in conversations]
+                tool_seconds += sum(c.tool_seconds for c in conversations)
+            else:
                 result = generate_with_progress(backend, requests, spec, label)
-                samples += result.samples
-                generation_seconds += result.seconds
-                generated_tokens += result.tokens
+                answers += [sample.text for sample in result.samples]
+            samples += result.samples
+            generation_seconds += result.seconds
+            generated_tokens += result.tokens
     finally:
         backend.close()
 
     jobs = [
-        ScoreJob(sample.text, json.loads(by_id[pid]["reward_spec"]))
-        for (pid, _, _), sample in zip(plan, samples, strict=True)
+        ScoreJob(answer, json.loads(by_id[pid]["reward_spec"]))
+        for (pid, _, _), answer in zip(plan, answers, strict=True)
     ]
     inputs = [RewardInput.of_prompt(by_id[pid]) for pid, _, _ in plan]
     results = score_with_progress(ctx, jobs, f"{ctx.spec.name} score", inputs)
@@ -84,9 +109,13 @@ def run(ctx: StageContext) -> None:
             "dataset": by_id[pid]["dataset"], "prompt_id": pid, "mode": mode, "sample_idx": sample_idx,
             "correct": result.status == "ok", "reward": result.reward, "status": result.status,
             "num_tokens": len(sample.token_ids), "response_text": sample.text,
+            **(turns[i] if multi_turn else {"num_turns": 1, "tool_calls": 0, "tool_errors": 0}),
         }
-        for (pid, mode, sample_idx), sample, result in zip(plan, samples, results, strict=True)
+        for i, ((pid, mode, sample_idx), sample, result) in enumerate(zip(plan, samples, results, strict=True))
     ]
+    for row in rows:  # one answer (single-turn, tool mode): the first answer is the final one
+        if row.get("first_answer_correct") is None:
+            row["first_answer_correct"] = row["correct"]
     # The same engine figures as the generate stage's manifest: start apart from generation (greedy and
     # sampled together), and whether a rerun on this machine reproduces the samples.
     metrics: dict[str, object] = {
@@ -103,9 +132,20 @@ def run(ctx: StageContext) -> None:
         "prompts_truncated": encoded.truncated,
     }
     clusters = clusters_of(prompts)  # the intervals resample whole problem families where prompts name one
+    if multi_turn:
+        metrics["tool_seconds"] = round(tool_seconds, 3)
     for dataset in sorted({row["dataset"] for row in rows}):
         metrics[dataset] = aggregate([row for row in rows if row["dataset"] == dataset], ev.k, clusters)
+        if multi_turn:
+            metrics[dataset].update(multi_turn_summary([row for row in rows if row["dataset"] == dataset]))
     ctx.write_table("eval", pa.Table.from_pylist(rows), metrics)
+
+
+def turn_columns(c: Conversation, mode: str) -> dict[str, object]:
+    """A conversation's eval columns; feedback mode knows whether the first answer passed, tool mode has one."""
+    first = c.turn_passed[0] if mode == "feedback" and c.turn_passed else None
+    return {"num_turns": c.num_turns, "tool_calls": c.tool_calls, "tool_errors": c.tool_errors,
+            "first_answer_correct": first}
 
 
 if __name__ == "__main__":

@@ -10,6 +10,10 @@ derived from
 (run seed, iteration, round, prompt, sample index), never from batch position, so a rerun of the stage on the
 same machine with a deterministic backend reproduces the table byte for byte.
 
+With `generate.multi_turn.mode` tool or feedback each sample is a conversation rolled out by the agent loop
+(stages/generation/agent_loop.py) with the score stage's sandbox as its interpreter or judge; the rollouts row
+then holds the whole conversation after the prompt and its multi-turn columns (schemas/tables.py).
+
 The table is written once, at the end, atomically. Engine start time is recorded apart from generation
 time in the manifest, and so is the sampler/trainer logprob mismatch on the first few samples
 (`logprob_mismatch`, see stages/generation/mismatch.py), measured after the engine is closed.
@@ -18,19 +22,30 @@ time in the manifest, and so is the sampler/trainer logprob mismatch on the firs
 from __future__ import annotations
 
 import hashlib
+import json
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
 
 from schemas.tables import SINGLE_TURN_ROLLOUT
-from stages.generation.base import GenerationRequest, Sample, SamplingSpec, sample_seed
+from stages.generation.agent_loop import (
+    Conversation,
+    ConversationStart,
+    SandboxTool,
+    run_conversations,
+    sandbox_judge,
+)
+from stages.generation.base import Backend, GenerationRequest, Sample, SamplingSpec, sample_seed
 from stages.generation.client import open_stage_engine
 from stages.generation.device import Device, backend_device_record, claim_device, resolve_dtype
 from stages.generation.models import load_tokenizer
-from stages.generation.sampling import encode_prompts, generate_with_progress
+from stages.generation.sampling import GenerationResult, encode_prompts, generate_with_progress
 from stages.harness import StageContext, StageInputError, exit_with
+from stages.sandbox import Sandbox, rewards
+from stages.sandbox.rewards import RewardInput
 
 
 def select_prompts(train_prompt_ids: list[str], run_seed: int, iteration: int, per_iteration: int) -> list[str]:
@@ -108,24 +123,40 @@ def run(ctx: StageContext) -> None:
     engine = open_stage_engine(cfg, model_dir, device, ctx.config.device, ctx.inputs["policy"].sha256,
                                ctx.layout.run_dir)
     backend = engine.backend
+    multi_turn = cfg.multi_turn.mode != "off"
+    loop_figures: dict[str, Any] = {}
     try:
         label = ctx.instance.label
-        result = generate_with_progress(backend, requests, sampling_spec(ctx), label)
+        if multi_turn:
+            starts = [ConversationStart(json.loads(train[pid]["messages"]), r.prompt_token_ids, r.seed)
+                      for r, (pid, _, _) in zip(requests, keys, strict=True)]
+            specs = [json.loads(train[pid]["reward_spec"]) for pid, _, _ in keys]
+            inputs = [RewardInput.of_prompt(train[pid]) for pid, _, _ in keys]
+            conversations, loop_figures = roll_out(ctx, backend, tokenizer, starts, sampling_spec(ctx), specs, inputs,
+                                                   label)
+            result = GenerationResult([conversation_sample(c, tokenizer) for c in conversations],
+                                      loop_figures.pop("generation_seconds"), loop_figures.pop("generated_tokens"))
+            extra = [c.columns() for c in conversations]
+        else:
+            result = generate_with_progress(backend, requests, sampling_spec(ctx), label)
+            extra = [{"finish_reason": s.finish_reason, "truncated": s.finish_reason == "length",
+                      **SINGLE_TURN_ROLLOUT} for s in result.samples]
     finally:
         backend.close()
-    mismatch = sampler_trainer_mismatch(ctx, model_dir, requests, result.samples, device)
+    mismatch = sampler_trainer_mismatch(ctx, model_dir, requests, result.samples, device,
+                                        [row["loss_mask"] for row in extra])
 
     policy_version = ctx.inputs["policy"].sha256
     rows = []
-    for request, (prompt_id, sample_idx, seed), sample in zip(requests, keys, result.samples, strict=True):
+    for request, (prompt_id, sample_idx, seed), sample, columns in zip(requests, keys, result.samples, extra,
+                                                                       strict=True):
         rows.append({
             "run_id": ctx.run_id, "iteration": ctx.iteration, "round": round_idx,
             "prompt_id": prompt_id, "sample_idx": sample_idx, "policy_version": policy_version,
             "prompt_token_ids": request.prompt_token_ids, "response_token_ids": sample.token_ids,
             "response_logprobs": sample.logprobs, "response_text": sample.text,
-            "finish_reason": sample.finish_reason, "truncated": sample.finish_reason == "length",
             "num_tokens": len(sample.token_ids), "seed": seed, "backend": backend.name,
-            **SINGLE_TURN_ROLLOUT,
+            **columns,
         })
     ctx.write_table("rollouts", pa.Table.from_pylist(rows), {
         "backend": backend.name,
@@ -141,11 +172,51 @@ def run(ctx: StageContext) -> None:
         "prompts_skipped_overlong": encoded.skipped,
         "prompts_truncated": encoded.truncated,
         **({"logprob_mismatch": mismatch} if mismatch else {}),
+        **({"multi_turn": multi_turn_summary(rows, loop_figures)} if multi_turn else {}),
     })
 
 
+def roll_out(
+    ctx: StageContext, backend: Backend, tokenizer: Any, starts: list[ConversationStart],  # noqa: ANN401
+    sampling: SamplingSpec, specs: list[dict], inputs: list[RewardInput], label: str,
+) -> tuple[list[Conversation], dict[str, Any]]:
+    """The agent loop (generate.multi_turn) with the run's sandbox as its tool or its judge."""
+    mt = ctx.config.generate.multi_turn
+    with Sandbox.from_config(ctx.config.score) as sandbox:
+        tool = SandboxTool(sandbox, mt.tool_timeout_s, mt.tool_output_chars) if mt.mode == "tool" else None
+        judge = (sandbox_judge(sandbox, ctx.config.score, specs, inputs, mt.feedback_chars)
+                 if mt.mode == "feedback" else None)
+        try:
+            return run_conversations(backend, tokenizer, mt, starts, sampling, label, tool=tool, judge=judge)
+        except rewards.RewardSetupError as error:
+            raise StageInputError(str(error)) from None
+
+
+def conversation_sample(c: Conversation, tokenizer: Any) -> Sample:  # noqa: ANN401 - a HF tokenizer
+    """A conversation as one Sample: its whole token sequence, the decoded whole as text."""
+    text = tokenizer.decode(c.token_ids, skip_special_tokens=True)
+    return Sample(c.token_ids, c.logprobs, text, c.finish_reason or "stop")
+
+
+def multi_turn_summary(rows: list[dict[str, Any]], figures: dict[str, Any]) -> dict[str, Any]:
+    """The manifest's multi-turn figures: turns, tool calls and errors, finish reasons, tool and judge time."""
+    n = max(len(rows), 1)
+    calls = sum(r["tool_calls"] for r in rows)
+    return {
+        "mean_turns": round(sum(r["num_turns"] for r in rows) / n, 3),
+        "tool_calls": calls,
+        "tool_errors": sum(r["tool_errors"] for r in rows),
+        "tool_error_rate": round(sum(r["tool_errors"] for r in rows) / calls, 4) if calls else None,
+        "tool_seconds": round(sum(r["tool_seconds"] for r in rows), 3),
+        "observation_tokens": sum(len(r["loss_mask"]) - sum(r["loss_mask"]) for r in rows),
+        "finish_reasons": dict(Counter(r["finish_reason"] for r in rows)),
+        **{key: round(value, 3) for key, value in figures.items()},
+    }
+
+
 def sampler_trainer_mismatch(
-    ctx: StageContext, model_dir: Path, requests: list[GenerationRequest], samples: list[Sample], device: Device
+    ctx: StageContext, model_dir: Path, requests: list[GenerationRequest], samples: list[Sample], device: Device,
+    loss_masks: list[list[int] | None] | None = None,
 ) -> dict[str, Any] | None:
     """|sampler - trainer| logprob per token over the first `generate.mismatch_samples` samples, recomputed
     after the engine is closed (so the two models are never in memory at once)."""
@@ -156,7 +227,8 @@ def sampler_trainer_mismatch(
 
     started = time.monotonic()
     stats = logprob_mismatch(model_dir, requests[:checked], samples[:checked], sampling_spec(ctx),
-                             dtype=resolve_dtype(ctx.config.train.dtype, device.torch), device=device.torch)
+                             dtype=resolve_dtype(ctx.config.train.dtype, device.torch), device=device.torch,
+                             loss_masks=loss_masks[:checked] if loss_masks else None)
     return {**stats, "samples": checked, "seconds": round(time.monotonic() - started, 3)}
 
 

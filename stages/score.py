@@ -2,7 +2,8 @@
 
 One sandbox (a pool of warm workers) serves the whole stage. Each score row carries the reward, the number
 of tests passed out of total, a status (ok / fail / timeout / error / no_code), the per-test results, the
-extracted code, and the sandbox time, so `rlpipe show` can tell a sample's whole story.
+extracted code, and the sandbox time, so `rlpipe show` can tell a sample's whole story. A multi-turn rollout
+is graded on its final answer (`graded_text`).
 """
 
 from __future__ import annotations
@@ -33,6 +34,15 @@ def score_with_progress(
             raise StageInputError(str(error)) from None
 
 
+def graded_text(row: dict) -> str:
+    """What a rollout is graded on: the response, or in a multi-turn rollout its final answer (the last assistant
+    message of `conversation`), not the tool outputs or the earlier attempts."""
+    if row.get("conversation") is None:
+        return row["response_text"]
+    messages = json.loads(row["conversation"])
+    return next((m["content"] for m in reversed(messages) if m["role"] == "assistant"), "")
+
+
 def run(ctx: StageContext) -> None:
     prompts = {row["prompt_id"]: row for row in ctx.read_input("prompts").to_pylist()}
     rollouts = ctx.read_input("rollouts").to_pylist()
@@ -43,7 +53,7 @@ def run(ctx: StageContext) -> None:
             raise StageInputError(
                 f"{ctx.inputs['rollouts'].path}: prompt_id {row['prompt_id']} is not in the prompts table"
             )
-        jobs.append(ScoreJob(response_text=row["response_text"], reward_spec=json.loads(prompt["reward_spec"])))
+        jobs.append(ScoreJob(response_text=graded_text(row), reward_spec=json.loads(prompt["reward_spec"])))
         inputs.append(rewards.RewardInput.of_prompt(prompt))
 
     started = time.monotonic()

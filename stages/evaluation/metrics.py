@@ -216,3 +216,22 @@ def aggregate(rows: list[dict], ks: list[int], clusters: dict[str, str] | None =
                 n_P, c_P, k, cluster_P=cluster_P)
     summary["mean_num_tokens"] = float(np.mean([row["num_tokens"] for row in rows])) if rows else 0.0
     return summary
+
+
+def multi_turn_summary(rows: list[dict]) -> dict[str, float]:
+    """Per-dataset figures of a multi-turn evaluation (rows of an EVAL v2 table, every mode): mean model turns,
+    tool calls per answer, tool error rate (errors / calls), and solved-after-retry: of the answers whose first
+    attempt failed, the fraction whose final answer is correct (feedback mode; 0 retried answers: left out)."""
+    if not rows:
+        return {}
+    calls = sum(row["tool_calls"] for row in rows)
+    summary = {
+        "mean_turns": float(np.mean([row["num_turns"] for row in rows])),
+        "tool_calls_per_answer": calls / len(rows),
+    }
+    if calls:
+        summary["tool_error_rate"] = sum(row["tool_errors"] for row in rows) / calls
+    retried = [row for row in rows if row["first_answer_correct"] is False]
+    if retried:
+        summary["solved_after_retry"] = sum(bool(row["correct"]) for row in retried) / len(retried)
+    return summary

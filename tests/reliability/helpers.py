@@ -130,7 +130,8 @@ def _eval_rows(ctx: StageContext) -> list[dict]:
     return [
         {"run_id": ctx.run_id, "iteration": ctx.iteration, "policy_version": ctx.inputs["policy"].sha256,
          "dataset": "test", "prompt_id": pid, "mode": "sampled", "sample_idx": s, "correct": s == 0,
-         "reward": float(s == 0), "status": "ok" if s == 0 else "fail", "num_tokens": 3, "response_text": "x"}
+         "reward": float(s == 0), "status": "ok" if s == 0 else "fail", "num_tokens": 3, "response_text": "x",
+         "num_turns": 1, "tool_calls": 0, "tool_errors": 0, "first_answer_correct": s == 0}
         for pid in TEST_IDS for s in range(2)
     ]
 

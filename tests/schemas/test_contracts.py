@@ -258,3 +258,51 @@ def test_warm_up_leaves_no_thread_and_validation_still_judges_after_it(
     result = validate_table("scores", replace(scores, "reward", rewards), config)
     assert failing(result, "expect_column_values_to_be_between", "reward").unexpected_count == 1
     assert validate_table("scores", scores, config).success
+
+
+def multi_turn_rollouts(rollouts: pa.Table) -> pa.Table:
+    """The synthetic rollouts as 3-turn tool conversations: tokens model(2) obs(1) model(2) obs(1) model(rest)."""
+    rows = rollouts.to_pylist()
+    for row in rows:
+        n = row["num_tokens"] = len(row["response_token_ids"])
+        assert n >= 7
+        row["loss_mask"] = [1, 1, 0, 1, 1, 0] + [1] * (n - 6)
+        row["response_logprobs"] = [lp if m else 0.0 for lp, m in zip(row["response_logprobs"], row["loss_mask"],
+                                                                         strict=True)]
+        row.update(turn_spans=[[0, 2], [3, 5], [6, n]], turn_rewards=None, num_turns=3, tool_calls=2, tool_errors=1,
+                   tool_seconds=0.25, finish_reason="budget", truncated=True,
+                   conversation=json.dumps([{"role": "assistant", "content": "a"}]))
+    return pa.Table.from_pylist(rows, schema=rollouts.schema)
+
+
+def test_multi_turn_rollouts(tables: dict[str, pa.Table], config: RunConfig) -> None:
+    """Under generate.multi_turn the suite accepts conversations (new finish reasons, the conversation's budget)
+    and names each broken rule: a loss mask of the wrong length, more errors than calls, too many turns,
+    spans out of order, truncated not matching a budget finish."""
+    multi = config.model_copy(update={"generate": config.generate.model_copy(update={
+        "multi_turn": config.generate.multi_turn.model_copy(update={"mode": "tool", "max_turns": 3,
+                                                                   "max_response_tokens": 4096})})})
+    good = multi_turn_rollouts(tables["rollouts"])
+    result = validate_table("rollouts", good, multi)
+    assert result.success, result.summary()
+    assert not validate_table("rollouts", good, config).success  # single-turn config: "budget" is not a reason
+    masks = good.column("loss_mask").to_pylist()
+    masks[0] = masks[0][:-1]
+    spans = good.column("turn_spans").to_pylist()
+    spans[1] = [[3, 5], [0, 2], [6, 7]]
+    errors = good.column("tool_errors").to_pylist()
+    errors[2] = 3
+    turns = good.column("num_turns").to_pylist()
+    turns[3] = 4
+    truncated = good.column("truncated").to_pylist()
+    truncated[4] = False
+    bad = replace(replace(replace(replace(replace(good, "loss_mask", masks), "turn_spans", spans), "tool_errors",
+                                  errors), "num_turns", turns), "truncated", truncated)
+    result = validate_table("rollouts", bad, multi)
+    assert failing(result, "expect_column_values_to_be_in_set", "_loss_mask_len_ok").unexpected_count == 1
+    # row 1's spans are out of order; row 3 has 4 turns for 3 spans
+    assert failing(result, "expect_column_values_to_be_in_set", "_turns_ok").unexpected_count == 2
+    assert failing(result, "expect_column_pair_values_a_to_be_greater_than_b", "tool_calls, tool_errors")
+    assert failing(result, "expect_column_values_to_be_between", "num_turns").unexpected_count == 1
+    truncation = failing(result, "expect_column_pair_values_to_be_equal", "truncated, _finish_is_length")
+    assert truncation.unexpected_count == 1

@@ -369,6 +369,7 @@ class SyntheticRun:
                         "correct": correct, "reward": 1.0 if correct else 0.0, "status": "ok" if correct else "fail",
                         "num_tokens": int(rng.integers(8, spec.max_new_tokens)),
                         "response_text": "```python\ndef solve(x):\n    return x + 1\n```",
+                        "num_turns": 1, "tool_calls": 0, "tool_errors": 0, "first_answer_correct": correct,
                     })
         return build_table("eval", {k: [r[k] for r in rows] for k in rows[0]}, len(rows))
 
