@@ -304,26 +304,32 @@ def estimate_gae(
     punishment) on the last token - kl_coef * kl_t on each, V(s_t) from the critic (0 without one: a new critic's
     zero head), the advantages whitened over every token of those samples (verl's masked_whiten). Returns each
     sample's scalar advantage (the mean of its tokens', 0 for an empty response or a dropped group) and the
-    values / returns / token_advantages columns (null outside kept groups)."""
+    values / returns / token_advantages columns (null outside kept groups). A multi-turn sample's observation
+    tokens are skipped: GAE runs over its model tokens alone (the outcome on the last of them; verl's GAE carries
+    V and A across masked tokens the same way), they alone are whitened, and observations get 0."""
     lengths = samples["num_tokens"].to_numpy().astype(int).tolist()
     values_by_sample = per_token(samples, "values") or [np.zeros(n) for n in lengths]
+    masks = model_masks(samples, values_by_sample)
     rows = np.flatnonzero(kept_N)
+    model_rows = [np.flatnonzero(masks[i] > 0) for i in rows]
     advantages, returns = [], []
-    for i in rows:
-        kl_T = kl_by_sample[i] if kl_by_sample else np.zeros(lengths[i])
+    for i, model_T in zip(rows, model_rows, strict=True):
+        kl_T = kl_by_sample[i][model_T] if kl_by_sample else np.zeros(len(model_T))
         advantages_T, returns_T = gae(
-            token_rewards(float(outcome_N[i]), kl_T, kl_coef), values_by_sample[i], cfg.gamma, cfg.lam
+            token_rewards(float(outcome_N[i]), kl_T, kl_coef), values_by_sample[i][model_T], cfg.gamma, cfg.lam
         )
         advantages.append(advantages_T)
         returns.append(returns_T)
     advantages = whiten_token_values(advantages)
     columns: dict[str, list] = {name: [None] * samples.num_rows for name in TOKEN_COLUMNS}
     advantages_N = np.zeros(samples.num_rows)
-    for i, advantages_T, returns_T in zip(rows, advantages, returns, strict=True):
+    for i, model_T, advantages_M, returns_M in zip(rows, model_rows, advantages, returns, strict=True):
+        advantages_T, returns_T = np.zeros(len(masks[i])), np.zeros(len(masks[i]))
+        advantages_T[model_T], returns_T[model_T] = advantages_M, returns_M
         columns["values"][i] = values_by_sample[i].tolist()
         columns["returns"][i] = returns_T.tolist()
         columns["token_advantages"][i] = advantages_T.tolist()
-        advantages_N[i] = advantages_T.mean() if len(advantages_T) else 0.0
+        advantages_N[i] = advantages_M.mean() if len(advantages_M) else 0.0
     return advantages_N, {name: pa.array(values, pa.list_(pa.float32())) for name, values in columns.items()}
 
 
@@ -506,7 +512,7 @@ def run(ctx: StageContext) -> None:
     # multi-turn: the loss mask for the KL in the reward, the turns for the turn-level estimators
     if cfg.estimator in TURN_ESTIMATORS:
         token_columns += ["loss_mask", "turn_spans", "turn_rewards"]
-    elif cfg.use_kl_in_reward:
+    elif cfg.use_kl_in_reward or cfg.estimator == "gae":
         token_columns += ["loss_mask"]
     # Every generation round of the iteration (round 0, plus the rounds dynamic sampling asked for).
     rollouts = ctx.read_rounds("rollouts", [*ROLLOUT_KEY, "num_tokens", "truncated", *token_columns])

@@ -135,7 +135,7 @@ def multi_turn_generate(ctx: StageContext) -> None:
                 "response_logprobs": [-2.5 if m else 0.0 for m in mask],  # 0.0 at observations, as the loop writes
                 "response_text": "", "finish_reason": "stop", "truncated": False, "num_tokens": len(response),
                 "seed": 0, "backend": "fake", "loss_mask": mask, "turn_spans": spans, "turn_rewards": turn_rewards,
-                "num_turns": len(spans), "tool_calls": len(spans) - 1 if turn_rewards is None else 0,
+                "num_turns": len(spans), "tool_calls": len(spans) - 1,
                 "tool_errors": 0, "tool_seconds": 0.0, "conversation": json.dumps([]),
             })  # fmt: skip
     ctx.write_table("rollouts", pa.Table.from_pylist(rows))
@@ -153,6 +153,12 @@ def multi_turn_score(ctx: StageContext) -> None:
     ctx.write_table("scores", pa.Table.from_pylist(rows))
 
 
+# The rollouts contract checks turns and tool calls against generate.multi_turn (p0's feedback-style turn rewards
+# ride along in a tool-mode run: the estimator reads whatever turn_rewards a row has).
+MULTI_TURN = ("generate.n_samples=3", "generate.multi_turn.mode=tool", "generate.multi_turn.max_turns=3",
+              "generate.multi_turn.max_tool_calls=2")
+
+
 def run_multi_turn_iteration(layout, k: int = 0):  # noqa: ANN001, ANN201
     run_stage_at("generate", layout, k, multi_turn_generate)
     run_stage_at("score", layout, k, multi_turn_score)
@@ -168,7 +174,7 @@ def test_turn_rloo_through_the_advantage_and_train_stages(run_layout) -> None:  
     model tokens (p1 c2: (0.5 + 1 + 0) / 3 = 0.5); values / returns stay null. The train stage then trains on the
     masked samples: its loss tokens are the 3 + 4 + 4 + 2 + 2 + 3 = 18 model tokens, not the 26 response tokens."""
     make, _ = run_layout
-    layout = make("advantage.estimator=turn_rloo", "generate.n_samples=3")
+    layout = make("advantage.estimator=turn_rloo", *MULTI_TURN)
     manifest, batch = run_multi_turn_iteration(layout)
     for key, expected in TURN_RLOO_TOKENS.items():
         row = batch[key]
@@ -190,7 +196,7 @@ def test_turn_gae_through_the_advantage_and_train_stages(run_layout) -> None:  #
     batch (mean, Bessel variance, 1 / sqrt(var + 1e-8), computed here with numpy), observation tokens 0; returns:
     R_k on turn k's model tokens, 0 on observations. The train stage trains the critic beside the policy."""
     make, _ = run_layout
-    layout = make("advantage.estimator=turn_gae", "generate.n_samples=3")
+    layout = make("advantage.estimator=turn_gae", *MULTI_TURN)
     _, batch = run_multi_turn_iteration(layout)
     spread = {key: spread_over_turns(np.array(g), CONVERSATIONS[key[0]][key[1]][2],
                                      np.array(CONVERSATIONS[key[0]][key[1]][1])) for key, g in TURN_GAE_RETURNS.items()}
@@ -249,7 +255,7 @@ def test_the_stages_kl_in_the_reward_skips_observation_tokens(run_layout) -> Non
     from stages.rl.logprobs import build_micro_batch, full_softmax_logprobs
 
     make, model_dir = run_layout
-    layout = make("advantage.estimator=turn_rloo", "generate.n_samples=3", "advantage.use_kl_in_reward=true",
+    layout = make("advantage.estimator=turn_rloo", *MULTI_TURN, "advantage.use_kl_in_reward=true",
                   "advantage.kl_coef=0.5", "advantage.kl_penalty=k1")
     _, batch = run_multi_turn_iteration(layout)
     reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
@@ -263,3 +269,27 @@ def test_the_stages_kl_in_the_reward_skips_observation_tokens(run_layout) -> Non
         assert row["kl_in_reward"] == pytest.approx(expected, abs=1e-5), (prompt_id, idx)
         if 0 in mask:
             assert abs(0.5 * float(kl_T.sum()) - expected) > 1e-2
+
+
+def test_token_level_gae_skips_observation_tokens() -> None:
+    """`gae` on a multi-turn row, mask [1, 0, 0, 1], V [0.5, 9, 9, 0.2], reward 1, gamma 0.9, lambda 0.8: GAE over
+    the model tokens alone (V 0.5, 0.2; the outcome on the last model token):
+      t=3: delta = 1 - 0.2 = 0.8, A = 0.8, R = 1.0;  t=0: delta = 0.9 * 0.2 - 0.5 = -0.32, A = -0.32 + 0.72 * 0.8
+      = 0.256, R = 0.756;  observations: A = R = 0.
+    The other sample (single turn, reward 0, V [0.1]): A = -0.1, R = 0. The advantages are whitened over the three
+    model-token values [0.256, 0.8, -0.1] (numpy here: mean, Bessel variance, + 1e-8 under the root)."""
+    base = {"run_id": "r", "iteration": 0, "round": 0, "prompt_id": "a", "truncated": False}
+    rows = [{**base, "sample_idx": 0, "reward": 1.0, "status": "ok", "num_tokens": 4, "loss_mask": [1, 0, 0, 1],
+             "values": [0.5, 9.0, 9.0, 0.2]},
+            {**base, "sample_idx": 1, "reward": 0.0, "status": "fail", "num_tokens": 1, "loss_mask": None,
+             "values": [0.1]}]
+    cfg = AdvantageConfig(estimator="gae", gamma=0.9, lam=0.8)
+    batch, _ = advantage.build_batch(pa.Table.from_pylist(rows), cfg, 16)
+    got = conform(batch, BATCH, "batch").to_pylist()
+    np.testing.assert_allclose(got[0]["returns"], [0.756, 0.0, 0.0, 1.0], atol=1e-6)
+    np.testing.assert_allclose(got[1]["returns"], [0.0], atol=1e-6)
+    raw = np.array([0.256, 0.8, -0.1])
+    white = (raw - raw.mean()) / np.sqrt(raw.var(ddof=1) + 1e-8)
+    np.testing.assert_allclose(got[0]["token_advantages"], [white[0], 0.0, 0.0, white[1]], atol=1e-6)
+    np.testing.assert_allclose(got[1]["token_advantages"], [white[2]], atol=1e-6)
+    assert got[0]["advantage"] == pytest.approx((white[0] + white[1]) / 2, abs=1e-6)
