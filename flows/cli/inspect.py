@@ -181,6 +181,34 @@ def _tests_table(tests: str | None) -> Table | Text:
     return table
 
 
+def _conversation_panel(row: dict[str, Any]) -> Panel:
+    """A multi-turn rollout turn by turn: each message's role, the model turns' tokens and (feedback mode)
+    reward, the tool calls' count, errors and time in the title; the score grades the last assistant turn."""
+    try:
+        messages = json.loads(row.get("conversation") or "[]")
+    except json.JSONDecodeError:
+        return Panel(Text(row.get("conversation") or ""), title="conversation", title_align="left")
+    spans = row.get("turn_spans") or []
+    rewards = row.get("turn_rewards") or []
+    out = Text()
+    turn = 0
+    for message in messages:
+        role = message.get("role", "?")
+        if role == "assistant":
+            notes = [f"{spans[turn][1] - spans[turn][0]} tokens"] if turn < len(spans) else []
+            if turn < len(rewards):
+                notes.append(f"reward {format_cell(rewards[turn])}")
+            out.append(f"assistant, turn {turn + 1}", style="bold cyan")
+            out.append(f" ({', '.join(notes)})" if notes else "", style="dim")
+            turn += 1
+        else:
+            out.append("tool output" if role == "tool" else f"{role} (feedback)", style="bold magenta")
+        out.append(f":\n{message.get('content', '')}\n\n")
+    title = (f"conversation · {row.get('num_turns')} turns · {row.get('tool_calls')} tool calls, "
+             f"{row.get('tool_errors')} errors, {format_cell(row.get('tool_seconds'))} s in the tool")
+    return Panel(out, title=title, title_align="left")
+
+
 def render_story(row: dict[str, Any]) -> Group:
     """Everything about one sample, top to bottom: where it came from, what it said, how it scored."""
     sha = (row.get("policy_version") or "")[:12]
@@ -224,7 +252,8 @@ def render_story(row: dict[str, Any]) -> Group:
     parts = [
         header,
         Panel(_messages(row.get("messages")), title="prompt", title_align="left"),
-        Panel(Text(row.get("response_text") or ""), title="response", title_align="left"),
+        (Panel(Text(row.get("response_text") or ""), title="response", title_align="left")
+         if row.get("conversation") is None else _conversation_panel(row)),
         Panel(Syntax(code, "python", word_wrap=True) if code else Text("no code extracted", style="dim"),
               title="extracted code", title_align="left"),
         Panel(_tests_table(row.get("tests")), title="tests", title_align="left"),
