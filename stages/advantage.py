@@ -528,7 +528,8 @@ def run(ctx: StageContext) -> None:
     samples = samples.drop_columns(["_row"])
     if model_passes:
         samples = with_model_columns(ctx, samples)
-    batch, metrics = build_batch(samples, cfg, ctx.config.generate.max_new_tokens, kl_in_reward_coef(ctx))
+    # the overlong buffer ends at the longest response: max_new_tokens, or a multi-turn conversation's budget
+    batch, metrics = build_batch(samples, cfg, ctx.config.generate.response_token_limit, kl_in_reward_coef(ctx))
     ctx.write_table("batch", batch, metrics)
 
 

@@ -207,7 +207,8 @@ def run(ctx: StageContext) -> None:
             train=cfg.model_dump(mode="json"),
             iteration=ctx.iteration,
             temperature=ctx.config.generate.temperature,
-            norm_length=cfg.loss_norm_length or ctx.config.generate.max_new_tokens,
+            # the longest response: max_new_tokens, or the conversation budget of a multi-turn run
+            norm_length=cfg.loss_norm_length or ctx.config.generate.response_token_limit,
             reference_dir=str(ref) if (ref := reference_dir(ctx)) else None,
             threads=ctx.config.threads,
             samples=samples,
