@@ -45,6 +45,8 @@ MODULES = {"tensorboard": "tensorboard", "mlflow": "mlflow", "wandb": "wandb"}
 # Per-step train_metrics columns averaged over an iteration's optimizer steps; min/max keep their extreme.
 STEP_MEANS = ("loss", "policy_loss", "approx_kl", "kl_ref", "entropy", "clip_frac_low", "clip_frac_high",
               "clip_frac_dual", "is_ratio_mean", "is_ess", "rejected_frac", "grad_norm", "padding_frac")
+# The critic's columns (PPO with GAE): 0 in every step of a run without a critic, which logs none of them.
+CRITIC_MEANS = ("value_loss", "vf_clip_frac", "vf_explained_var")
 
 
 def check_trackers(config: LogConfig) -> None:
@@ -98,7 +100,8 @@ def iteration_scalars(data: ReportData, iteration: int) -> dict[str, float]:
     trained = [r for r in steps if not r.get("skipped")]
     if steps:
         scalars["update/steps"] = len(trained)
-    for name in STEP_MEANS:
+    has_critic = any(r.get("value_loss") for r in trained)
+    for name in STEP_MEANS + (CRITIC_MEANS if has_critic else ()):
         values = [r[name] for r in trained if _finite(r.get(name))]
         if values:
             scalars[f"update/{name}"] = sum(values) / len(values)

@@ -76,6 +76,23 @@ def test_iteration_scalars_by_hand() -> None:
         "update/steps": 0.0, "time/train": 0.5}
 
 
+def test_critic_scalars_are_logged_only_for_a_run_with_a_critic() -> None:
+    """Proves: PPO's critic columns (value_loss, vf_clip_frac, vf_explained_var) are averaged over the trained
+    steps like the policy's when the run has a critic, and left out when every step's value_loss is 0 (the
+    train_metrics value of a run without one)."""
+    def data(value_losses: list[float]) -> ReportData:
+        return ReportData(run_id="r", root="/x", config=None, ks=[1], train=[
+            {"iteration": 0, "step": i, "skipped": False, "loss": 1.0, "lr": 1e-5, "tokens": 10, "seconds": 1.0,
+             "value_loss": v, "vf_clip_frac": 0.1 * i, "vf_explained_var": -0.5 + i}
+            for i, v in enumerate(value_losses)])
+
+    with_critic = iteration_scalars(data([0.25, 0.75]), 0)
+    assert {k: round(v, 9) for k, v in with_critic.items() if k.startswith("update/v")} == {
+        "update/value_loss": 0.5, "update/vf_clip_frac": 0.05, "update/vf_explained_var": 0.0}
+    without = iteration_scalars(data([0.0, 0.0]), 0)
+    assert not [k for k in without if k.startswith("update/v")], without
+
+
 def test_a_tracker_library_that_is_missing_is_a_config_error(monkeypatch: pytest.MonkeyPatch) -> None:
     check_trackers(LogConfig())  # none configured: nothing needed
     monkeypatch.setitem(trackers.MODULES, "wandb", "rlpipe_no_such_module")
