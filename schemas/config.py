@@ -427,11 +427,12 @@ class AdvantageConfig(Section):
 
     estimator: Literal[
         "grpo", "grpo_passk", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "opo", "gpg",
-        "mean_centered", "gae", "turn_rloo", "turn_gae",
+        "mean_centered", "gae", "turn_rloo", "turn_gae", "remax",
     ] = Field(
         "grpo", description="Advantage estimator: over a prompt's group, or `gae` (PPO with a critic, per token), or "
         "per model turn of multi-turn rollouts: `turn_rloo` (leave-one-out per turn index, delta-shaped turn "
-        "rewards) or `turn_gae` (GAE over turns with the critic). Formulas: docs/algorithms.md, "
+        "rewards) or `turn_gae` (GAE over turns with the critic), or `remax` (r - the reward of one extra greedy "
+        "response per prompt, which generate makes and nothing trains on). Formulas: docs/algorithms.md, "
         "stages/rl/advantages.py."
     )
     gamma: float = Field(1.0, ge=0, le=1, description="GAE discount gamma (verl's algorithm.gamma).")
@@ -511,6 +512,11 @@ class AdvantageConfig(Section):
     def round_cap(self) -> int | None:
         """The most generation rounds of an iteration; None when unlimited (`max_generation_rounds: 0`)."""
         return self.max_generation_rounds or None
+
+    @property
+    def greedy_baseline(self) -> bool:
+        """Whether each generation group has one more rollout, greedy, as its baseline (`remax`): sample_idx -1."""
+        return self.estimator == "remax"
 
 
 def _positive(text: str, rule: str, spec: str) -> float:
@@ -825,6 +831,16 @@ class RunConfig(Section):
                 f"advantage.estimator={self.advantage.estimator} trains a critic, which the torch backend does "
                 "(train.backend=torch); the "
                 f"DeepSpeed backend (train.backend={self.train.backend}) has no critic yet"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _remax_is_single_turn(self) -> RunConfig:
+        if self.advantage.greedy_baseline and self.generate.multi_turn.mode != "off":
+            raise ValueError(
+                "advantage.estimator=remax takes its baseline from one greedy response per prompt, which the "
+                f"generate stage makes for single-turn rollouts only (generate.multi_turn.mode="
+                f"{self.generate.multi_turn.mode}); use turn_rloo or grpo for multi-turn"
             )
         return self
 

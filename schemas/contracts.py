@@ -187,6 +187,12 @@ def checks_for(table_name: str, config: RunConfig) -> list[Check]:
     names = set(spec.schema.names)
     derived = derived_columns(table_name, config)
     gen, score, ev = config.generate, config.score, config.evaluate
+    # remax: each (round, prompt) group of rollouts and scores has one more row, its greedy baseline (sample_idx
+    # -1); with the key unique, n_samples + 1 rows within -1..n_samples-1 means exactly one of them per group.
+    baselines = int(config.advantage.greedy_baseline)
+    group_rows = gen.n_samples + baselines
+    group_rule = (f"every (round, prompt) group has n_samples = {gen.n_samples} rows" if not baselines else
+                  f"every (round, prompt) group has n_samples = {gen.n_samples} rows and 1 greedy baseline (remax)")
     checks = [
         Check("ExpectTableColumnsToMatchSet", {"column_set": [*spec.schema.names, *derived], "exact_match": True},
               f"columns are exactly those of {spec.tag} (plus the derived {', '.join(derived)})"),
@@ -224,9 +230,9 @@ def checks_for(table_name: str, config: RunConfig) -> list[Check]:
             _between("iteration", 0, config.iterations - 1, f"iteration within {iterations}"),
             _between("round", 0, None if config.advantage.round_cap is None else config.advantage.round_cap - 1,
                      "round < advantage.max_generation_rounds (0: unlimited)"),
-            _between("sample_idx", 0, gen.n_samples - 1, f"sample_idx within 0..n_samples-1 ({gen.n_samples - 1})"),
-            _between("_group_size", gen.n_samples, gen.n_samples,
-                     f"every (round, prompt) group has n_samples = {gen.n_samples} rows"),
+            _between("sample_idx", -baselines, gen.n_samples - 1,
+                     f"sample_idx within {-baselines}..n_samples-1 ({gen.n_samples - 1})"),
+            _between("_group_size", group_rows, group_rows, group_rule),
             _between("num_tokens", 0, gen.response_token_limit,
                      f"num_tokens within 0..multi_turn.max_response_tokens ({gen.response_token_limit}), the "
                      "conversation's budget" if mt.mode != "off" else
@@ -253,8 +259,7 @@ def checks_for(table_name: str, config: RunConfig) -> list[Check]:
     elif table_name == "scores":
         checks += [
             _between("iteration", 0, config.iterations - 1, f"iteration within {iterations}"),
-            _between("_group_size", gen.n_samples, gen.n_samples,
-                     f"every (round, prompt) group has n_samples = {gen.n_samples} rows"),
+            _between("_group_size", group_rows, group_rows, group_rule),
             _in_set("status", STATUSES, f"status is one of {', '.join(STATUSES)}"),
             _between("passed", 0, None, "passed >= 0"),
             _at_least("total", "passed", "passed <= total"),

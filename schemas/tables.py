@@ -40,6 +40,9 @@ def _schema(fields: list[tuple[str, pa.DataType]], nullable: frozenset[str] = fr
 
 
 ROLLOUT_KEY = ("run_id", "iteration", "round", "prompt_id", "sample_idx")
+# The sample_idx of a group's greedy baseline rollout (advantage.estimator remax): scored like any rollout, never
+# in the batch; the sampled rollouts keep 0..n_samples-1.
+BASELINE_SAMPLE_IDX = -1
 _KEY_FIELDS: list[tuple[str, pa.DataType]] = [
     ("run_id", pa.string()),
     ("iteration", pa.int32()),

@@ -20,6 +20,13 @@ Multi-turn rollouts: the KL in the reward counts model tokens only (0 at observa
 logprob means nothing), and the turn-level estimators (`turn_rloo`, `turn_gae`: `estimate_turns`) give each model
 turn its advantage from the rollouts' turn spans and per-turn rewards, the last turn's reward being the sample's
 shaped reward (the scores table's reward + shaping).
+
+remax: each (round, prompt) group also has one greedy rollout (sample_idx -1, made by generate, scored by score).
+It is left out of the batch rather than written as a dropped row: the batch is the groups of n_samples sampled
+responses that filters, group statistics, metrics and the contracts count, and a row that is never a training
+candidate would skew all of them (and could only ever enter the loss by mistake). Its reward (+ the overlong
+shaping, as verl's reward function gives it; no KL) is the baseline of its group's samples; the rollouts and
+scores tables keep it, and the manifest its mean (`baseline_reward_mean`).
 """
 
 from __future__ import annotations
@@ -35,7 +42,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from schemas.config import AdvantageConfig
-from schemas.tables import ROLLOUT_KEY
+from schemas.tables import BASELINE_SAMPLE_IDX, ROLLOUT_KEY
 from stages.harness import StageContext, StageInputError, exit_with
 from stages.rl.advantages import (
     CRITIC_ESTIMATORS,
@@ -45,6 +52,7 @@ from stages.rl.advantages import (
     adaptive_kl_coef,
     compute_advantages,
     gae,
+    remax_advantages,
     spread_over_turns,
     token_rewards,
     turn_gae,
@@ -93,6 +101,29 @@ def check_group_sizes(rollouts: pa.Table, n_samples: int, source: str) -> None:
             f"{source}: prompt {prompt_id} (round {round_index}) has {size} rollouts, but generate.n_samples "
             f"is {n_samples}: the table is incomplete or from another config"
         )
+
+
+def split_baselines(table: pa.Table, greedy_baseline: bool, source: str) -> tuple[pa.Table, pa.Table]:
+    """(sampled rows, greedy baseline rows: sample_idx -1) of a rollouts or scores table. Under remax
+    (`greedy_baseline`) every (round, prompt) group of sampled rows has exactly one baseline row and every baseline
+    row a group; otherwise there is none (a table from another config)."""
+    is_baseline = pc.equal(table["sample_idx"], BASELINE_SAMPLE_IDX)
+    sampled, baselines = table.filter(pc.invert(is_baseline)), table.filter(is_baseline)
+    if not greedy_baseline:
+        if baselines.num_rows:
+            raise StageInputError(f"{source}: greedy baseline rollout {key_of(baselines, 0)} (sample_idx "
+                                  f"{BASELINE_SAMPLE_IDX}), but advantage.estimator is not remax: the table is from "
+                                  "another config")
+        return sampled, baselines
+    counts = Counter(zip(baselines["round"].to_pylist(), baselines["prompt_id"].to_pylist(), strict=True))
+    groups = set(zip(sampled["round"].to_pylist(), sampled["prompt_id"].to_pylist(), strict=True))
+    for round_index, prompt_id in sorted(groups | set(counts)):
+        count = counts.get((round_index, prompt_id), 0)
+        if count != 1 or (round_index, prompt_id) not in groups:
+            what = f"{count} greedy baseline rows" if count != 1 else "a greedy baseline row but no sampled rows"
+            raise StageInputError(f"{source}: prompt {prompt_id} (round {round_index}) has {what}; remax needs "
+                                  "exactly one beside the sampled rollouts of each prompt")
+    return sampled, baselines
 
 
 def join_scores(rollouts: pa.Table, scores: pa.Table, source: str = "scores") -> pa.Table:
@@ -148,13 +179,15 @@ class Groups:
 
 
 def build_batch(
-    samples: pa.Table, cfg: AdvantageConfig, max_new_tokens: int, kl_coef: float = 0.0
+    samples: pa.Table, cfg: AdvantageConfig, max_new_tokens: int, kl_coef: float = 0.0,
+    baselines: pa.Table | None = None,
 ) -> tuple[pa.Table, dict[str, Any]]:
     """The batch table (one row per sample, BATCH's columns) and the manifest metrics, from joined rollouts and
     scores (the rollout key, `reward`, `status`, `num_tokens`, `truncated`; with `use_kl_in_reward` a list column
     `kl` of each token's KL estimate, with GAE one `values` of the critic's V(s_t), zeros if absent): shape,
     group, filter, cap to target, estimate, mask, each step one function below. `kl_coef`: the KL-in-reward
-    beta. Reasons are per group (`_K`, None = kept), then per sample (`_N`)."""
+    beta. `baselines`: remax's greedy rows (the rollout key, `reward`, `num_tokens`), one per group. Reasons are
+    per group (`_K`, None = kept), then per sample (`_N`)."""
     samples = samples.sort_by(BATCH_ORDER)
     groups = Groups.of(samples)
     rewards_N = samples["reward"].to_numpy()
@@ -171,6 +204,12 @@ def build_batch(
         advantages_N, token_columns = estimate_gae(samples, outcome_N, kl_by_sample, kl_coef, in_kept_group_N, cfg)
     elif cfg.estimator in TURN_ESTIMATORS:
         advantages_N, token_columns = estimate_turns(samples, shaped_N, groups, in_kept_group_N, cfg)
+    elif cfg.greedy_baseline:
+        if baselines is None:
+            raise StageInputError("advantage.estimator remax needs the greedy baseline rows (sample_idx -1)")
+        baseline_N = group_baselines(samples, groups, baselines, cfg, max_new_tokens)
+        advantages_N = np.zeros_like(shaped_N)
+        advantages_N[in_kept_group_N] = remax_advantages(shaped_N[in_kept_group_N], baseline_N[in_kept_group_N])
     else:
         advantages_N = estimate(shaped_N, lengths_N, groups, in_kept_group_N, cfg)
     drop_N = mask_samples(drop_K[groups.id_N], samples["truncated"].to_numpy(zero_copy_only=False), cfg)
@@ -191,9 +230,30 @@ def build_batch(
         }
     )
     metrics = batch_metrics(batch, drop_K, groups, groups_needed, cfg)
+    if baselines is not None:
+        metrics["baseline_reward_mean"] = float(baselines["reward"].to_numpy().mean()) if baselines.num_rows else 0.0
     if cfg.use_kl_in_reward:
         metrics.update(kl_in_reward_metrics(kl_by_sample, kl_coef, cfg, model_masks(samples, kl_by_sample)))
     return batch, metrics
+
+
+def group_baselines(
+    samples: pa.Table, groups: Groups, baselines: pa.Table, cfg: AdvantageConfig, max_new_tokens: int
+) -> np.ndarray:
+    """Each sample's remax baseline: its group's greedy reward, overlong-shaped like the samples' (shape_rewards;
+    verl's baseline is its reward function's score, overlong punishment included, without the KL in the reward)."""
+    shaped_B = shape_rewards(baselines["reward"].to_numpy(), baselines["num_tokens"].to_numpy().astype(np.float64),
+                             cfg, max_new_tokens)
+    by_group = dict(zip(zip(baselines["round"].to_pylist(), baselines["prompt_id"].to_pylist(), strict=True),
+                        shaped_B.tolist(), strict=True))
+    starts = groups.bounds_K1[:-1]
+    keys_K = zip(samples["round"].take(starts).to_pylist(), samples["prompt_id"].take(starts).to_pylist(), strict=True)
+    baseline_K = []
+    for round_index, prompt_id in keys_K:
+        if (round_index, prompt_id) not in by_group:
+            raise StageInputError(f"prompt {prompt_id} (round {round_index}) has no greedy baseline row (remax)")
+        baseline_K.append(by_group[(round_index, prompt_id)])
+    return np.array(baseline_K, dtype=np.float64)[groups.id_N]
 
 
 def model_masks(samples: pa.Table, like: list[np.ndarray]) -> list[np.ndarray]:
@@ -519,7 +579,12 @@ def run(ctx: StageContext) -> None:
     scores = ctx.read_rounds("scores", [*ROLLOUT_KEY, "reward", "status"])
     rollouts_paths = ", ".join(ctx.inputs[name].path for name in ctx.round_input_names("rollouts"))
     scores_paths = ", ".join(ctx.inputs[name].path for name in ctx.round_input_names("scores"))
+    rollouts, baseline_rollouts = split_baselines(rollouts, cfg.greedy_baseline, rollouts_paths)
+    scores, baseline_scores = split_baselines(scores, cfg.greedy_baseline, scores_paths)
     check_group_sizes(rollouts, ctx.config.generate.n_samples, rollouts_paths)
+    baselines = None
+    if cfg.greedy_baseline:  # remax: the greedy rows, scored; the baseline of their groups, not in the batch
+        baselines = join_scores(baseline_rollouts.select([*ROLLOUT_KEY, "num_tokens"]), baseline_scores, scores_paths)
     # Arrow's join carries no list columns: join without them, then take them by each sample's rollout row.
     keyed = rollouts.drop_columns(token_columns).append_column("_row", pa.array(np.arange(rollouts.num_rows)))
     samples = join_scores(keyed, scores, scores_paths)
@@ -529,7 +594,8 @@ def run(ctx: StageContext) -> None:
     if model_passes:
         samples = with_model_columns(ctx, samples)
     # the overlong buffer ends at the longest response: max_new_tokens, or a multi-turn conversation's budget
-    batch, metrics = build_batch(samples, cfg, ctx.config.generate.response_token_limit, kl_in_reward_coef(ctx))
+    batch, metrics = build_batch(samples, cfg, ctx.config.generate.response_token_limit, kl_in_reward_coef(ctx),
+                                 baselines)
     ctx.write_table("batch", batch, metrics)
 
 

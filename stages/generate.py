@@ -13,6 +13,8 @@ same machine with a deterministic backend reproduces the table byte for byte.
 With `generate.multi_turn.mode` tool or feedback each sample is a conversation rolled out by the agent loop
 (stages/generation/agent_loop.py) with the score stage's sandbox as its interpreter or judge; the rollouts row
 then holds the whole conversation after the prompt and its multi-turn columns (schemas/tables.py).
+With `advantage.estimator: remax` each prompt also gets one greedy (temperature 0) rollout, sample_idx -1,
+generated after the sampled ones: remax's baseline, scored like any rollout and left out of the batch.
 
 The table is written once, at the end, atomically. Engine start time is recorded apart from generation
 time in the manifest, and so is the sampler/trainer logprob mismatch on the first few samples
@@ -30,7 +32,7 @@ from typing import Any
 
 import pyarrow as pa
 
-from schemas.tables import SINGLE_TURN_ROLLOUT
+from schemas.tables import BASELINE_SAMPLE_IDX, SINGLE_TURN_ROLLOUT
 from stages.generation.agent_loop import (
     Conversation,
     ConversationStart,
@@ -90,6 +92,17 @@ def sampling_spec(ctx: StageContext) -> SamplingSpec:
     )
 
 
+def greedy_spec(ctx: StageContext) -> SamplingSpec:
+    """remax's baseline response: greedy (temperature 0; verl's do_sample=False), same length limit and stops."""
+    cfg = ctx.config.generate
+    return SamplingSpec(temperature=0.0, max_new_tokens=cfg.max_new_tokens, stop=list(cfg.stop))
+
+
+def single_turn_columns(sample: Sample) -> dict[str, Any]:
+    """A single-turn rollout's columns beyond the key and the tokens."""
+    return {"finish_reason": sample.finish_reason, "truncated": sample.finish_reason == "length", **SINGLE_TURN_ROLLOUT}
+
+
 def run(ctx: StageContext) -> None:
     cfg = ctx.config.generate
     round_idx = ctx.round_idx
@@ -118,6 +131,13 @@ def run(ctx: StageContext) -> None:
             seed = sample_seed(ctx.config.seed, ctx.iteration, prompt_id, sample_idx, round_idx)
             requests.append(GenerationRequest(token_ids, seed))
             keys.append((prompt_id, sample_idx, seed))
+    # remax: one greedy rollout per prompt (sample_idx -1), the group's baseline; scored, never trained on
+    baseline_requests, baseline_keys = [], []
+    if ctx.config.advantage.greedy_baseline:
+        for prompt_id, token_ids in zip(encoded.prompt_ids, encoded.token_ids, strict=True):
+            seed = sample_seed(ctx.config.seed, ctx.iteration, prompt_id, BASELINE_SAMPLE_IDX, round_idx)
+            baseline_requests.append(GenerationRequest(token_ids, seed))
+            baseline_keys.append((prompt_id, BASELINE_SAMPLE_IDX, seed))
 
     # The run's warm engine (loaded with this checkpoint in place) or one of the stage's own (client.py).
     engine = open_stage_engine(cfg, model_dir, device, ctx.config.device, ctx.inputs["policy"].sha256,
@@ -125,6 +145,7 @@ def run(ctx: StageContext) -> None:
     backend = engine.backend
     multi_turn = cfg.multi_turn.mode != "off"
     loop_figures: dict[str, Any] = {}
+    greedy: GenerationResult | None = None
     try:
         label = ctx.instance.label
         if multi_turn:
@@ -139,12 +160,18 @@ def run(ctx: StageContext) -> None:
             extra = [c.columns() for c in conversations]
         else:
             result = generate_with_progress(backend, requests, sampling_spec(ctx), label)
-            extra = [{"finish_reason": s.finish_reason, "truncated": s.finish_reason == "length",
-                      **SINGLE_TURN_ROLLOUT} for s in result.samples]
+            extra = [single_turn_columns(s) for s in result.samples]
+            if baseline_requests:
+                greedy = generate_with_progress(backend, baseline_requests, greedy_spec(ctx), f"{label} greedy")
     finally:
         backend.close()
     mismatch = sampler_trainer_mismatch(ctx, model_dir, requests, result.samples, device,
                                         [row["loss_mask"] for row in extra])
+    if greedy is not None:  # after the mismatch pass, which compares sampled responses at the sampling temperature
+        requests, keys = requests + baseline_requests, keys + baseline_keys
+        extra += [single_turn_columns(s) for s in greedy.samples]
+        result = GenerationResult(result.samples + greedy.samples, result.seconds + greedy.seconds,
+                                  result.tokens + greedy.tokens)
 
     policy_version = ctx.inputs["policy"].sha256
     rows = []
@@ -171,6 +198,7 @@ def run(ctx: StageContext) -> None:
         "prompts": len(encoded.prompt_ids),
         "prompts_skipped_overlong": encoded.skipped,
         "prompts_truncated": encoded.truncated,
+        **({"greedy_baselines": len(baseline_requests)} if baseline_requests else {}),
         **({"logprob_mismatch": mismatch} if mismatch else {}),
         **({"multi_turn": multi_turn_summary(rows, loop_figures)} if multi_turn else {}),
     })

@@ -249,6 +249,21 @@ def gpg_advantages(
     return alpha * centred_N
 
 
+def remax_advantages(rewards_N: np.ndarray, baselines_N: np.ndarray) -> np.ndarray:
+    """A_i = r_i - r_greedy(prompt of i). ReMax, Li et al. 2023 (verl's compute_remax_outcome_advantage: the
+    return minus the baseline on every response token, no whitening, no std division).
+
+    The baseline is the reward of one extra greedy (temperature 0) response to the same prompt, generated and
+    scored beside the sampled ones and never trained on: it depends on the prompt only, not on sample i, so the
+    estimator is unbiased; unlike a group mean it does not shrink with G, and all-equal sampled rewards still
+    get a signal when the greedy response did better or worse. `baselines_N`: each sample's greedy reward."""
+    rewards_N = check_finite(rewards_N)
+    baselines_N = check_finite(baselines_N, "baseline reward")
+    if baselines_N.shape != rewards_N.shape:
+        raise ValueError(f"baselines shape {baselines_N.shape} != rewards shape {rewards_N.shape}")
+    return rewards_N - baselines_N
+
+
 # Every estimator by name, each name written here once: `advantage.estimator` in schemas/config.py lists the
 # same names (tests/rl/test_advantages.py checks the two agree). A new estimator is one entry.
 ESTIMATORS: dict[str, BatchEstimator] = {
@@ -291,10 +306,14 @@ def compute_advantages(
 
 # The batch table's per-token columns (GAE's), null for outcome estimators and in dropped groups.
 TOKEN_COLUMNS = ("values", "returns", "token_advantages")
-# The estimators that are not outcome (ESTIMATORS) ones: `advantage.estimator` lists both. Token-level GAE and
-# the multi-turn turn-level estimators (below) write per-token advantages into the batch.
+# The estimators that are not outcome (ESTIMATORS) ones: `advantage.estimator` lists these, ESTIMATORS and
+# BASELINE_ESTIMATORS. Token-level GAE and the multi-turn turn-level estimators (below) write per-token
+# advantages into the batch.
 TOKEN_ESTIMATORS = ("gae", "turn_rloo", "turn_gae")
 TURN_ESTIMATORS = ("turn_rloo", "turn_gae")
+# The estimators whose baseline is a rollout of its own: `remax`'s greedy response per prompt (the generate stage
+# writes it as sample_idx BASELINE_SAMPLE_IDX, schemas/tables.py; the advantage stage calls remax_advantages).
+BASELINE_ESTIMATORS = ("remax",)
 # The estimators that need the critic (its values in the advantage stage, its update in the train stage).
 CRITIC_ESTIMATORS = ("gae", "turn_gae")
 

@@ -10,6 +10,7 @@ import pytest
 
 from schemas.config import AdvantageConfig
 from stages.rl.advantages import (
+    BASELINE_ESTIMATORS,
     ESTIMATORS,
     TOKEN_ESTIMATORS,
     EstimatorOptions,
@@ -115,7 +116,9 @@ def test_compute_advantages_dispatches_per_group():
 
 
 def test_the_config_allows_exactly_the_estimators_of_the_table():
-    assert set(get_args(AdvantageConfig.model_fields["estimator"].annotation)) == {*ESTIMATORS, *TOKEN_ESTIMATORS}
+    assert set(get_args(AdvantageConfig.model_fields["estimator"].annotation)) == {
+        *ESTIMATORS, *TOKEN_ESTIMATORS, *BASELINE_ESTIMATORS
+    }
 
 
 @pytest.mark.parametrize("estimator", list(ESTIMATORS))
