@@ -70,7 +70,8 @@ def _table_summaries(run: Run, iteration: int) -> list[tuple[str, str, float]]:
     last loss."""
 
     def mean(column: str) -> Callable[[Any], float]:
-        return lambda t: pc.mean(t[column]).as_py()
+        # the sampled responses: remax's greedy baseline rows (sample_idx -1) are not the policy's samples
+        return lambda t: pc.mean(t.filter(pc.greater_equal(t["sample_idx"], 0))[column]).as_py()
 
     wanted: list[tuple[str, str, str, Callable[[Any], float]]] = [
         ("score", "scores", "reward.mean", mean("reward")),

@@ -144,15 +144,16 @@ def collect(catalog: Catalog, run_id: str, config: RunConfig | None) -> ReportDa
     data.reward = catalog.rows(
         """SELECT iteration, avg(reward) AS mean_reward, avg(CAST(status = 'ok' AS DOUBLE)) AS solve_rate,
                   count(*) AS rows
-           FROM scores WHERE run_id = $run GROUP BY iteration ORDER BY iteration""", run)
+           FROM scores WHERE run_id = $run AND sample_idx >= 0 GROUP BY iteration ORDER BY iteration""", run)
     data.evaluation = _evaluation(catalog, run_id, data.ks)
     data.lengths = catalog.rows(
         """SELECT iteration, avg(num_tokens) AS mean, quantile_cont(num_tokens, 0.5) AS p50,
                   quantile_cont(num_tokens, 0.9) AS p90, avg(CAST(truncated AS DOUBLE)) AS truncated
-           FROM rollouts WHERE run_id = $run GROUP BY iteration ORDER BY iteration""", run)
+           FROM rollouts WHERE run_id = $run AND sample_idx >= 0 GROUP BY iteration ORDER BY iteration""", run)
     data.train = catalog.rows("SELECT * FROM train_metrics WHERE run_id = $run ORDER BY step", run)
     for row in catalog.rows(
-        "SELECT iteration, status, count(*) AS n FROM scores WHERE run_id = $run GROUP BY ALL ORDER BY ALL", run
+        "SELECT iteration, status, count(*) AS n FROM scores WHERE run_id = $run AND sample_idx >= 0 "
+        "GROUP BY ALL ORDER BY ALL", run
     ):
         data.statuses.setdefault(row["iteration"], {})[row["status"]] = row["n"]
     # A stage's seconds are recorded in each of its outputs' manifests (train has two): one value per stage

@@ -87,7 +87,8 @@ def training_table(run: Run) -> Table:
         for round_idx in [0, *extra_rounds(run, k)]:
             if stage_state(run, instance("score", k, round_idx)).done:
                 path = run.layout.table_path("scores", k, round_idx)
-                rows += read_table(run.fs, path, TABLES["scores"]).select(["reward", "status"]).to_pylist()
+                scores = read_table(run.fs, path, TABLES["scores"]).select(["reward", "status", "sample_idx"])
+                rows += [row for row in scores.to_pylist() if row["sample_idx"] >= 0]  # not remax's greedy rows
         if not rows:
             continue
         batch = stage_state(run, instance("advantage", k))

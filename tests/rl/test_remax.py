@@ -118,7 +118,7 @@ def test_remax_refuses_multi_turn() -> None:
 
 # --- through the real harness: the advantage and train stages on hand-made rollouts ------------------------
 
-GREEDY_REWARD = {"p0": 1.0, "p1": 0.0}
+GREEDY_REWARD = {"p0": 1.0, "p1": 0.5}
 
 
 def remax_generate(ctx: StageContext) -> None:
@@ -170,11 +170,11 @@ def test_advantage_and_train_stages_never_train_on_the_greedy_row(run_layout) ->
     run_stage_at("train", layout, 0, train.run)
 
     batch = {(r["prompt_id"], r["sample_idx"]): r for r in pq.read_table(layout.table_path("batch", 0)).to_pylist()}
-    # by hand: p0 sampled [0, 1, 0, 1], greedy 1 -> [-1, 0, -1, 0]; p1 the same rewards, greedy 0 -> [0, 1, 0, 1]
+    # by hand: p0 sampled [0, 1, 0, 1], greedy 1 -> [-1, 0, -1, 0]; p1 the same rewards, greedy .5 -> +-0.5
     assert sorted(batch) == [(f"p{p}", s) for p in range(N_PROMPTS) for s in range(N_SAMPLES)]
     assert [batch[("p0", s)]["advantage"] for s in range(N_SAMPLES)] == [-1.0, 0.0, -1.0, 0.0]
-    assert [batch[("p1", s)]["advantage"] for s in range(N_SAMPLES)] == [0.0, 1.0, 0.0, 1.0]
-    assert all(r["kept"] for r in batch.values()) and batch_manifest.metrics["baseline_reward_mean"] == 0.5
+    assert [batch[("p1", s)]["advantage"] for s in range(N_SAMPLES)] == [-0.5, 0.5, -0.5, 0.5]
+    assert all(r["kept"] for r in batch.values()) and batch_manifest.metrics["baseline_reward_mean"] == 0.75
     # one on-policy step: the token-mean loss -sum A_i L_i / sum L_i and its token count are the sampled rows'
     rollouts = pq.read_table(layout.table_path("rollouts", 0)).to_pylist()
     lengths = {(r["prompt_id"], r["sample_idx"]): r["num_tokens"] for r in rollouts}
@@ -184,6 +184,22 @@ def test_advantage_and_train_stages_never_train_on_the_greedy_row(run_layout) ->
     assert metrics["loss_tokens"] == sampled_tokens
     expected = -sum(batch[key]["advantage"] * lengths[key] for key in batch) / sampled_tokens
     assert metrics["policy_loss"] == pytest.approx(expected, abs=1e-6)
+
+    # the training-reward summaries are of the sampled responses: 8 rows, mean 0.5, solved 0.5 (with the greedy
+    # rows: 10 rows, mean 0.55, solved 0.5)
+    from rich.console import Console
+
+    from flows.artifacts import _table_summaries
+    from flows.cli.status import training_table
+    from storage.run import Run
+
+    run = Run.open(layout.root, layout.run_id)
+    summaries = {name: value for _, name, value in _table_summaries(run, 0)}
+    assert summaries["reward.mean"] == 0.5 and summaries["passed.mean"] == 0.5
+    console = Console(width=200, record=True)
+    console.print(training_table(run))
+    [line] = [line for line in console.export_text().splitlines() if line.count("│") == 6 and "0.500" in line]
+    assert [cell.strip() for cell in line.split("│")[1:5]] == ["0", str(N_PROMPTS * N_SAMPLES), "0.500", "0.500"]
 
 
 # --- the generate stage on the packaged model -------------------------------------------------------------
