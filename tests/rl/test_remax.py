@@ -10,6 +10,7 @@ its tokens equal to transformers' own greedy decoding (an independent reference)
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -253,3 +254,75 @@ def test_generate_makes_one_greedy_row_per_prompt_under_remax_only(tmp_path: Pat
 
     plain, _, _ = generate_rows(tmp_path / "plain")
     assert sorted(r["sample_idx"] for r in plain) == [0, 0, 1, 1]
+
+
+# --- dynamic sampling: each round has its own greedy rows (the real score and advantage stages) ------------
+
+
+def test_dynamic_sampling_rounds_each_bring_their_own_greedy_rows(tmp_path: Path) -> None:
+    from flows.runner.process import StageOutcome, dynamic_sampling_rounds
+    from stages.generate import select_round_prompts
+    from stages.registry import stage_state
+    from storage.layout import BASE, StageInstance
+    from storage.run import Run, read_run_config
+    from tests.reliability import helpers as h
+    from tests.reliability import test_dynamic_sampling as ds
+    from tests.support.stages import start_run
+
+    def remax_standin_generate(ctx: StageContext) -> None:
+        """The dynamic-sampling stand-in's rollouts (even problems: a mixed group, odd: all wrong), plus a greedy
+        row per prompt that solves it (reward 1)."""
+        train = [r["prompt_id"] for r in ctx.read_input("prompts").to_pylist() if r["split"] == "train"]
+        cfg = ctx.config.generate
+        chosen = select_round_prompts(train, ctx.config.seed, ctx.iteration, cfg.prompts_per_iteration, ctx.round_idx)
+        rows = []
+        for pid in chosen:
+            for s in [*range(cfg.n_samples), BASELINE_SAMPLE_IDX]:
+                right = s == BASELINE_SAMPLE_IDX or (ds.has_variance(pid) and s % 2 == 0)
+                rows.append({
+                    "run_id": ctx.run_id, "iteration": ctx.iteration, "round": ctx.round_idx, "prompt_id": pid,
+                    "sample_idx": s, "policy_version": ctx.inputs["policy"].sha256, "prompt_token_ids": [1, 2],
+                    "response_token_ids": [4, 5], "response_logprobs": [-0.5, -0.25],
+                    "response_text": h.good_answer(ds.INDEX[pid]) if right else h.bad_answer(ds.INDEX[pid]),
+                    "finish_reason": "stop", "truncated": False, "num_tokens": 2, "seed": s, "backend": "standin",
+                    **SINGLE_TURN_ROLLOUT,
+                })
+        ctx.write_table("rollouts", pa.Table.from_pylist(rows), {"backend": "standin", "deterministic": True})
+
+    work = {**ds.WORK, "generate": remax_standin_generate}
+    sources = tmp_path / "sources"
+    sources.mkdir()
+    (sources / "train.jsonl").write_text("".join(json.dumps(p) + "\n" for p in ds.PROBLEMS[:-1]))
+    (sources / "test.jsonl").write_text(json.dumps(ds.PROBLEMS[-1]) + "\n")
+    overrides = [
+        "run_id=ds", f"data.train={sources / 'train.jsonl'}", f"data.test={sources / 'test.jsonl'}", "iterations=1",
+        "threads=1", f"generate.prompts_per_iteration={ds.PER_ROUND}", f"generate.n_samples={ds.N_SAMPLES}",
+        "score.workers=2", "score.timeout_s=5", "evaluate.n_samples=2", "evaluate.k=[1,2]",
+        f"advantage.target_groups={ds.TARGET}", "advantage.estimator=remax",
+    ]
+    layout = start_run(load_config(None, overrides), str(tmp_path / "root"))
+    for stage in ("prompts", "base_model", "evaluate_base"):
+        run_stage_at(stage, layout, BASE, work[stage])
+    for stage in ("generate", "score", "advantage"):
+        run_stage_at(stage, layout, 0, work[stage])
+    config = read_run_config(layout)
+
+    def execute(target: StageInstance) -> StageOutcome:
+        if stage_state(Run(layout, config), target).done:
+            return StageOutcome(target, ran=False, seconds=0.0)
+        run_stage_at(target.stage, layout, target.iteration, work[target.stage], target.round_idx)
+        return StageOutcome(target, ran=True, seconds=0.0)
+
+    dynamic_sampling_rounds(Run(layout, config), 0, execute=execute, log=lambda *a: None)
+    n_rounds, _ = ds.expected_rounds(layout)
+    assert n_rounds >= 2
+    for r in range(n_rounds):  # every round's scores hold its greedy rows, scored by the real sandbox: solved
+        scores = pq.read_table(layout.table_path("scores", 0, r)).to_pylist()
+        greedy = [s for s in scores if s["sample_idx"] == BASELINE_SAMPLE_IDX]
+        assert len(greedy) == ds.PER_ROUND and {s["reward"] for s in greedy} == {1.0}
+    batch = pq.read_table(layout.table_path("batch", 0)).to_pylist()
+    assert len(batch) == n_rounds * ds.PER_ROUND * ds.N_SAMPLES and min(r["sample_idx"] for r in batch) == 0
+    kept = [r for r in batch if r["kept"]]
+    assert len({(r["round"], r["prompt_id"]) for r in kept}) == ds.TARGET
+    # a kept group: sampled rewards [1, 0, 1, 0] (even samples right), greedy 1 -> [0, -1, 0, -1]
+    assert all(r["advantage"] == (0.0 if r["sample_idx"] % 2 == 0 else -1.0) for r in kept)
