@@ -5,7 +5,8 @@ of the baseline, dynamic-sampling rounds each with their own greedy row, the gre
 baseline rows' checks; the contracts; the advantage and train stages through the real harness (the greedy row is
 not trained on: the loss and its token count are those of the sampled rows alone); and the generate stage on the
 packaged model (HF backend, tiny size) writing exactly one greedy row per prompt under remax and none otherwise,
-its tokens equal to transformers' own greedy decoding (an independent reference).
+its tokens equal to transformers' own greedy decoding (an independent reference); and dynamic sampling, where
+each round's greedy rows are scored by the real score stage and serve as the baselines of that round's groups.
 """
 
 from __future__ import annotations
