@@ -8,11 +8,18 @@ encoding observations, is counted against it). Single-turn: the same requests in
 each allowed the multi-turn run's mean model tokens per conversation, no stop strings; its tokens over its wall
 time. Prints both, the ratio (target >= 0.7) and the tool time. Engine: `--backend hf` (default) or `vllm`.
 
-Measured 2026-11-25 on the 2-core box, HF backend, defaults (6 prompts x 2 samples, 64 tokens per turn), load 5.4
--> 4.1 from other jobs: multi-turn 713 model tokens in 232.2 s, tool 0.02 s: 3.1 tok/s; single-turn 655 tokens in
-151.8 s: 4.3 tok/s; ratio 0.71. But the batch averaged 1.17 turns (2 tool calls in 12 conversations: SmolLM2-135M
-seldom closes a code block within 64 tokens), so this is not yet the 4-turn figure; the cost shows as the second
-turn's batch of 2 decoding at a fraction of the first's rate. On a loaded machine compare ratios from one run only.
+Measured 2026-11-25 on the 2-core box (one run each; ratios only compare within a run):
+- vLLM (CPU, fp32 eager), `--backend vllm --prompts 18 --samples 4 --direct`, load 1.6 -> 1.7: 72 conversations,
+  mean 1.65 turns, 47 tool calls; multi-turn 3598 model tokens in 22.7 s (tool 0.16 s apart): 159.3 tok/s;
+  single-turn 3090 tokens in 10.5 s: 294.4 tok/s; **ratio 0.54, below the 0.7 target**. Per turn (a spy on
+  `generate`): 72 requests 250 tok/s, then 36 at 113, 7 at 45, 4 at 38 tok/s: on this CPU a decode step costs
+  about the same at any batch size, so the turns after the first, with fewer conversations left, decode at a
+  fraction of the rate. Re-prefilling each turn's prompt is not the cost (prompts stay under 320 tokens). The
+  remedy is to stop batching turn by turn: a conversation's next turn should enter the engine as soon as its tool
+  call returns (continuous batching across turns, an async engine loop), not built here.
+- Same, ReTool math prompts (not `--direct`), load ~4, before the warm-up call: 1.15 turns, ratio 0.81.
+- HF backend, defaults, load 5.4 -> 4.1, before the warm-up call: 1.17 turns, 3.1 vs 4.3 tok/s, ratio 0.71.
+SmolLM2-135M seldom writes several tool calls, so none of these is a full 4-turn batch.
 
 Run: `.venv/bin/python -m benchmarks.multiturn` (`--help` for sizes).
 """
@@ -35,6 +42,8 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=6)
     parser.add_argument("--samples", type=int, default=2)
     parser.add_argument("--turn-tokens", type=int, default=64)
+    parser.add_argument("--direct", action="store_true",
+                        help="prompts that ask for a code block outright (`Use Python: print(...)`): more tool calls")
     args = parser.parse_args()
 
     from schemas.config import GenerateConfig, ModelConfig, MultiTurnConfig, ScoreConfig
@@ -48,7 +57,11 @@ def main() -> None:
     model_dir = resolve_model(ModelConfig())
     tokenizer = load_tokenizer(model_dir)
     rows = [json.loads(line) for line in DATA.read_text().splitlines()][: args.prompts]
-    messages = [json.dumps([{"role": "user", "content": row["prompt"]}]) for row in rows]
+    texts = [row["prompt"] for row in rows]
+    if args.direct:
+        texts = [f"Use Python: print({a} * {b} + {i}). Write only the code block."
+                 for i, (a, b) in enumerate(zip(range(17, 17 + len(rows)), range(31, 31 + len(rows)), strict=True))]
+    messages = [json.dumps([{"role": "user", "content": text}]) for text in texts]
     encoded = encode_prompts(tokenizer, [str(i) for i in range(len(rows))], messages, 768, "skip")
     starts = [ConversationStart(json.loads(messages[int(pid)]), ids, sample_seed(0, 0, pid, s))
               for pid, ids in zip(encoded.prompt_ids, encoded.token_ids, strict=True) for s in range(args.samples)]
@@ -58,6 +71,8 @@ def main() -> None:
     sampling = SamplingSpec(temperature=0.8, max_new_tokens=args.turn_tokens)
     load_before = os.getloadavg()[0]
     try:
+        # One short call first, so neither measurement pays the engine's first-call costs.
+        backend.generate([GenerationRequest(starts[0].prompt_token_ids, 0)], SamplingSpec(max_new_tokens=8))
         with Sandbox.from_config(ScoreConfig(workers=2)) as sandbox:
             started = time.monotonic()
             conversations, figures = run_conversations(backend, tokenizer, mt, starts, sampling, "multi-turn",
