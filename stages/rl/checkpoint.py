@@ -56,6 +56,22 @@ def read_state(policy_dir: Path) -> TrainerState:
     return TrainerState(int(values["global_step"]), int(values["iteration"]), bool(values.get("lora", False)))
 
 
+# Bytes of activations the backward keeps per token, layer and hidden unit (fp32): 3.8 GB for a 2048-token
+# micro-batch of SmolLM2-135M (30 layers, hidden 576), measured by RSS sampling (benchmarks/train.py's batch).
+ACTIVATION_BYTES_PER_TOKEN_LAYER_HIDDEN = 27 * 4
+
+
+def activation_checkpointing(model: torch.nn.Module, cfg: TrainConfig) -> bool:
+    """`train.gradient_checkpointing`, `auto` resolved: on when a full micro-batch's activations
+    (micro_batch_tokens x layers x hidden x 108 B) would exceed the weights + gradients (2 x parameters x 4 B)."""
+    if cfg.gradient_checkpointing != "auto":
+        return bool(cfg.gradient_checkpointing)
+    config = model.config
+    per_token = config.num_hidden_layers * config.hidden_size * ACTIVATION_BYTES_PER_TOKEN_LAYER_HIDDEN
+    weights_and_grads = 2 * 4 * sum(p.numel() for p in model.parameters())
+    return cfg.micro_batch_tokens * per_token > weights_and_grads
+
+
 def load_policy(policy_dir: Path, cfg: TrainConfig, device: str = "cpu") -> torch.nn.Module:
     """The policy in fp32 on `device` in train mode, with gradient checkpointing (activation checkpointing) and
     LoRA adapters as configured. bf16 is autocast around it (the trainer), so weights and Adam stay fp32."""
@@ -63,7 +79,7 @@ def load_policy(policy_dir: Path, cfg: TrainConfig, device: str = "cpu") -> torc
 
     model = load_model(policy_dir, "float32", device, train=True)
     model.config.use_cache = False
-    if cfg.gradient_checkpointing:
+    if activation_checkpointing(model, cfg):
         # Non-reentrant: works with inputs that do not require grad and with our chunked LM head.
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if cfg.lora_rank > 0:
