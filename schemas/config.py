@@ -514,6 +514,11 @@ class AdvantageConfig(Section):
         return self.max_generation_rounds or None
 
     @property
+    def uses_critic(self) -> bool:
+        """Whether the estimator needs the critic: its values in the advantage stage, its update in train."""
+        return self.estimator in ("gae", "turn_gae")
+
+    @property
     def greedy_baseline(self) -> bool:
         """Whether each generation group has one more rollout, greedy, as its baseline (`remax`): sample_idx -1."""
         return self.estimator == "remax"
@@ -831,7 +836,7 @@ class RunConfig(Section):
 
     @model_validator(mode="after")
     def _critic_needs_the_torch_backend(self) -> RunConfig:
-        if self.advantage.estimator in ("gae", "turn_gae") and self.train.backend != "torch":
+        if self.advantage.uses_critic and self.train.backend != "torch":
             raise ValueError(
                 f"advantage.estimator={self.advantage.estimator} trains a critic, which the torch backend does "
                 "(train.backend=torch); the "

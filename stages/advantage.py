@@ -45,7 +45,6 @@ from schemas.config import AdvantageConfig
 from schemas.tables import BASELINE_SAMPLE_IDX, ROLLOUT_KEY
 from stages.harness import StageContext, StageInputError, exit_with
 from stages.rl.advantages import (
-    CRITIC_ESTIMATORS,
     TOKEN_COLUMNS,
     TURN_ESTIMATORS,
     EstimatorOptions,
@@ -556,7 +555,7 @@ def with_model_columns(ctx: StageContext, samples: pa.Table) -> pa.Table:
         # multi-turn: observation tokens are context, not the model's (their sampler logprob is a placeholder)
         kl = [k * m for k, m in zip(kl, model_masks(samples, kl), strict=True)]
         samples = samples.append_column("kl", pa.array([k.tolist() for k in kl], pa.list_(pa.float64())))
-    if cfg.estimator in CRITIC_ESTIMATORS and "policy" in ctx.inputs:
+    if cfg.uses_critic and "policy" in ctx.inputs:
         checkpoint = ctx.policy_dir("policy")
         if critic_dir(checkpoint).is_dir():
             critic, _ = load_value_model(checkpoint, checkpoint, device)
@@ -567,7 +566,7 @@ def with_model_columns(ctx: StageContext, samples: pa.Table) -> pa.Table:
 
 def run(ctx: StageContext) -> None:
     cfg = ctx.config.advantage
-    model_passes = cfg.use_kl_in_reward or (cfg.estimator in CRITIC_ESTIMATORS and "policy" in ctx.inputs)
+    model_passes = cfg.use_kl_in_reward or (cfg.uses_critic and "policy" in ctx.inputs)
     token_columns = ["prompt_token_ids", "response_token_ids", "response_logprobs"] if model_passes else []
     # multi-turn: the loss mask for the KL in the reward, the turns for the turn-level estimators
     if cfg.estimator in TURN_ESTIMATORS:

@@ -108,7 +108,7 @@ def advantage_model_inputs(config: RunConfig, iteration: int) -> dict[str, Outpu
     (the reference) and, for the adaptive controller, the previous batch (its manifest carries the coefficient)."""
     advantage = config.advantage
     inputs: dict[str, Output] = {}
-    if advantage.estimator in ("gae", "turn_gae") and iteration > 0:  # the critic's values
+    if advantage.uses_critic and iteration > 0:  # the critic's values
         inputs["policy"] = policy_output(iteration)
     if advantage.use_kl_in_reward:
         inputs["reference"] = Output("checkpoint", BASE)

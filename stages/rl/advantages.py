@@ -314,8 +314,7 @@ TURN_ESTIMATORS = ("turn_rloo", "turn_gae")
 # The estimators whose baseline is a rollout of its own: `remax`'s greedy response per prompt (the generate stage
 # writes it as sample_idx BASELINE_SAMPLE_IDX, schemas/tables.py; the advantage stage calls remax_advantages).
 BASELINE_ESTIMATORS = ("remax",)
-# The estimators that need the critic (its values in the advantage stage, its update in the train stage).
-CRITIC_ESTIMATORS = ("gae", "turn_gae")
+# The estimators that need the critic: AdvantageConfig.uses_critic (schemas/config.py).
 
 
 def token_rewards(reward: float, kl_T: np.ndarray | None, beta: float) -> np.ndarray:
