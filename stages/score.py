@@ -15,6 +15,7 @@ from collections import Counter
 import pyarrow as pa
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from stages.generation.agent_loop import final_answer
 from stages.harness import StageContext, StageInputError, exit_with
 from stages.sandbox import Sandbox, ScoreJob, ScoreResult, rewards
 
@@ -39,8 +40,7 @@ def graded_text(row: dict) -> str:
     message of `conversation`), not the tool outputs or the earlier attempts."""
     if row.get("conversation") is None:
         return row["response_text"]
-    messages = json.loads(row["conversation"])
-    return next((m["content"] for m in reversed(messages) if m["role"] == "assistant"), "")
+    return final_answer(json.loads(row["conversation"]))
 
 
 def run(ctx: StageContext) -> None:

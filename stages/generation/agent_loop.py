@@ -46,6 +46,11 @@ def turn_seed(seed: int, turn: int) -> int:
     return int.from_bytes(hashlib.sha256(f"{seed}:turn:{turn}".encode()).digest()[:8], "big") >> 1
 
 
+def final_answer(messages: list[dict[str, str]]) -> str:
+    """A conversation's last assistant message: what the score and evaluate stages grade."""
+    return next((m["content"] for m in reversed(messages) if m["role"] == "assistant"), "")
+
+
 @dataclass
 class ConversationStart:
     """One sample to roll out: its prompt (messages and the tokens the model saw) and its seed."""
@@ -79,8 +84,7 @@ class Conversation:
 
     @property
     def final_answer(self) -> str:
-        """The last assistant message: what the score stage grades."""
-        return next((m["content"] for m in reversed(self.messages) if m["role"] == "assistant"), "")
+        return final_answer(self.messages)
 
     def columns(self) -> dict[str, Any]:
         """The rollouts row's multi-turn columns and finish reason."""
