@@ -118,13 +118,13 @@ class SandboxTool:
             return list(pool.map(self._run_one, codes))
 
     def _run_one(self, code: str) -> ToolResult:
-        from stages.sandbox.reward_host import _code_run
+        from stages.sandbox.reward_host import code_run_of
 
         started = time.monotonic()
         request = {"code": code, "stdin": "", "language": "python", "run_timeout": self.timeout_s,
                    "files": {}, "fetch_files": []}
         try:
-            run = _code_run(self.sandbox.run_code(request))
+            run = code_run_of(self.sandbox.run_code(request))
         except Exception as error:  # noqa: BLE001 - a sandbox failure is the model's observation, not the stage's
             return ToolResult(f"sandbox error: {error}", True, time.monotonic() - started)
         # stdout from its start, stderr from its end (where a traceback names the error), half the cap each at most

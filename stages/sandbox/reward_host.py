@@ -59,7 +59,7 @@ def run_code(
         "files": {name: base64.b64encode(data).decode() for name, data in (files or {}).items()},
         "fetch_files": list(fetch or []),
     }
-    return _code_run(_ask_stage(request) if _STAGE is not None else _own_sandbox().run_code(request))
+    return code_run_of(_ask_stage(request) if _STAGE is not None else _own_sandbox().run_code(request))
 
 
 def _ask_stage(request: dict[str, Any]) -> dict[str, Any]:
@@ -84,7 +84,8 @@ def _own_sandbox() -> Any:  # noqa: ANN401 - a started Sandbox
     return _OWN_SANDBOX
 
 
-def _code_run(response: dict[str, Any]) -> CodeRun:
+def code_run_of(response: dict[str, Any]) -> CodeRun:
+    """A sandbox's `run_code` response (SandboxFusion's shape) as a CodeRun."""
     run = response.get("run_result") or {}
     files = {name: base64.b64decode(data) for name, data in (response.get("files") or {}).items()}
     if not run:
