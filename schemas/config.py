@@ -792,6 +792,15 @@ class LogConfig(Section):
         return trackers
 
 
+class PipelineConfig(Section):
+    """How the iterations' stages are ordered: strictly one after another, or overlapped."""
+
+    max_staleness: int = Field(
+        0, ge=0, description="Overlapped iterations: generate of iteration k samples with the checkpoint of "
+        "iteration k-1-N (N = this; the base model while that is < 0), so generate and score of k+1 can run while "
+        "train k runs. 0: strict order (k samples with k-1). N > 0 needs a correction for the stale sampler "
+        "(train.is_level token|sequence or train.bypass_old_logprobs); docs/algorithms.md."
+    )
 
 
 class RunConfig(Section):
@@ -821,6 +830,7 @@ class RunConfig(Section):
     train: TrainConfig = Field(default_factory=TrainConfig, description="Training (section).")
     evaluate: EvaluateConfig = Field(default_factory=EvaluateConfig, description="Evaluation (section).")
     log: LogConfig = Field(default_factory=LogConfig, description="Experiment trackers (section).")
+    pipeline: PipelineConfig = Field(default_factory=PipelineConfig, description="Stage order (section).")
 
     @field_validator("run_id")
     @classmethod
@@ -879,6 +889,26 @@ class RunConfig(Section):
                 "every importance ratio, and the old policy under bypass or after the first optimizer step, is off "
                 "by a factor 1/Z per token (Z^L per response). Sample with top_p=1 and top_k=-1, or train one "
                 "on-policy step per batch without importance correction"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _staleness_needs_a_correction(self) -> RunConfig:
+        staleness, train = self.pipeline.max_staleness, self.train
+        if staleness == 0:
+            return self
+        if train.is_level == "none" and not train.bypass_old_logprobs:
+            raise ValueError(
+                f"pipeline.max_staleness={staleness} samples with a policy up to {staleness} checkpoints behind the "
+                "one train starts from, and train.is_level=none with train.bypass_old_logprobs=false corrects "
+                "nothing for it: set train.is_level=token or sequence (importance weights pi_old / pi_sampler) or "
+                "train.bypass_old_logprobs=true (the sampler as the old policy)"
+            )
+        if self.advantage.target_groups is not None:
+            raise ValueError(
+                f"pipeline.max_staleness={staleness} with advantage.target_groups={self.advantage.target_groups}: "
+                "dynamic sampling decides after iteration k's advantage stage whether k needs another generation "
+                "round, so generation of k+1 cannot start before it; use max_staleness 0 or target_groups null"
             )
         return self
 

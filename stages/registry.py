@@ -5,7 +5,12 @@ process (to stamp its manifest) compute stage keys from it. Run-level stages run
 stages once per iteration k (the table with inputs, outputs and hashed sections: docs/architecture.md):
 
     prompts, base_model, evaluate_base               -> prompts.parquet, checkpoints/base, base/eval.parquet
-    generate k -> score k -> advantage k -> train k -> evaluate k      (generate k uses checkpoint k-1)
+    generate k -> score k -> advantage k -> train k -> evaluate k      (generate k uses checkpoint k-1-N)
+
+N = pipeline.max_staleness (0: strict order). Generate k samples with `sampler_output(config, k)`, the checkpoint
+of iteration k-1-N, fixed by (config, k) and not by what happens to be newest when the stage starts, so an
+overlapped run (generate of k+1 beside train k) is reproducible and its resume exact. Train k starts from
+checkpoint k-1 (`policy_output`), decoupled PPO's proximal policy; the sampler's logprobs are the behaviour's.
 
 Dynamic sampling (advantage.target_groups): `generate` and `score` are per-round stages, round r >= 1 its own
 instance writing iter=k/round=RR/. `advantage` and `train` take, besides round 0, each round r whose generate
@@ -48,8 +53,19 @@ class Output:
 
 
 def policy_output(iteration: int) -> Output:
-    """The checkpoint that iteration `iteration` generates with: the previous iteration's, or the base."""
+    """The checkpoint that train of iteration `iteration` starts from: the previous iteration's, or the base."""
     return Output("checkpoint", iteration - 1 if iteration > 0 else BASE)
+
+
+def sampler_output(config: RunConfig, iteration: int) -> Output:
+    """The checkpoint that iteration `iteration` generates with: iteration k-1-N's (N = pipeline.max_staleness),
+    the base model while k-1-N < 0. With N = 0 it is `policy_output(k)`."""
+    return policy_output(iteration - config.pipeline.max_staleness)
+
+
+def policy_step(checkpoint: Output) -> int:
+    """How many train stages the policy in `checkpoint` has had: the base 0, iteration j's checkpoint j + 1."""
+    return 0 if checkpoint.iteration == BASE else checkpoint.iteration + 1
 
 
 @dataclass(frozen=True)
@@ -103,13 +119,15 @@ def advantage_payload(config: RunConfig) -> dict[str, Any]:
 
 
 def advantage_model_inputs(config: RunConfig, iteration: int) -> dict[str, Output]:
-    """The advantage stage's model inputs: with GAE the checkpoint that generated the rollouts, whose `critic/`
-    gives the values (none at iteration 0: a new critic's values are 0); with the KL in the reward the base model
-    (the reference) and, for the adaptive controller, the previous batch (its manifest carries the coefficient)."""
+    """The advantage stage's model inputs: with GAE the checkpoint that generated the rollouts (`sampler_output`),
+    whose `critic/` gives the values (none while that is the base model: a new critic's values are 0); with the
+    KL in the reward the base model (the reference) and, for the adaptive controller, the previous batch (its
+    manifest carries the coefficient)."""
     advantage = config.advantage
     inputs: dict[str, Output] = {}
-    if advantage.uses_critic and iteration > 0:  # the critic's values
-        inputs["policy"] = policy_output(iteration)
+    sampler = sampler_output(config, iteration)
+    if advantage.uses_critic and sampler.iteration != BASE:  # the critic's values
+        inputs["policy"] = sampler
     if advantage.use_kl_in_reward:
         inputs["reference"] = Output("checkpoint", BASE)
         if advantage.kl_ctrl == "adaptive" and iteration > 0:
@@ -136,9 +154,10 @@ STAGES: dict[str, StageSpec] = {
         ),
         StageSpec(
             "generate", False, _sections("generate", "seed"),
-            inputs=lambda k, r=0: {"prompts": PROMPTS, "policy": policy_output(k)},
+            inputs=lambda k, r=0: {"prompts": PROMPTS},
             outputs=lambda k, r=0: [Output("rollouts", k, r)],
             per_round=True,
+            config_inputs=lambda config, k: {"policy": sampler_output(config, k)},
         ),
         StageSpec(
             "score", False, _sections("score"),
@@ -226,6 +245,13 @@ def round_inputs(run: Run, stage: str, iteration: int) -> dict[str, Output]:
     return extra
 
 
+def declared_inputs(config: RunConfig, target: StageInstance) -> dict[str, Output]:
+    """The inputs an instance always has under `config` (its spec's fixed ones and its config-dependent ones),
+    without the extra generation rounds, which depend on what is done (`round_inputs`)."""
+    spec = STAGES[target.stage]
+    return {**spec.inputs(target.iteration, target.round_idx), **spec.config_inputs(config, target.iteration)}
+
+
 @dataclass(frozen=True)
 class ResolvedInputs:
     """A stage instance's inputs, resolved once: where each lives, its manifest, and the stage key they give."""
@@ -239,11 +265,7 @@ def resolve_inputs(run: Run, target: StageInstance) -> ResolvedInputs:
     """Every input of one stage instance (the fixed ones, then those of the extra generation rounds) with a
     valid, intact manifest, and the key the instance's outputs must carry; raises MissingInput."""
     spec = STAGES[target.stage]
-    sources = {
-        **spec.inputs(target.iteration, target.round_idx),
-        **spec.config_inputs(run.config, target.iteration),
-        **round_inputs(run, target.stage, target.iteration),
-    }
+    sources = {**declared_inputs(run.config, target), **round_inputs(run, target.stage, target.iteration)}
     where = f"iteration {target.iteration}" + (f", round {target.round_idx}" if target.round_idx else "")
     manifests: dict[str, Manifest] = {}
     for name, output in sources.items():

@@ -20,7 +20,17 @@ from pathlib import Path
 
 import pytest
 
-from stages.registry import ITERATION_STAGES, RUN_STAGES, STAGES, MissingInput, instance, resolve_inputs, stage_state
+from schemas.config import RunConfig
+from stages.registry import (
+    ITERATION_STAGES,
+    RUN_STAGES,
+    STAGES,
+    MissingInput,
+    declared_inputs,
+    instance,
+    resolve_inputs,
+    stage_state,
+)
 from storage.layout import BASE, RunLayout
 from storage.lock import StageLocked, stage_lock
 from storage.run import Run, read_run_config
@@ -41,7 +51,8 @@ def crash_run(pristine_run: RunLayout, tmp_path_factory: pytest.TempPathFactory)
 def consumers(stage: str) -> list[str]:
     """Stages that read an output of `stage`."""
     produced = set(STAGES[stage].outputs(0))
-    return [s for s in ALL_STAGES if s != stage and produced & set(STAGES[s].inputs(0).values())]
+    read = {s: set(declared_inputs(RunConfig(), instance(s, 0)).values()) for s in ALL_STAGES}
+    return [s for s in ALL_STAGES if s != stage and produced & read[s]]
 
 
 def assert_sound_after_kill(layout: RunLayout, stage: str, killed_pid: int | None = None) -> None:
@@ -55,7 +66,7 @@ def assert_sound_after_kill(layout: RunLayout, stage: str, killed_pid: int | Non
     unfinished = [o for o in STAGES[stage].outputs(iteration) if not layout.fs.exists(o.manifest_path(layout))]
     h.assert_readers_see_only_finished_outputs(layout, unfinished)
     for consumer in consumers(stage):
-        if set(unfinished) & set(STAGES[consumer].inputs(0).values()):
+        if set(unfinished) & set(declared_inputs(config, instance(consumer, 0)).values()):
             with pytest.raises(MissingInput):
                 resolve_inputs(Run(layout, config), instance(consumer, 0))
     if killed_pid is not None:

@@ -1,0 +1,98 @@
+"""Overlapped iterations (pipeline.max_staleness), the data side: which checkpoint each stage reads, and the
+config checks. Expected inputs are written out by hand (the strict ones are the inputs every stage had before
+the pipeline section existed), never computed by the registry itself."""
+
+from __future__ import annotations
+
+import pytest
+
+from schemas.config import ConfigError, RunConfig, load_config
+from stages.registry import (
+    PROMPTS,
+    Output,
+    declared_inputs,
+    instance,
+    policy_step,
+    sampler_output,
+)
+from storage.layout import BASE
+
+STALE = ["pipeline.max_staleness=1", "train.is_level=token"]
+
+
+def config(*overrides: str) -> RunConfig:
+    return load_config(None, list(overrides))
+
+
+def ckpt(iteration: int) -> Output:
+    return Output("checkpoint", iteration)
+
+
+def inputs(cfg: RunConfig, stage: str, k: int) -> dict[str, Output]:
+    return declared_inputs(cfg, instance(stage, k))
+
+
+@pytest.mark.parametrize("k", [0, 1, 2])
+def test_strict_run_keeps_the_inputs_it_had(k: int) -> None:
+    cfg = config()
+    previous = ckpt(k - 1) if k > 0 else ckpt(BASE)
+    assert inputs(cfg, "generate", k) == {"prompts": PROMPTS, "policy": previous}
+    assert inputs(cfg, "advantage", k) == {"rollouts": Output("rollouts", k), "scores": Output("scores", k)}
+    assert inputs(cfg, "train", k) == {"batch": Output("batch", k), "rollouts": Output("rollouts", k),
+                                       "policy": previous, "reference": ckpt(BASE)}
+    gae = config("advantage.estimator=gae", "advantage.use_kl_in_reward=true", "advantage.kl_ctrl=adaptive")
+    expected = {"rollouts": Output("rollouts", k), "scores": Output("scores", k), "reference": ckpt(BASE)}
+    if k > 0:
+        expected |= {"policy": ckpt(k - 1), "previous_batch": Output("batch", k - 1)}
+    assert inputs(gae, "advantage", k) == expected
+
+
+def test_the_pipeline_section_enters_no_stage_payload() -> None:
+    from stages.registry import STAGES
+
+    for spec in STAGES.values():
+        assert "pipeline" not in spec.config_payload(config(*STALE)), spec.name
+
+
+@pytest.mark.parametrize(("staleness", "sampled_with"), [
+    (1, [BASE, BASE, 0, 1, 2]),
+    (2, [BASE, BASE, BASE, 0, 1]),
+])
+def test_generate_samples_with_checkpoint_k_minus_1_minus_n(staleness: int, sampled_with: list[int]) -> None:
+    cfg = config(f"pipeline.max_staleness={staleness}", "train.bypass_old_logprobs=true")
+    for k, checkpoint in enumerate(sampled_with):
+        assert sampler_output(cfg, k) == ckpt(checkpoint)
+        assert inputs(cfg, "generate", k)["policy"] == ckpt(checkpoint)
+        # train k still starts from (and recomputes its proximal logprobs with) checkpoint k-1
+        assert inputs(cfg, "train", k)["policy"] == (ckpt(k - 1) if k > 0 else ckpt(BASE))
+
+
+def test_policy_step_counts_train_stages() -> None:
+    assert [policy_step(ckpt(j)) for j in (BASE, 0, 1, 4)] == [0, 1, 2, 5]
+
+
+def test_the_critic_values_come_from_the_sampler() -> None:
+    cfg = config(*STALE, "advantage.estimator=gae")
+    assert "policy" not in inputs(cfg, "advantage", 0)
+    assert "policy" not in inputs(cfg, "advantage", 1)  # sampled with the base: a new critic's values are 0
+    assert inputs(cfg, "advantage", 2)["policy"] == ckpt(0)
+    assert inputs(cfg, "advantage", 3)["policy"] == ckpt(1)
+
+
+def test_staleness_needs_a_correction_for_the_stale_sampler() -> None:
+    with pytest.raises(ConfigError) as error:
+        config("pipeline.max_staleness=1")
+    assert "train.is_level" in str(error.value) and "train.bypass_old_logprobs" in str(error.value)
+    assert config("pipeline.max_staleness=1", "train.is_level=sequence").pipeline.max_staleness == 1
+    assert config("pipeline.max_staleness=2", "train.bypass_old_logprobs=true").pipeline.max_staleness == 2
+
+
+def test_staleness_refuses_dynamic_sampling() -> None:
+    with pytest.raises(ConfigError) as error:
+        config(*STALE, "advantage.target_groups=4")
+    assert "advantage.target_groups" in str(error.value) and "pipeline.max_staleness" in str(error.value)
+
+
+def test_staleness_is_not_negative() -> None:
+    with pytest.raises(ConfigError, match="pipeline.max_staleness"):
+        config("pipeline.max_staleness=-1")
