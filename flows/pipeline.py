@@ -32,6 +32,7 @@ from prefect.states import Completed, State  # noqa: E402
 from flows.artifacts import publish_iteration_artifacts  # noqa: E402
 from flows.runner.forkserver import stage_server  # noqa: E402
 from flows.runner.generation_server import generation_server  # noqa: E402
+from flows.runner.overlap import drive, overlap_plan  # noqa: E402
 from flows.runner.process import (  # noqa: E402
     StageFailed,
     StageOutcome,
@@ -147,9 +148,21 @@ def _run_iteration(run: Run, iteration: int | None, mode: str) -> list[StageOutc
             outcomes += dynamic_sampling_rounds(
                 run, iteration, execute=lambda target: stage_task(run, target, mode), log=get_run_logger().info
             )
+    _finish_iteration(run, iteration)
+    return outcomes
+
+
+def _finish_iteration(run: Run, iteration: int) -> None:
     publish_iteration_artifacts(run, iteration)
     log_iterations(run, warn=get_run_logger().warning)  # log.trackers: each finished iteration once (step = k)
-    return outcomes
+
+
+def _run_overlapped(run: Run, count: int, mode: str) -> list[StageOutcome]:
+    """Iterations 0..count-1 overlapped (pipeline.max_staleness > 0): the rollout lane and the train lane each
+    run one stage at a time, both at once, as Prefect task futures (flows/runner/overlap.py decides which)."""
+    plan = overlap_plan(run.config, count)
+    return drive(plan, lambda target: stage_task.submit(run, target, mode),
+                 iteration_done=lambda k: _finish_iteration(run, k))
 
 
 def _local_stage_server(run: Run, mode: str) -> contextlib.AbstractContextManager:
@@ -165,6 +178,7 @@ def iteration_flow(
     root: str, run_id: str, iteration: int | None = None, dispatch: str | None = None
 ) -> list[StageOutcome] | State:
     """The five stages of `iteration`; with no iteration (a scheduled trigger): the next unfinished one.
+    Always in strict order, whatever pipeline.max_staleness: one iteration per trigger has nothing to overlap.
 
     A trigger that finds the run driven by another flow ends at once in state `Skipped`.
     """
@@ -187,7 +201,7 @@ def loop_flow(
     root: str | None = None, run_id: str | None = None, iterations: int | None = None, config: str | None = None,
     dispatch: str | None = None,
 ) -> list[StageOutcome]:
-    """A whole run: run-level stages, then iterations 0..N-1.
+    """A whole run: run-level stages, then iterations 0..N-1 (overlapped with pipeline.max_staleness > 0).
 
     With `config` (a YAML path or URL) the run is started from it (`run_id`, `iterations` override the file);
     without, the run must exist and `iterations` (at most the configured number) caps how far to go.
@@ -211,6 +225,9 @@ def loop_flow(
             # Iterations run inline, their stages as tasks of this flow run (named `generate iter=3`): a
             # subflow per iteration costs ~1.3 s of Prefect bookkeeping each (most of it joining its
             # heartbeat thread), more than all of an iteration's stage launches. A trigger runs `iteration`.
-            for k in range(count):
-                outcomes += _run_iteration(run, k, mode)
+            if run.config.pipeline.max_staleness > 0:
+                outcomes += _run_overlapped(run, count, mode)
+            else:
+                for k in range(count):
+                    outcomes += _run_iteration(run, k, mode)
     return outcomes

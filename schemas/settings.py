@@ -35,10 +35,14 @@ STAGE_LOCK_WAIT_S = Variable("RLPIPE_STAGE_LOCK_WAIT_S", str(6 * 3600),
                              "seconds a flow's stage waits for another process running the same stage")
 STAGE_FORK = Variable("RLPIPE_STAGE_FORK", "1", "0: start each local stage as a fresh interpreter, not a fork")
 HOME = Variable("RLPIPE_HOME", None, "the rlpipe checkout a Prefect worker runs flows from")
+LANE_CPUS = Variable("RLPIPE_LANE_CPUS", None,
+                     "CPU cores per lane for local stages, e.g. `rollout=0;train=1` or `rollout=0-3;train=4,5` "
+                     "(taskset's pinning: a stand-in for two machines); unset: no pinning")
 # Set by the train stage for its DeepSpeed ranks, never by a person: "<pid>:<start time>" of the stage.
 DS_STAGE = Variable("RLPIPE_DS_STAGE", None, "set by the train stage for its DeepSpeed ranks (internal)")
 
-VARIABLES = (ROOT, CACHE, S3_ENDPOINT_URL, DISPATCH, DISPATCH_POLL_S, STAGE_LOCK_WAIT_S, STAGE_FORK, HOME, DS_STAGE)
+VARIABLES = (ROOT, CACHE, S3_ENDPOINT_URL, DISPATCH, DISPATCH_POLL_S, STAGE_LOCK_WAIT_S, STAGE_FORK, HOME, LANE_CPUS,
+             DS_STAGE)
 
 
 def cache_dir() -> Path:
@@ -48,6 +52,26 @@ def cache_dir() -> Path:
 
 def stage_fork_enabled() -> bool:
     return STAGE_FORK.get() != "0"
+
+
+def lane_cpus() -> dict[str, set[int]]:
+    """`RLPIPE_LANE_CPUS` parsed: lane -> the cores its stages may run on ({} when unset). Lanes are separated
+    by `;`, cores listed as taskset -c does (`0`, `0-3`, `0,2`); raises ValueError naming the variable."""
+    text = LANE_CPUS.get()
+    lanes: dict[str, set[int]] = {}
+    for part in filter(None, (p.strip() for p in (text or "").split(";"))):
+        lane, _, cores = part.partition("=")
+        try:
+            cpus = set()
+            for span in cores.split(","):
+                first, _, last = span.strip().partition("-")
+                cpus.update(range(int(first), int(last or first) + 1))
+        except ValueError:
+            cpus = set()
+        if not lane.strip() or not cpus:
+            raise ValueError(f"{LANE_CPUS.name}={text!r}: {part!r} is not `lane=cores` (e.g. `rollout=0;train=1`)")
+        lanes[lane.strip()] = cpus
+    return lanes
 
 
 def seconds(variable: Variable) -> float:

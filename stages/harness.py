@@ -33,9 +33,10 @@ from rich.console import Console
 
 from schemas.config import ConfigError, InvalidRunId, RunConfig
 from schemas.contracts import ContractViolation, rejected_path, validate_table, validation_path
-from schemas.settings import cache_dir
+from schemas.settings import LANE_CPUS, cache_dir, lane_cpus
 from schemas.tables import TABLES, SchemaMismatch, conform
 from stages.registry import (
+    LANES,
     STAGES,
     MissingInput,
     Output,
@@ -43,6 +44,7 @@ from stages.registry import (
     StageSpec,
     instance,
     is_done_now,
+    lane_of,
     outputs_of,
     resolve_inputs,
 )
@@ -406,6 +408,23 @@ def run_stage(run: Run, target: StageInstance, work: Callable[[StageContext], No
     return manifests
 
 
+def pin_to_lane(stage: str) -> None:
+    """Run this process, and every process it starts (sandbox jobs, a generation server, DeepSpeed ranks), on the
+    cores `RLPIPE_LANE_CPUS` gives the stage's lane, as `taskset` does: on one machine, the stand-in for a
+    rollout machine and a train machine. Unset, or no cores for this lane: the affinity stays as inherited."""
+    try:
+        lanes = lane_cpus()
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
+    if unknown := sorted(set(lanes) - set(LANES)):
+        raise ConfigError(f"{LANE_CPUS.name}: unknown lane {', '.join(unknown)}; lanes are {', '.join(LANES)}")
+    if cpus := lanes.get(lane_of(stage)):
+        try:
+            os.sched_setaffinity(0, cpus)
+        except OSError as error:
+            raise ConfigError(f"{LANE_CPUS.name}: cannot run on cores {sorted(cpus)} here: {error}") from None
+
+
 def main(stage: str, work: Callable[[StageContext], None], argv: list[str] | None = None) -> int:
     """Run a stage as a process: under its lease, so that no two processes (a flow's child, a retry, a person
     at a shell) ever run the same stage of the same iteration at once. The lease lives as long as this
@@ -420,6 +439,7 @@ def main(stage: str, work: Callable[[StageContext], None], argv: list[str] | Non
     try:
         layout = RunLayout.create(resolve_root(args.root), args.run)
         target = instance(stage, args.iter, args.round)
+        pin_to_lane(stage)
         with stage_lock(layout, target, wait_s=args.lock_wait):
             run = Run.at(layout)
             # With --if-needed, asked once the lease is ours: the holder we waited for may have done it.

@@ -313,3 +313,28 @@ def is_done_now(run: Run, target: StageInstance) -> bool:
     (other machines), so a listing cached earlier is never trusted."""
     run.fs.invalidate_cache()
     return stage_state(run, target).done
+
+
+# The two lanes of an overlapped run (flows/runner/overlap.py), one stage at a time each, as on two machines:
+# sampling and judging policies, and learning one. RLPIPE_LANE_CPUS pins each lane's stages to its cores.
+LANES = {"rollout": ("prompts", "evaluate_base", "generate", "score", "evaluate"),
+         "train": ("base_model", "advantage", "train")}
+
+
+def lane_of(stage: str) -> str:
+    return next(lane for lane, stages in LANES.items() if stage in stages)
+
+
+def producer_of(output: Output) -> StageInstance:
+    """The stage instance whose outputs contain `output`."""
+    for spec in STAGES.values():
+        candidate = instance(spec.name, output.iteration, output.round_idx if spec.per_round else 0)
+        if output in outputs_of(candidate):
+            return candidate
+    raise KeyError(f"no stage writes {output}")
+
+
+def upstream_instances(config: RunConfig, target: StageInstance) -> set[StageInstance]:
+    """The stage instances that write `target`'s declared inputs under `config` (the extra generation rounds,
+    decided while the run goes, are not among them)."""
+    return {producer_of(output) for output in declared_inputs(config, target).values()}
