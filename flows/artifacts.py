@@ -25,7 +25,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from schemas.tables import TABLES
+from schemas.tables import BASELINE_SAMPLE_IDX, TABLES
 from stages.registry import instance, iteration_stages, round_inputs, stage_state
 from storage.fs import is_remote
 from storage.run import Run
@@ -71,7 +71,7 @@ def _table_summaries(run: Run, iteration: int) -> list[tuple[str, str, float]]:
 
     def mean(column: str) -> Callable[[Any], float]:
         # the sampled responses: remax's greedy baseline rows (sample_idx -1) are not the policy's samples
-        return lambda t: pc.mean(t.filter(pc.greater_equal(t["sample_idx"], 0))[column]).as_py()
+        return lambda t: pc.mean(t.filter(pc.not_equal(t["sample_idx"], BASELINE_SAMPLE_IDX))[column]).as_py()
 
     wanted: list[tuple[str, str, str, Callable[[Any], float]]] = [
         ("score", "scores", "reward.mean", mean("reward")),

@@ -21,6 +21,7 @@ from typing import Any
 
 from reports.svg import STATUS_COLOURS, Series, line_chart, stacked_bar_chart
 from schemas.config import ConfigError, RunConfig
+from schemas.tables import BASELINE_SAMPLE_IDX
 from storage.catalog import Catalog
 from storage.fs import atomic_write_bytes, join
 from storage.layout import RunLayout
@@ -29,6 +30,8 @@ from storage.run import read_run_config
 
 STAGES = ("generate", "score", "advantage", "train", "evaluate")
 RUN_STAGES = ("prompts", "base_model", "evaluate_base")
+# The policy's own samples: not remax's greedy baseline rows.
+SAMPLED = f"sample_idx <> {BASELINE_SAMPLE_IDX}"
 SAMPLE_COLUMNS = ("prompt_id", "sample_idx", "round", "reward", "passed", "total", "status", "advantage", "kept",
                   "num_tokens", "finish_reason")
 
@@ -142,17 +145,17 @@ def collect(catalog: Catalog, run_id: str, config: RunConfig | None) -> ReportDa
     data.ks = list(config.evaluate.k) if config else [1]
     run = {"run": run_id}
     data.reward = catalog.rows(
-        """SELECT iteration, avg(reward) AS mean_reward, avg(CAST(status = 'ok' AS DOUBLE)) AS solve_rate,
+        f"""SELECT iteration, avg(reward) AS mean_reward, avg(CAST(status = 'ok' AS DOUBLE)) AS solve_rate,
                   count(*) AS rows
-           FROM scores WHERE run_id = $run AND sample_idx >= 0 GROUP BY iteration ORDER BY iteration""", run)
+           FROM scores WHERE run_id = $run AND {SAMPLED} GROUP BY iteration ORDER BY iteration""", run)
     data.evaluation = _evaluation(catalog, run_id, data.ks)
     data.lengths = catalog.rows(
-        """SELECT iteration, avg(num_tokens) AS mean, quantile_cont(num_tokens, 0.5) AS p50,
+        f"""SELECT iteration, avg(num_tokens) AS mean, quantile_cont(num_tokens, 0.5) AS p50,
                   quantile_cont(num_tokens, 0.9) AS p90, avg(CAST(truncated AS DOUBLE)) AS truncated
-           FROM rollouts WHERE run_id = $run AND sample_idx >= 0 GROUP BY iteration ORDER BY iteration""", run)
+           FROM rollouts WHERE run_id = $run AND {SAMPLED} GROUP BY iteration ORDER BY iteration""", run)
     data.train = catalog.rows("SELECT * FROM train_metrics WHERE run_id = $run ORDER BY step", run)
     for row in catalog.rows(
-        "SELECT iteration, status, count(*) AS n FROM scores WHERE run_id = $run AND sample_idx >= 0 "
+        f"SELECT iteration, status, count(*) AS n FROM scores WHERE run_id = $run AND {SAMPLED} "
         "GROUP BY ALL ORDER BY ALL", run
     ):
         data.statuses.setdefault(row["iteration"], {})[row["status"]] = row["n"]

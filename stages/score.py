@@ -15,6 +15,7 @@ from collections import Counter
 import pyarrow as pa
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from schemas.tables import BASELINE_SAMPLE_IDX
 from stages.generation.agent_loop import final_answer
 from stages.harness import StageContext, StageInputError, exit_with
 from stages.sandbox import Sandbox, ScoreJob, ScoreResult, rewards
@@ -70,9 +71,12 @@ def run(ctx: StageContext) -> None:
         for row, result in zip(rollouts, results, strict=True)
     ]
     statuses = Counter(result.status for result in results)
+    # The policy's own samples: remax's greedy baseline rows are scored, but are not the policy's reward.
+    sampled = [result.reward for row, result in zip(rollouts, results, strict=True)
+               if row["sample_idx"] != BASELINE_SAMPLE_IDX]
     ctx.write_table("scores", pa.Table.from_pylist(rows, schema=None), {
         "status_counts": dict(statuses),
-        "mean_reward": sum(r.reward for r in results) / max(len(results), 1),
+        "mean_reward": sum(sampled) / max(len(sampled), 1),
         "programs_per_second": round(len(results) / seconds, 2) if seconds > 0 else None,
         "sandbox_wall_seconds": round(seconds, 3),
         # `sandbox_seconds` is measured wall time, so a rerun never reproduces the table byte for byte (the

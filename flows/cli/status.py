@@ -11,7 +11,7 @@ import itertools
 from rich.console import Group
 from rich.table import Table
 
-from schemas.tables import TABLES
+from schemas.tables import BASELINE_SAMPLE_IDX, TABLES
 from stages.evaluation.metrics import clusters_of, paired_gains
 from stages.registry import ITERATION_STAGES, RUN_STAGES, STAGES, instance, is_scheduled, iteration_stages, stage_state
 from storage.layout import BASE
@@ -88,7 +88,8 @@ def training_table(run: Run) -> Table:
             if stage_state(run, instance("score", k, round_idx)).done:
                 path = run.layout.table_path("scores", k, round_idx)
                 scores = read_table(run.fs, path, TABLES["scores"]).select(["reward", "status", "sample_idx"])
-                rows += [row for row in scores.to_pylist() if row["sample_idx"] >= 0]  # not remax's greedy rows
+                # not remax's greedy rows
+                rows += [row for row in scores.to_pylist() if row["sample_idx"] != BASELINE_SAMPLE_IDX]
         if not rows:
             continue
         batch = stage_state(run, instance("advantage", k))

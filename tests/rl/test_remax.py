@@ -263,8 +263,9 @@ def test_generate_makes_one_greedy_row_per_prompt_under_remax_only(tmp_path: Pat
 def test_dynamic_sampling_rounds_each_bring_their_own_greedy_rows(tmp_path: Path) -> None:
     from flows.runner.process import StageOutcome, dynamic_sampling_rounds
     from stages.generate import select_round_prompts
-    from stages.registry import stage_state
+    from stages.registry import Output, stage_state
     from storage.layout import BASE, StageInstance
+    from storage.manifest import read_manifest
     from storage.run import Run, read_run_config
     from tests.reliability import helpers as h
     from tests.reliability import test_dynamic_sampling as ds
@@ -321,6 +322,11 @@ def test_dynamic_sampling_rounds_each_bring_their_own_greedy_rows(tmp_path: Path
         scores = pq.read_table(layout.table_path("scores", 0, r)).to_pylist()
         greedy = [s for s in scores if s["sample_idx"] == BASELINE_SAMPLE_IDX]
         assert len(greedy) == ds.PER_ROUND and {s["reward"] for s in greedy} == {1.0}
+        # the manifest's mean reward is the policy's samples' only (the greedy rows, all 1.0, would raise it)
+        sampled = [s["reward"] for s in scores if s["sample_idx"] >= 0]
+        manifest = read_manifest(layout.fs, Output("scores", 0, r).manifest_path(layout))
+        assert manifest.metrics["mean_reward"] == pytest.approx(sum(sampled) / len(sampled))
+        assert manifest.metrics["mean_reward"] < sum(s["reward"] for s in scores) / len(scores)
     batch = pq.read_table(layout.table_path("batch", 0)).to_pylist()
     assert len(batch) == n_rounds * ds.PER_ROUND * ds.N_SAMPLES and min(r["sample_idx"] for r in batch) == 0
     kept = [r for r in batch if r["kept"]]
