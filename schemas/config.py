@@ -163,6 +163,12 @@ class MultiTurnConfig(Section):
     feedback_chars: int = Field(
         1024, ge=16, description="Characters of failing-test messages in a feedback turn (feedback mode)."
     )
+    continuous_batching: bool = Field(
+        True, description="A conversation's next turn enters the engine as soon as its tool call or judgement "
+        "returns, while the others decode (backends with sessions: in-process vLLM); the tokens then depend on "
+        "timing, so the manifest's `deterministic` is false. `false`, or a backend without sessions (HF, the warm "
+        "engine): one batched call per turn for every conversation still going, reproducible."
+    )
 
     @model_validator(mode="after")
     def _mode_fits_limits(self) -> MultiTurnConfig:

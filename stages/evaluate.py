@@ -21,7 +21,7 @@ import pyarrow as pa
 
 from stages.evaluation.metrics import aggregate, clusters_of, multi_turn_summary
 from stages.generate import conversation_sample, roll_out
-from stages.generation.agent_loop import Conversation, ConversationStart
+from stages.generation.agent_loop import Conversation, ConversationStart, uses_continuous_batching
 from stages.generation.base import GenerationRequest, SamplingSpec, sample_seed
 from stages.generation.client import open_stage_engine
 from stages.generation.device import backend_device_record, claim_device
@@ -120,7 +120,8 @@ def run(ctx: StageContext) -> None:
     # sampled together), and whether a rerun on this machine reproduces the samples.
     metrics: dict[str, object] = {
         "backend": backend.name,
-        "deterministic": backend.deterministic,
+        # the continuous multi-turn loop's batches depend on when tool calls return (agent_loop.py)
+        "deterministic": backend.deterministic and not (multi_turn and uses_continuous_batching(backend, mt)),
         "engine": backend.engine_settings,
         "device": backend_device_record(device, backend),
         "engine_start_seconds": round(backend.engine_start_seconds, 3),

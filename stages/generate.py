@@ -39,6 +39,7 @@ from stages.generation.agent_loop import (
     SandboxTool,
     run_conversations,
     sandbox_judge,
+    uses_continuous_batching,
 )
 from stages.generation.base import Backend, GenerationRequest, Sample, SamplingSpec, sample_seed
 from stages.generation.client import open_stage_engine
@@ -187,7 +188,9 @@ def run(ctx: StageContext) -> None:
         })
     ctx.write_table("rollouts", pa.Table.from_pylist(rows), {
         "backend": backend.name,
-        "deterministic": backend.deterministic,
+        # the continuous multi-turn loop's batches depend on when tool calls return (agent_loop.py)
+        "deterministic": backend.deterministic and not (multi_turn
+                                                        and uses_continuous_batching(backend, cfg.multi_turn)),
         "engine": backend.engine_settings,
         "device": backend_device_record(device, backend),
         "engine_start_seconds": round(backend.engine_start_seconds, 3),

@@ -1,13 +1,17 @@
 """The multi-turn agent loop (generate.multi_turn): a code-interpreter tool or test-feedback retries.
 
-Works over any `Backend` (HF, vLLM, the warm engine's client): each turn is one `backend.generate` call per
-group of unfinished conversations that share a token budget, never one sample at a time, so a turn is batched
-as a single-turn generation is. A turn's request is the prompt plus every token so far; the model's sampled
-tokens are kept as sampled (never re-tokenized), and the tokens between turns (observations) are the chat
-template's rendering of the added message, found as the text after a placeholder assistant message (prefix
-diff), or `<interpreter>` text that continues the model's own turn. Observation tokens get loss_mask 0 and
-logprob 0.0. Turn 0 uses the sample's own seed (so it draws what single-turn generation would), turn t a seed
-derived from (seed, t).
+Two loops, the same turns. Per turn (any `Backend`: HF, the warm engine's client, vLLM with
+`continuous_batching: false`): each turn is one `backend.generate` call per group of unfinished conversations
+that share a token budget, so a turn is batched as a single-turn generation is, but waits for its slowest
+member and later turns decode only the conversations still going. Continuous (a backend with sessions,
+base.TurnSession: in-process vLLM): a turn enters the engine as soon as its conversation's tool call or judgement
+returns (a thread pool), while the others decode; the tokens then depend on when calls return, so such a run is
+not reproducible (generate's manifest: `deterministic: false`). A turn's request is the prompt plus every
+token so far; the model's sampled tokens are kept as sampled (never re-tokenized), and the tokens between turns
+(observations) are the chat template's rendering of the added message, found as the text after a placeholder
+assistant message (prefix diff), or `<interpreter>` text that continues the model's own turn. Observation
+tokens get loss_mask 0 and logprob 0.0. Turn 0 uses the sample's own seed (so it draws what single-turn
+generation would), turn t a seed derived from (seed, t).
 
 tool mode: a turn that ends at the code stop sequence (the closing ``` fence, or </code>) is a tool call; its
 last code block runs through the sandbox's run_code path (the scoring sandbox's isolation, a per-call timeout,
@@ -22,13 +26,16 @@ from __future__ import annotations
 import hashlib
 import json
 import time
-from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Iterator
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
 from schemas.config import MultiTurnConfig
-from stages.generation.base import Backend, GenerationRequest, SamplingSpec
+from stages.generation.base import Backend, GenerationRequest, Sample, SamplingSpec, TurnSession, sessions
 from stages.generation.sampling import generate_with_progress
 
 # Finish reasons of a conversation: the model's final answer ("stop"), its last turn hit the per-turn token cap
@@ -115,9 +122,9 @@ class SandboxTool:
 
     def run(self, codes: list[str]) -> list[ToolResult]:
         with ThreadPoolExecutor(self.threads, thread_name_prefix="tool") as pool:
-            return list(pool.map(self._run_one, codes))
+            return list(pool.map(self.run_one, codes))
 
-    def _run_one(self, code: str) -> ToolResult:
+    def run_one(self, code: str) -> ToolResult:
         from stages.sandbox.reward_host import code_run_of
 
         started = time.monotonic()
@@ -228,6 +235,11 @@ def tool_code(text: str, code_format: str) -> str | None:
     return extract_code(text)
 
 
+def uses_continuous_batching(backend: Backend, cfg: MultiTurnConfig) -> bool:
+    """Whether the loop batches continuously across turns: the config asks for it and the backend has sessions."""
+    return cfg.continuous_batching and sessions(backend) is not None
+
+
 def run_conversations(
     backend: Backend,
     tokenizer: Any,  # noqa: ANN401 - a HF tokenizer
@@ -239,107 +251,213 @@ def run_conversations(
     judge: Judge | None = None,
 ) -> tuple[list[Conversation], dict[str, float]]:
     """Roll out every conversation; returns them and the loop's figures (generation seconds and model tokens,
-    tool seconds). `sampling.max_new_tokens` caps each turn; `cfg.max_response_tokens` the whole conversation."""
+    the seconds the engine sat idle waiting for tool calls or the judge, and whether the loop was continuous).
+    `sampling.max_new_tokens` caps each turn; `cfg.max_response_tokens` the whole conversation."""
     if cfg.mode == "tool" and tool is None:
         raise ValueError("multi_turn mode tool needs a SandboxTool")
     if cfg.mode == "feedback" and judge is None:
         raise ValueError("multi_turn mode feedback needs a judge")
-    observe = ObservationTokens(tokenizer, cfg)
-    code_stop = CODE_STOPS[cfg.code_format]
-    stops = [*sampling.stop, code_stop] if cfg.mode == "tool" else list(sampling.stop)
+    turns = TurnRules(tokenizer, cfg, sampling)
     conversations = [Conversation(start) for start in starts]
-    figures = {"generation_seconds": 0.0, "generated_tokens": 0, "tool_wall_seconds": 0.0, "judge_seconds": 0.0}
-    for turn in range(cfg.max_turns):
-        active = [c for c in conversations if c.finish_reason is None]
-        if not active:
-            break
-        budgets: dict[int, list[Conversation]] = {}
-        for c in active:
-            budgets.setdefault(min(sampling.max_new_tokens, cfg.max_response_tokens - len(c.token_ids)), []).append(c)
-        for max_new, group in sorted(budgets.items()):
-            spec = SamplingSpec(temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
-                                max_new_tokens=max_new, stop=stops)
-            requests = [GenerationRequest(c.start.prompt_token_ids + c.token_ids, turn_seed(c.start.seed, turn))
-                        for c in group]
-            result = generate_with_progress(backend, requests, spec, f"{label} turn {turn + 1}")
-            figures["generation_seconds"] += result.seconds
-            figures["generated_tokens"] += result.tokens
-            for c, sample in zip(group, result.samples, strict=True):
-                begin = len(c.token_ids)
-                c.token_ids += sample.token_ids
-                c.logprobs += sample.logprobs
-                c.loss_mask += [1] * len(sample.token_ids)
-                c.turn_spans.append([begin, len(c.token_ids)])
-                text = tokenizer.decode(sample.token_ids, skip_special_tokens=True)
-                c.messages.append({"role": "assistant", "content": text})
-                out_of_budget = len(c.token_ids) >= cfg.max_response_tokens
-                ended_at_code = (cfg.mode == "tool" and sample.finish_reason == "stop"
-                                 and sample.token_ids[-1:] != [] and sample.token_ids[-1] not in observe.special_ids
-                                 and code_stop in text)
-                c.turn_cut = sample.finish_reason == "length"
-                if c.turn_cut and (max_new < sampling.max_new_tokens or out_of_budget):
-                    c.finish_reason = "budget"
-                elif cfg.mode == "feedback":
-                    c.finish_reason = "budget" if out_of_budget else None  # the judge decides (_feedback_step)
-                elif c.turn_cut:
-                    c.finish_reason = "length"
-                elif not ended_at_code:
-                    c.finish_reason = "stop"
-                elif c.tool_calls >= cfg.max_tool_calls:
-                    c.finish_reason = "max_tool_calls"
-                elif turn == cfg.max_turns - 1:
-                    c.finish_reason = "max_turns"
-                elif out_of_budget:
-                    c.finish_reason = "budget"
-        if cfg.mode == "tool":
-            _tool_step(active, tool, observe, cfg, figures)  # type: ignore[arg-type]
-        else:
-            _feedback_step(conversations, active, judge, observe, cfg, turn, figures)  # type: ignore[arg-type]
+    continuous = uses_continuous_batching(backend, cfg)
+    figures = {"generation_seconds": 0.0, "generated_tokens": 0, "tool_wall_seconds": 0.0, "judge_seconds": 0.0,
+               "continuous_batching": int(continuous)}
+    if continuous:
+        _run_continuous(sessions(backend), turns, conversations, label, tool, judge, figures)  # type: ignore[arg-type]
+    else:
+        _run_per_turn(backend, turns, conversations, label, tool, judge, figures)
     for c in conversations:
         c.finish_reason = c.finish_reason or "max_turns"
     return conversations, figures
 
 
-def _tool_step(active: list[Conversation], tool: SandboxTool, observe: ObservationTokens, cfg: MultiTurnConfig,
-               figures: dict[str, float]) -> None:
-    """Run the tool calls of the conversations still going and append each output as an observation."""
-    calling = [c for c in active if c.finish_reason is None]
-    codes = [tool_code(c.messages[-1]["content"], cfg.code_format) for c in calling]
-    started = time.monotonic()
-    results = tool.run([code or "" for code in codes])
-    figures["tool_wall_seconds"] += time.monotonic() - started
-    for c, code, result in zip(calling, codes, results, strict=True):
+class TurnRules:
+    """What both loops share: a turn's request and sampling, and what a finished turn does to its conversation."""
+
+    def __init__(self, tokenizer: Any, cfg: MultiTurnConfig, sampling: SamplingSpec) -> None:  # noqa: ANN401
+        self.tokenizer = tokenizer
+        self.cfg = cfg
+        self.sampling = sampling
+        self.observe = ObservationTokens(tokenizer, cfg)
+        self.code_stop = CODE_STOPS[cfg.code_format]
+        self.stops = [*sampling.stop, self.code_stop] if cfg.mode == "tool" else list(sampling.stop)
+
+    def max_new(self, c: Conversation) -> int:
+        """The next turn's token cap: the per-turn cap, or what is left of the conversation's budget."""
+        return min(self.sampling.max_new_tokens, self.cfg.max_response_tokens - len(c.token_ids))
+
+    def spec(self, max_new: int) -> SamplingSpec:
+        s = self.sampling
+        return SamplingSpec(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, max_new_tokens=max_new,
+                            stop=self.stops)
+
+    def request(self, c: Conversation) -> GenerationRequest:
+        """Turn t's request: the prompt and every token so far, the seed of (sample seed, t)."""
+        return GenerationRequest(c.start.prompt_token_ids + c.token_ids, turn_seed(c.start.seed, c.num_turns))
+
+    def record(self, c: Conversation, sample: Sample, max_new: int) -> None:
+        """Append a finished turn's tokens and message; set the finish reason where the turn ends the conversation
+        (in feedback mode the judge decides the rest, `apply_verdict`)."""
+        cfg, turn = self.cfg, c.num_turns
+        begin = len(c.token_ids)
+        c.token_ids += sample.token_ids
+        c.logprobs += sample.logprobs
+        c.loss_mask += [1] * len(sample.token_ids)
+        c.turn_spans.append([begin, len(c.token_ids)])
+        text = self.tokenizer.decode(sample.token_ids, skip_special_tokens=True)
+        c.messages.append({"role": "assistant", "content": text})
+        out_of_budget = len(c.token_ids) >= cfg.max_response_tokens
+        ended_at_code = (cfg.mode == "tool" and sample.finish_reason == "stop"
+                         and sample.token_ids[-1:] != [] and sample.token_ids[-1] not in self.observe.special_ids
+                         and self.code_stop in text)
+        c.turn_cut = sample.finish_reason == "length"
+        if c.turn_cut and (max_new < self.sampling.max_new_tokens or out_of_budget):
+            c.finish_reason = "budget"
+        elif cfg.mode == "feedback":
+            c.finish_reason = "budget" if out_of_budget else None  # the judge decides (apply_verdict)
+        elif c.turn_cut:
+            c.finish_reason = "length"
+        elif not ended_at_code:
+            c.finish_reason = "stop"
+        elif c.tool_calls >= cfg.max_tool_calls:
+            c.finish_reason = "max_tool_calls"
+        elif turn == cfg.max_turns - 1:
+            c.finish_reason = "max_turns"
+        elif out_of_budget:
+            c.finish_reason = "budget"
+
+    def code(self, c: Conversation) -> str | None:
+        return tool_code(c.messages[-1]["content"], self.cfg.code_format)
+
+    def apply_tool_result(self, c: Conversation, code: str | None, result: ToolResult) -> None:
+        """A tool call's output as the next observation."""
         c.tool_calls += 1
         if code is None:  # the stop fired on a fence that opened no python block
             result = ToolResult("no code found in the block", True, 0.0)
         c.tool_errors += int(result.error)
         c.tool_seconds += result.seconds
-        tokens = observe.tool(c.start.messages, result.output, c.token_ids[-1] if c.token_ids else None)
+        tokens = self.observe.tool(c.start.messages, result.output, c.token_ids[-1] if c.token_ids else None)
         c.messages.append({"role": "tool", "content": result.output})
-        _append_observation(c, tokens, cfg)
+        _append_observation(c, tokens, self.cfg)
 
-
-def _feedback_step(conversations: list[Conversation], active: list[Conversation], judge: Judge,
-                   observe: ObservationTokens, cfg: MultiTurnConfig, turn: int, figures: dict[str, float]) -> None:
-    """Score this turn's answers; a failed one still within its limits gets the failures back as a user turn."""
-    position = {id(c): i for i, c in enumerate(conversations)}
-    indices = [position[id(c)] for c in active]
-    started = time.monotonic()
-    verdicts = judge(indices, [c.messages[-1]["content"] for c in active])
-    figures["judge_seconds"] += time.monotonic() - started
-    for c, (reward, passed, message) in zip(active, verdicts, strict=True):
+    def apply_verdict(self, c: Conversation, verdict: tuple[float, bool, str]) -> None:
+        """Feedback mode: keep the answer's reward; a failed one still within its limits gets the failures back."""
+        reward, passed, message = verdict
         c.turn_rewards.append(float(reward))
         c.turn_passed.append(bool(passed))
         if c.finish_reason is not None:
-            continue
+            return
         if passed:
             c.finish_reason = "stop"
-        elif turn == cfg.max_turns - 1:
+        elif c.num_turns == self.cfg.max_turns:
             c.finish_reason = "length" if c.turn_cut else "max_turns"
         else:
-            tokens = observe.user(c.start.messages, message, c.token_ids[-1] if c.token_ids else None)
+            tokens = self.observe.user(c.start.messages, message, c.token_ids[-1] if c.token_ids else None)
             c.messages.append({"role": "user", "content": message})
-            _append_observation(c, tokens, cfg)
+            _append_observation(c, tokens, self.cfg)
+
+
+def _run_per_turn(backend: Backend, turns: TurnRules, conversations: list[Conversation], label: str,
+                  tool: SandboxTool | None, judge: Judge | None, figures: dict[str, float]) -> None:
+    """One batched `generate` call per turn (per group sharing a token cap) for every conversation still going,
+    then that turn's tool calls or judgements together: a turn waits for its slowest member."""
+    for turn in range(turns.cfg.max_turns):
+        active = [c for c in conversations if c.finish_reason is None]
+        if not active:
+            break
+        budgets: dict[int, list[Conversation]] = {}
+        for c in active:
+            budgets.setdefault(turns.max_new(c), []).append(c)
+        for max_new, group in sorted(budgets.items()):
+            result = generate_with_progress(backend, [turns.request(c) for c in group], turns.spec(max_new),
+                                            f"{label} turn {turn + 1}")
+            figures["generation_seconds"] += result.seconds
+            figures["generated_tokens"] += result.tokens
+            for c, sample in zip(group, result.samples, strict=True):
+                turns.record(c, sample, max_new)
+        started = time.monotonic()
+        if turns.cfg.mode == "tool":
+            calling = [c for c in active if c.finish_reason is None]
+            codes = [turns.code(c) for c in calling]
+            results = tool.run([code or "" for code in codes])  # type: ignore[union-attr]
+            figures["tool_wall_seconds"] += time.monotonic() - started
+            for c, code, result in zip(calling, codes, results, strict=True):
+                turns.apply_tool_result(c, code, result)
+        else:
+            position = {id(c): i for i, c in enumerate(conversations)}
+            verdicts = judge([position[id(c)] for c in active], [c.messages[-1]["content"] for c in active])  # type: ignore[misc]
+            figures["judge_seconds"] += time.monotonic() - started
+            for c, verdict in zip(active, verdicts, strict=True):
+                turns.apply_verdict(c, verdict)
+
+
+def _run_continuous(open_session: Callable[[], AbstractContextManager[TurnSession]], turns: TurnRules,
+                    conversations: list[Conversation], label: str, tool: SandboxTool | None, judge: Judge | None,
+                    figures: dict[str, float]) -> None:
+    """Continuous batching across turns: every conversation's turn 0 enters the engine at once; a finished turn's
+    tool call (or judgement, one call per engine step's finished answers) runs in a thread pool while the engine
+    keeps decoding the others, and the conversation's next turn is submitted as soon as it returns. The seconds
+    the engine sat idle waiting for tool calls or the judge are counted apart (tool_wall_seconds, judge_seconds);
+    the rest of the loop's wall time is generation_seconds."""
+    waiting_key = "tool_wall_seconds" if turns.cfg.mode == "tool" else "judge_seconds"
+    caps: dict[int, int] = {}
+    waiting: dict[Future, tuple[list[int], list[str | None]]] = {}
+    threads = tool.threads if tool is not None else 4
+    started = time.monotonic()
+    with (open_session() as session, ThreadPoolExecutor(threads, thread_name_prefix="turn") as pool,
+          _conversation_progress(label, len(conversations)) as progress):
+
+        def submit_turn(key: int) -> None:
+            c = conversations[key]
+            caps[key] = turns.max_new(c)
+            session.submit(key, turns.request(c), turns.spec(caps[key]))
+
+        for key in range(len(conversations)):
+            submit_turn(key)
+        while session.running or waiting:
+            if session.running:
+                finished = session.step()
+            else:  # nothing to decode: wait for a tool call or judgement to come back
+                idle = time.monotonic()
+                wait(list(waiting), return_when=FIRST_COMPLETED)
+                figures[waiting_key] += time.monotonic() - idle
+                finished = []
+            judged: list[int] = []
+            for key, sample in finished:
+                c = conversations[key]
+                turns.record(c, sample, caps[key])
+                figures["generated_tokens"] += len(sample.token_ids)
+                if turns.cfg.mode == "feedback":
+                    judged.append(key)
+                elif c.finish_reason is None:
+                    code = turns.code(c)
+                    waiting[pool.submit(lambda code: [tool.run_one(code)], code or "")] = ([key], [code])  # type: ignore[union-attr]
+                else:
+                    progress()
+            if judged:
+                texts = [conversations[key].messages[-1]["content"] for key in judged]
+                waiting[pool.submit(judge, judged, texts)] = (judged, [None] * len(judged))  # type: ignore[arg-type]
+            for future in [f for f in waiting if f.done()]:
+                keys, codes = waiting.pop(future)
+                for key, code, outcome in zip(keys, codes, future.result(), strict=True):
+                    c = conversations[key]
+                    if turns.cfg.mode == "tool":
+                        turns.apply_tool_result(c, code, outcome)
+                    else:
+                        turns.apply_verdict(c, outcome)
+                    if c.finish_reason is None:
+                        submit_turn(key)
+                    else:
+                        progress()
+    figures["generation_seconds"] = time.monotonic() - started - figures[waiting_key]
+
+
+@contextmanager
+def _conversation_progress(label: str, total: int) -> Iterator[Callable[[], None]]:
+    """A progress bar over finished conversations, for the continuous loop (the per-turn loop shows one per turn)."""
+    with Progress(TextColumn(f"[bold]{label}[/]"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn()) as bar:
+        task = bar.add_task(label, total=total)
+        yield lambda: bar.update(task, advance=1)
 
 
 def _append_observation(c: Conversation, tokens: list[int], cfg: MultiTurnConfig) -> None:

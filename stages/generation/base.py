@@ -8,12 +8,17 @@ machine where the backend can promise that (`Backend.deterministic`).
 `Sample.logprobs` are the sampler's log-probabilities of each sampled token under the distribution the
 token was actually drawn from: logits / temperature, then top-k and top-p filtering and renormalisation.
 For greedy decoding (temperature 0) they are the log-softmax of the raw logits.
+
+A backend may also offer continuous batching (`Backend.session()`, see `TurnSession`): requests enter the
+engine one at a time while others decode, and each leaves as soon as it is finished. The multi-turn agent loop
+uses it so that a conversation's next turn need not wait for the other conversations' turns (`sessions`).
 """
 
 from __future__ import annotations
 
 import hashlib
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -66,6 +71,29 @@ class Backend(Protocol):
     ) -> list[Sample]: ...
 
     def close(self) -> None: ...
+
+
+class TurnSession(Protocol):
+    """Continuous batching on a running engine: `submit` adds one request (its own sampling) while others are
+    decoding, `step` runs one engine step and returns the requests it finished, by the caller's key."""
+
+    def submit(self, key: int, request: GenerationRequest, sampling: SamplingSpec, ignore_eos: bool = False) -> None:
+        """`ignore_eos`: sample exactly `sampling.max_new_tokens` (benchmarks compare equal lengths with it)."""
+        ...
+
+    def step(self) -> list[tuple[int, Sample]]: ...
+
+    @property
+    def running(self) -> int:
+        """Requests submitted and not yet returned by `step`."""
+        ...
+
+
+def sessions(backend: Backend) -> Callable[[], AbstractContextManager[TurnSession]] | None:
+    """The backend's continuous-batching capability (`backend.session`, a context manager factory), or None for a
+    backend that only generates whole batches (HF, the warm engine's client)."""
+    session = getattr(backend, "session", None)
+    return session if callable(session) else None
 
 
 def sample_seed(run_seed: int, iteration: int, prompt_id: str, sample_idx: int, round_idx: int = 0) -> int:

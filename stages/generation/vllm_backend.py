@@ -168,7 +168,8 @@ def engine_kwargs(
     return kwargs
 
 
-def sampling_params(request: GenerationRequest, sampling: SamplingSpec):  # noqa: ANN201 - vllm.SamplingParams
+def sampling_params(request: GenerationRequest, sampling: SamplingSpec,  # noqa: ANN201 - vllm.SamplingParams
+                    ignore_eos: bool = False):
     from vllm import SamplingParams
 
     return SamplingParams(
@@ -182,6 +183,7 @@ def sampling_params(request: GenerationRequest, sampling: SamplingSpec):  # noqa
         skip_special_tokens=True,
         seed=request.seed,
         logprobs=0,
+        ignore_eos=ignore_eos,
     )
 
 
@@ -279,10 +281,7 @@ class VLLMBackend:
         sampling: SamplingSpec,
         progress: ProgressCallback | None = None,
     ) -> list[Sample]:
-        too_long = sum(len(r.prompt_token_ids) >= self.max_model_len for r in requests)
-        if too_long:
-            # Checked before anything runs: the stage limits prompt length, so this is a config error.
-            raise ValueError(f"{too_long} prompts have >= max_model_len={self.max_model_len} tokens")
+        self.check_prompt_lengths(requests)
         # An empty prefix cache makes this call compute what a fresh engine would (see module docstring).
         self.llm.reset_prefix_cache()
         engine = self.llm.llm_engine
@@ -309,12 +308,25 @@ class VLLMBackend:
                 tokens += len(sample.token_ids)
             if progress is not None and finished:
                 progress(finished, tokens)
+        self.record_gpu_memory()
+        return [results[i] for i in range(len(requests))]
+
+    def record_gpu_memory(self) -> None:
         if self.gpus:
             from stages.generation.device import gpu_memory_used_mb
 
             used = gpu_memory_used_mb(range(self.gpus))
             self.gpu_memory_used_mb = max(self.gpu_memory_used_mb or 0.0, used)
-        return [results[i] for i in range(len(requests))]
+
+    def session(self) -> VLLMSession:
+        """Continuous batching on this engine (base.TurnSession): the agent loop's turns enter as they come."""
+        return VLLMSession(self)
+
+    def check_prompt_lengths(self, requests: list[GenerationRequest]) -> None:
+        too_long = sum(len(r.prompt_token_ids) >= self.max_model_len for r in requests)
+        if too_long:
+            # Checked before anything runs: the stage limits prompt length, so this is a config error.
+            raise ValueError(f"{too_long} prompts have >= max_model_len={self.max_model_len} tokens")
 
     def _enqueue(self, requests: list[GenerationRequest], batch: range, sampling: SamplingSpec) -> dict[str, int]:
         prompts = [{"prompt_token_ids": list(requests[i].prompt_token_ids)} for i in batch]
@@ -330,3 +342,53 @@ class VLLMBackend:
         if core is not None and hasattr(core, "shutdown"):
             core.shutdown()
         self.llm = None
+
+
+class VLLMSession:
+    """Continuous batching on a `VLLMBackend` (base.TurnSession): each `submit` enqueues one request at once,
+    `step` is one `LLMEngine.step`. Opened on an idle engine with an empty prefix cache, like `generate`; within
+    the session the prefix cache serves a conversation's next turn from its earlier turns' blocks. Which requests
+    share a step depends on when the caller submits them, so the tokens are reproducible only as far as the
+    caller's submission order is (agent_loop's continuous loop: not, tool calls return in their own time)."""
+
+    def __init__(self, backend: VLLMBackend) -> None:
+        self.backend = backend
+        self.in_flight: dict[str, int] = {}  # output request id -> caller's key
+        self.internal_ids: dict[str, str] = {}  # output request id -> the engine's id, to abort on an error
+
+    def __enter__(self) -> VLLMSession:
+        engine = self.backend.llm.llm_engine
+        if engine.has_unfinished_requests():
+            raise RuntimeError("a vLLM session needs an idle engine: another generation is still running")
+        self.backend.llm.reset_prefix_cache()
+        return self
+
+    @property
+    def running(self) -> int:
+        return len(self.in_flight)
+
+    def submit(self, key: int, request: GenerationRequest, sampling: SamplingSpec, ignore_eos: bool = False) -> None:
+        self.backend.check_prompt_lengths([request])
+        (internal,) = self.backend.llm.enqueue([{"prompt_token_ids": list(request.prompt_token_ids)}],
+                                               [sampling_params(request, sampling, ignore_eos)], use_tqdm=False)
+        external = external_request_id(internal)
+        self.in_flight[external] = key
+        self.internal_ids[external] = internal
+
+    def step(self) -> list[tuple[int, Sample]]:
+        engine = self.backend.llm.llm_engine
+        if self.in_flight and not engine.has_unfinished_requests():
+            raise RuntimeError(f"vLLM engine idle with {len(self.in_flight)} requests unanswered")
+        finished = []
+        for output in engine.step():
+            if output.finished:
+                self.internal_ids.pop(output.request_id, None)
+                finished.append((self.in_flight.pop(output.request_id), to_sample(output.outputs[0])))
+        return finished
+
+    def __exit__(self, *exc: object) -> None:
+        if self.internal_ids:  # left by an error: the engine must be idle for the next generation
+            self.backend.llm.llm_engine.abort_request(list(self.internal_ids.values()), internal=True)
+            self.in_flight.clear()
+            self.internal_ids.clear()
+        self.backend.record_gpu_memory()
