@@ -44,7 +44,8 @@ log = logging.getLogger(__name__)
 MODULES = {"tensorboard": "tensorboard", "mlflow": "mlflow", "wandb": "wandb"}
 # Per-step train_metrics columns averaged over an iteration's optimizer steps; min/max keep their extreme.
 STEP_MEANS = ("loss", "policy_loss", "approx_kl", "kl_ref", "entropy", "clip_frac_low", "clip_frac_high",
-              "clip_frac_dual", "is_ratio_mean", "is_ess", "rejected_frac", "grad_norm", "padding_frac")
+              "clip_frac_dual", "is_ratio_mean", "is_ess", "rejected_frac", "grad_norm", "padding_frac",
+              "staleness_mean")
 # The critic's columns (PPO with GAE): 0 in every step of a run without a critic, which logs none of them.
 CRITIC_MEANS = ("value_loss", "vf_clip_frac", "vf_explained_var")
 
@@ -105,7 +106,7 @@ def iteration_scalars(data: ReportData, iteration: int) -> dict[str, float]:
         values = [r[name] for r in trained if _finite(r.get(name))]
         if values:
             scalars[f"update/{name}"] = sum(values) / len(values)
-    for name, pick in (("is_ratio_min", min), ("is_ratio_max", max)):
+    for name, pick in (("is_ratio_min", min), ("is_ratio_max", max), ("staleness_max", max)):
         values = [r[name] for r in trained if _finite(r.get(name))]
         if values:
             scalars[f"update/{name}"] = pick(values)

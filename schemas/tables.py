@@ -70,7 +70,7 @@ PROMPTS = TableSchema(
 
 ROLLOUTS = TableSchema(
     name="rollouts",
-    version=2,
+    version=3,
     schema=_schema(
         _KEY_FIELDS
         + [
@@ -97,16 +97,20 @@ ROLLOUTS = TableSchema(
             ("tool_errors", pa.int32()),  # calls that raised, timed out or crashed
             ("tool_seconds", pa.float64()),  # wall time in the sandbox, all calls
             ("conversation", pa.string()),  # JSON list of {"role", "content"} after the prompt; null single-turn
+            # Train stages the generating checkpoint had had: 0 the base model, j + 1 iteration j's checkpoint (the
+            # sampler of iteration k is k-1-pipeline.max_staleness). Null in a table before v3: strict order, k.
+            ("policy_step", pa.int32()),
         ],
-        nullable=frozenset({"loss_mask", "turn_spans", "turn_rewards", "conversation"}),
+        nullable=frozenset({"loss_mask", "turn_spans", "turn_rewards", "conversation", "policy_step"}),
     ),
     key=ROLLOUT_KEY,
-    # v2: multi-turn columns; a v1 table reads as single-turn rollouts.
-    older=(1,),
+    # v2: multi-turn columns; a v1 table reads as single-turn rollouts. v3: policy_step (null before).
+    older=(1, 2),
     added=(("loss_mask", None), ("turn_spans", None), ("turn_rewards", None), ("num_turns", 1), ("tool_calls", 0),
-           ("tool_errors", 0), ("tool_seconds", 0.0), ("conversation", None)),
+           ("tool_errors", 0), ("tool_seconds", 0.0), ("conversation", None), ("policy_step", None)),
 )
-# What a single-turn rollout row holds in the multi-turn columns.
+# What a rollout row of an older table holds in the columns added since: a single-turn rollout (no mask, spans
+# or conversation, one turn, no tool calls) made in strict order (policy_step null: iteration k's own step).
 SINGLE_TURN_ROLLOUT = dict(ROLLOUTS.added)
 
 SCORES = TableSchema(
@@ -160,9 +164,10 @@ BATCH = TableSchema(
 TRAIN_METRICS = TableSchema(
     name="train_metrics",
     # v2: kl_ref, clip_frac_dual, is_ess, rejected_frac, loss_tokens, padding_frac. v3: value_loss,
-    # vf_clip_frac, vf_explained_var. Definitions of every column are in stages/rl/trainer.py (`metrics_row`)
-    # and stages/rl/critic.py; a skipped step is one row, skipped = True.
-    version=3,
+    # vf_clip_frac, vf_explained_var. v4: staleness_mean, staleness_max. Definitions of every column are in
+    # stages/rl/trainer.py (`metrics_row`), stages/rl/critic.py and stages/train.py (staleness); a skipped step
+    # is one row, skipped = True.
+    version=4,
     schema=_schema(
         [
             ("run_id", pa.string()),
@@ -193,11 +198,16 @@ TRAIN_METRICS = TableSchema(
             ("value_loss", pa.float64()),  # the critic's clipped value loss (0 without a critic)
             ("vf_clip_frac", pa.float64()),  # response tokens whose value clip was active
             ("vf_explained_var", pa.float64()),  # 1 - Var(R - V) / Var(R) of the critic before its update
+            # iteration - policy_step over the samples the iteration trains (the same on each of its rows): how
+            # many train stages behind the sampler was (pipeline.max_staleness); NaN / 0 when none has a response
+            ("staleness_mean", pa.float64()),
+            ("staleness_max", pa.int32()),
         ]
     ),
     key=("run_id", "iteration", "step"),
-    older=(2,),
-    added=(("value_loss", 0.0), ("vf_clip_frac", 0.0), ("vf_explained_var", 0.0)),
+    older=(2, 3),
+    added=(("value_loss", 0.0), ("vf_clip_frac", 0.0), ("vf_explained_var", 0.0), ("staleness_mean", 0.0),
+           ("staleness_max", 0)),
 )
 
 EVAL = TableSchema(

@@ -1,14 +1,15 @@
 """Stage `generate`: sample n responses per training prompt with the current policy.
 
-Iteration k generates with checkpoint k-1 (iteration 0 with the base model) and stamps every row with that
-checkpoint's content hash (`policy_version`). Which prompts an iteration uses is a deterministic function of
-(run seed, iteration): the training set is shuffled once per epoch by a hash and walked in order, so a
-rerun picks the same prompts and every prompt is seen once per epoch. An extra dynamic-sampling round r >= 1
-(advantage.target_groups) draws `prompts_per_iteration` more prompts that no earlier round of the iteration
-used, by a hash shuffle of (run seed, iteration, round), written to iter=k/round=RR/. Each sample's seed is
-derived from
-(run seed, iteration, round, prompt, sample index), never from batch position, so a rerun of the stage on the
-same machine with a deterministic backend reproduces the table byte for byte.
+Iteration k generates with checkpoint k-1-N (N = pipeline.max_staleness; the base model while that is < 0:
+stages/registry.py `sampler_output`) and stamps every row with that checkpoint's content hash (`policy_version`)
+and its train steps (`policy_step`: 0 the base, j + 1 checkpoint j; also in the manifest). Which prompts an
+iteration uses is a deterministic function of (run seed, iteration): the training set is shuffled once per
+epoch by a hash and walked in order, so a rerun picks the same prompts and every prompt is seen once per epoch.
+An extra dynamic-sampling round r >= 1 (advantage.target_groups) draws `prompts_per_iteration` more prompts
+that no earlier round of the iteration used, by a hash shuffle of (run seed, iteration, round), written to
+iter=k/round=RR/. Each sample's seed is derived from (run seed, iteration, round, prompt, sample index), never
+from batch position, so a rerun of the stage on the same machine with a deterministic backend reproduces the
+table byte for byte.
 
 With `generate.multi_turn.mode` tool or feedback each sample is a conversation rolled out by the agent loop
 (stages/generation/agent_loop.py) with the score stage's sandbox as its interpreter or judge; the rollouts row
@@ -47,6 +48,7 @@ from stages.generation.device import Device, backend_device_record, claim_device
 from stages.generation.models import load_tokenizer
 from stages.generation.sampling import GenerationResult, encode_prompts, generate_with_progress
 from stages.harness import StageContext, StageInputError, exit_with
+from stages.registry import policy_step
 from stages.sandbox import Sandbox, rewards
 from stages.sandbox.rewards import RewardInput
 
@@ -174,7 +176,7 @@ def run(ctx: StageContext) -> None:
         result = GenerationResult(result.samples + greedy.samples, result.seconds + greedy.seconds,
                                   result.tokens + greedy.tokens)
 
-    policy_version = ctx.inputs["policy"].sha256
+    policy_version, step = ctx.inputs["policy"].sha256, policy_step(ctx.sources["policy"])
     rows = []
     for request, (prompt_id, sample_idx, seed), sample, columns in zip(requests, keys, result.samples, extra,
                                                                        strict=True):
@@ -184,10 +186,11 @@ def run(ctx: StageContext) -> None:
             "prompt_token_ids": request.prompt_token_ids, "response_token_ids": sample.token_ids,
             "response_logprobs": sample.logprobs, "response_text": sample.text,
             "num_tokens": len(sample.token_ids), "seed": seed, "backend": backend.name,
-            **columns,
+            **columns, "policy_step": step,
         })
     ctx.write_table("rollouts", pa.Table.from_pylist(rows), {
         "backend": backend.name,
+        "policy_step": step,
         # the continuous multi-turn loop's batches depend on when tool calls return (agent_loop.py)
         "deterministic": backend.deterministic and not (multi_turn
                                                         and uses_continuous_batching(backend, cfg.multi_turn)),

@@ -1,8 +1,9 @@
 """Stage `train`: update the policy on this iteration's batch and write checkpoint k + train_metrics k.
 
 The kept batch rows are joined with their rollouts (token ids, the sampler's logprobs) on the rollout key, in
-key order, into `TrainSample`s and trained from the policy that generated them (checkpoint k-1, the base
-model for k = 0) by stages/rl/session.py (plain torch, in this process) or stages/rl/deepspeed_backend.py
+key order, into `TrainSample`s and trained from checkpoint k-1 (the base model for k = 0; the rows were sampled
+by checkpoint k-1-N, N = pipeline.max_staleness, and train_metrics reports k - policy_step as `staleness`)
+by stages/rl/session.py (plain torch, in this process) or stages/rl/deepspeed_backend.py
 (`train.processes` ranks). Old-policy logprobs are recomputed by the trainer at the generation temperature;
 the sampler's are the behaviour policy for rollout correction (or the old policy, `bypass_old_logprobs`).
 The KL reference is the base model, verified against the run's base-model hash. A skipped batch (no kept
@@ -77,6 +78,18 @@ def training_samples(
             }
         )
     return samples, empty
+
+
+def staleness(iteration: int, batch: list[dict], rollouts: list[dict]) -> dict[str, float | int]:
+    """How many train stages the sampler of the rows trained (kept, with a response) was behind: mean and max of
+    k - policy_step. A null policy_step (a rollouts table before v3, made in strict order by checkpoint k-1) is
+    k: staleness 0. NaN mean and max 0 when no row is trained."""
+    kept = {_key(row) for row in batch if row["kept"]}
+    behind = [iteration - (r["policy_step"] if r.get("policy_step") is not None else iteration)
+              for r in rollouts if _key(r) in kept and r["response_token_ids"]]
+    if not behind:
+        return {"staleness_mean": math.nan, "staleness_max": 0}
+    return {"staleness_mean": sum(behind) / len(behind), "staleness_max": max(behind)}
 
 
 def skipped_row(global_step: int, lr: float) -> dict[str, Any]:
@@ -186,9 +199,10 @@ def run(ctx: StageContext) -> None:
 
         ranks = resolve_processes(cfg.processes, device.type, device.gpus)  # refused here, before any work
     batch = ctx.read_input("batch").to_pylist()
-    columns = [*ROLLOUT_KEY, "prompt_token_ids", "response_token_ids", "response_logprobs", "loss_mask"]
+    columns = [*ROLLOUT_KEY, "prompt_token_ids", "response_token_ids", "response_logprobs", "loss_mask", "policy_step"]
     rollouts = ctx.read_rounds("rollouts", columns).to_pylist()  # every generation round the batch drew on
     samples, empty = training_samples(batch, rollouts, ctx.inputs["batch"].path)
+    behind = staleness(ctx.iteration, batch, rollouts)
     policy_dir = ctx.policy_dir()
     out_dir = ctx.scratch_checkpoint_dir()
     state = read_state(policy_dir)
@@ -234,8 +248,8 @@ def run(ctx: StageContext) -> None:
     gpus_used = ranks if deepspeed and not skipped else None
     metrics["device"] = device_record(device, resolve_dtype(cfg.dtype, device.torch), gpus_used,
                                       metrics.pop("peak_gpu_memory_mb", None))
-    metrics.update({"skipped": skipped, "samples": len(samples), "empty_responses": empty})
-    table_rows = [{"run_id": ctx.run_id, "iteration": ctx.iteration, **row} for row in rows]
+    metrics.update({"skipped": skipped, "samples": len(samples), "empty_responses": empty, **behind})
+    table_rows = [{"run_id": ctx.run_id, "iteration": ctx.iteration, **row, **behind} for row in rows]
     ctx.write_checkpoint(out_dir, metrics)
     ctx.write_table("train_metrics", pa.Table.from_pylist(table_rows), metrics)
 

@@ -172,7 +172,7 @@ def standin_train(ctx: StageContext) -> None:
     pause()
     row = {"run_id": ctx.run_id, "iteration": ctx.iteration, "step": 0, "epoch": 0, "skipped": False}
     floats = [f.name for f in pa.schema(STAGE_SCHEMAS["train_metrics"]) if f.type == pa.float64()]
-    row |= {name: 0.0 for name in floats} | {"tokens": 10, "loss_tokens": 4, "sequences": 8}
+    row |= {name: 0.0 for name in floats} | {"tokens": 10, "loss_tokens": 4, "sequences": 8, "staleness_max": 0}
     ctx.write_table("train_metrics", pa.Table.from_pylist([row]))
 
 

@@ -186,7 +186,7 @@ def test_table_with_an_old_schema_version_is_refused(run: RunLayout) -> None:
     run_stage_at("generate", run, 0, old_generate)
     before = h.snapshot(Path(run.run_dir))
     refused(h.run(h.stage_command(run, "score"), run.root), run.table_path("rollouts", 0), "rollouts/v0",
-            "rollouts/v2")
+            "rollouts/v3")
     unchanged(run, before, stale_manifest="iter=0000/scores.parquet.manifest.json")
 
 
@@ -197,7 +197,7 @@ def test_table_with_a_wrong_schema_is_refused(run: RunLayout) -> None:
                            (lambda t: t.set_column(t.schema.get_field_index("num_tokens"), "num_tokens",
                                                    pa.array(["two"] * t.num_rows)), "num_tokens")]:
         def bad_generate(ctx: StageContext, broken=broken) -> None:  # noqa: ANN001
-            write_raw(ctx, "rollouts", broken(rollouts_table(ctx)), "rollouts/v2", cast=False)
+            write_raw(ctx, "rollouts", broken(rollouts_table(ctx)), "rollouts/v3", cast=False)
 
         run_stage_at("generate", run, 0, bad_generate)
         before = h.snapshot(Path(run.run_dir))
@@ -233,7 +233,7 @@ def test_group_smaller_than_n_samples_is_refused(run: RunLayout) -> None:
     short = {h.TRAIN_IDS[0]: h.N_SAMPLES, h.TRAIN_IDS[1]: h.N_SAMPLES - 1}
 
     def short_generate(ctx: StageContext) -> None:
-        write_raw(ctx, "rollouts", rollouts_table(ctx, groups=short), "rollouts/v2")
+        write_raw(ctx, "rollouts", rollouts_table(ctx, groups=short), "rollouts/v3")
 
     def short_score(ctx: StageContext) -> None:
         rows = [{**{k: r[k] for k in ROLLOUT_KEY}, "reward": float(r["sample_idx"] % 2 == 0), "passed": 1,

@@ -13,6 +13,7 @@ from schemas.config import TrainConfig
 from schemas.tables import SINGLE_TURN_ROLLOUT
 from stages import advantage, train
 from stages.harness import StageContext
+from stages.registry import policy_step
 from stages.rl.trainer import PolicyTrainer, TorchStepper, TrainSample, make_adamw
 from storage.layout import RunLayout
 from tests.support.stages import run_stage_at
@@ -81,6 +82,7 @@ def fake_generate(ctx: StageContext) -> None:
                 "num_tokens": len(sample.response_ids),
                 "seed": 0,
                 "backend": "fake", **SINGLE_TURN_ROLLOUT,
+                "policy_step": policy_step(ctx.sources["policy"]),  # the checkpoint the harness resolved
             }
         )
     ctx.write_table("rollouts", pa.Table.from_pylist(rows))

@@ -136,7 +136,7 @@ def multi_turn_generate(ctx: StageContext) -> None:
                 "response_text": "", "finish_reason": "stop", "truncated": False, "num_tokens": len(response),
                 "seed": 0, "backend": "fake", "loss_mask": mask, "turn_spans": spans, "turn_rewards": turn_rewards,
                 "num_turns": len(spans), "tool_calls": len(spans) - 1,
-                "tool_errors": 0, "tool_seconds": 0.0, "conversation": json.dumps([]),
+                "tool_errors": 0, "tool_seconds": 0.0, "conversation": json.dumps([]), "policy_step": ctx.iteration,
             })  # fmt: skip
     ctx.write_table("rollouts", pa.Table.from_pylist(rows))
 

@@ -136,7 +136,7 @@ def test_positive_logprob_and_token_count(tables: dict[str, pa.Table], config: R
     assert len(result.failures) == 2, result.summary()
     path = "/r/iter=0001/rollouts.parquet"
     message = str(ContractViolation(path, result, rejected_path(path)))
-    assert message.startswith("/r/iter=0001/rollouts.parquet: contract rollouts/v2: 2 of ")
+    assert message.startswith("/r/iter=0001/rollouts.parquet: contract rollouts/v3: 2 of ")
     assert "expect_column_values_to_be_between(_logprob_max) — every response logprob <= 0: 1 bad row; e.g. {" in (
         message)
     assert "kept at /r/iter=0001/rollouts.rejected.parquet, not as the output" in message

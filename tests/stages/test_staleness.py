@@ -4,9 +4,14 @@ the pipeline section existed), never computed by the registry itself."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 
 from schemas.config import ConfigError, RunConfig, load_config
+from schemas.tables import ROLLOUTS
 from stages.registry import (
     PROMPTS,
     Output,
@@ -15,7 +20,9 @@ from stages.registry import (
     policy_step,
     sampler_output,
 )
+from storage.fs import filesystem
 from storage.layout import BASE
+from storage.tables import read_table
 
 STALE = ["pipeline.max_staleness=1", "train.is_level=token"]
 
@@ -96,3 +103,28 @@ def test_staleness_refuses_dynamic_sampling() -> None:
 def test_staleness_is_not_negative() -> None:
     with pytest.raises(ConfigError, match="pipeline.max_staleness"):
         config("pipeline.max_staleness=-1")
+
+
+def test_a_v2_rollouts_table_reads_with_a_null_policy_step(tmp_path: Path) -> None:
+    """A rollouts table from before policy_step (v2) still reads; its rows get null (strict order: step k)."""
+    v2 = pa.schema([field for field in ROLLOUTS.schema if field.name != "policy_step"])
+    row = {"run_id": "r", "iteration": 1, "round": 0, "prompt_id": "p", "sample_idx": 0, "policy_version": "h",
+           "prompt_token_ids": [1], "response_token_ids": [2], "response_logprobs": [-0.5], "response_text": "x",
+           "finish_reason": "stop", "truncated": False, "num_tokens": 1, "seed": 7, "backend": "hf",
+           "loss_mask": None, "turn_spans": None, "turn_rewards": None, "num_turns": 1, "tool_calls": 0,
+           "tool_errors": 0, "tool_seconds": 0.0, "conversation": None}
+    path = tmp_path / "rollouts.parquet"
+    table = pa.Table.from_pylist([row], schema=v2).replace_schema_metadata({b"rlpipe.schema": b"rollouts/v2"})
+    pq.write_table(table, path)
+    read = read_table(filesystem(str(tmp_path)), str(path), ROLLOUTS).to_pylist()[0]
+    assert read["policy_step"] is None and read["policy_version"] == "h"
+
+
+def test_trackers_log_the_staleness_of_each_iteration() -> None:
+    from flows.trackers import iteration_scalars
+    from reports.html import ReportData
+
+    steps = [{"iteration": 2, "step": i, "skipped": False, "loss": 1.0, "lr": 1e-5, "tokens": 10, "seconds": 1.0,
+              "staleness_mean": 1.0, "staleness_max": 1} for i in range(2)]
+    scalars = iteration_scalars(ReportData(run_id="r", root="/x", config=None, ks=[1], train=steps), 2)
+    assert scalars["update/staleness_mean"] == 1.0 and scalars["update/staleness_max"] == 1

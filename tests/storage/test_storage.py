@@ -65,7 +65,7 @@ def test_reader_refuses_other_schema_version(tmp_path: Path) -> None:
 def test_reader_refuses_wrong_table(tmp_path: Path) -> None:
     fs = filesystem(str(tmp_path))
     written = write_table(fs, f"{tmp_path}/p.parquet", pa.Table.from_pylist(prompt_rows(1)), PROMPTS)
-    with pytest.raises(TableVersionError, match="rollouts/v2"):
+    with pytest.raises(TableVersionError, match="rollouts/v3"):
         read_table(fs, written.path, ROLLOUTS)
 
 

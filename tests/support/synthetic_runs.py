@@ -300,6 +300,7 @@ class SyntheticRun:
             **{name: pa.nulls(rows, TABLES["rollouts"].schema.field(name).type)
                for name in ("loss_mask", "turn_spans", "turn_rewards", "conversation")},
             "num_turns": pa.array(np.ones(rows, dtype=np.int32)),
+            "policy_step": pa.array(np.full(rows, iteration, dtype=np.int32)),  # strict order: checkpoint k-1
         }, rows)
         scores = build_table("scores", {
             **key_columns,
