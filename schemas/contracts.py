@@ -110,7 +110,7 @@ def _at_least(a: str, b: str, rule: str) -> Check:
 DERIVED: dict[str, tuple[str, ...]] = {
     "prompts": ("_reward_kind", "_messages_ok"),
     "rollouts": ("_group_size", "_response_len", "_logprobs_len", "_logprob_max", "_logprob_nonfinite",
-                 "_finish_is_length", "_loss_mask_len_ok", "_turns_ok"),
+                 "_finish_is_length", "_loss_mask_len_ok", "_turns_ok", "_staleness"),
     "scores": ("_group_size", "_no_code_reward_ok"),
     "batch": ("_group_size", "_drop_reason_null"),
     "train_metrics": (),
@@ -255,6 +255,10 @@ def checks_for(table_name: str, config: RunConfig) -> list[Check]:
             _at_least("tool_calls", "tool_errors", "tool_errors <= tool_calls"),
             _in_set("_turns_ok", [True], "turn_spans (where set) has num_turns ordered [start, end) spans within the "
                     "response, and turn_rewards (where set) one value per turn", shows=("num_turns",)),
+            Check("ExpectColumnValuesToBeBetween",
+                  {"column": "_staleness", "min_value": 0, "max_value": config.pipeline.max_staleness},
+                  f"iteration - policy_step within 0..pipeline.max_staleness ({config.pipeline.max_staleness}); a null "
+                  "step is strict order, 0", ("iteration", "policy_step")),
         ]
     elif table_name == "scores":
         checks += [
@@ -404,6 +408,9 @@ def to_frame(table_name: str, table: pa.Table, config: RunConfig):  # noqa: ANN2
             for mask, n in zip(masks, response_len, strict=True)
         ]
         frame["_turns_ok"] = _turns_ok(table, response_len) if "turn_spans" in names else [True] * rows
+        steps = frame["policy_step"].to_numpy(np.float64) if "policy_step" in names else np.full(rows, np.nan)
+        behind = frame["iteration"].to_numpy(np.float64) - steps
+        frame["_staleness"] = np.where(np.isnan(steps), 0, behind).astype(np.int64)
     elif table_name == "scores":
         frame["_group_size"] = group_size(GROUP_KEY)
         no_code = (frame["status"] == "no_code").to_numpy(bool)

@@ -128,3 +128,30 @@ def test_trackers_log_the_staleness_of_each_iteration() -> None:
               "staleness_mean": 1.0, "staleness_max": 1} for i in range(2)]
     scalars = iteration_scalars(ReportData(run_id="r", root="/x", config=None, ks=[1], train=steps), 2)
     assert scalars["update/staleness_mean"] == 1.0 and scalars["update/staleness_max"] == 1
+
+
+def test_the_rollouts_contract_bounds_the_staleness(tmp_path: Path) -> None:
+    """iteration - policy_step must lie within 0..max_staleness (a null step, an older table's, counts as 0)."""
+    from schemas.contracts import validate_table
+    from tests.support.synthetic_runs import SyntheticRun, SyntheticSpec
+
+    synthetic = SyntheticRun(str(tmp_path), SyntheticSpec(run_id="c", iterations=3))
+    rollouts = synthetic.iteration_tables(2, "f" * 64)["rollouts"]
+    values = synthetic.config.model_dump(mode="json")
+    strict = synthetic.config
+    stale = RunConfig.model_validate({**values, "pipeline": {"max_staleness": 1},
+                                      "train": {**values["train"], "is_level": "token"}})
+
+    def staleness_failures(steps: list[int | None], config: RunConfig) -> int:
+        column = rollouts.schema.get_field_index("policy_step")
+        table = rollouts.set_column(column, ROLLOUTS.schema.field("policy_step"), pa.array(steps, pa.int32()))
+        result = validate_table("rollouts", table, config)
+        return sum(f.unexpected_count for f in result.failures if f.column == "_staleness")
+
+    rows = rollouts.num_rows
+    assert staleness_failures([2] * rows, strict) == 0
+    assert staleness_failures([None] * rows, strict) == 0
+    assert staleness_failures([1] * rows, strict) == rows  # one behind where none may be
+    assert staleness_failures([1] * rows, stale) == 0
+    assert staleness_failures([0] + [1] * (rows - 1), stale) == 1  # two behind
+    assert staleness_failures([3] + [2] * (rows - 1), stale) == 1  # a policy from the future
