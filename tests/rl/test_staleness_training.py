@@ -10,8 +10,10 @@ of iteration k is checkpoint k-1-N (policy_step k-N, 0 for the base), staleness 
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pyarrow.parquet as pq
+import pytest
 
 from stages import advantage, train
 from stages.registry import instance, stage_state
@@ -96,3 +98,34 @@ def test_staleness_counts_the_kept_rows_with_a_response_and_a_null_step_as_stric
     assert train.staleness(3, batch, rollouts) == {"staleness_mean": 1.0, "staleness_max": 2}
     empty = train.staleness(3, [{**key("p", 3), "kept": False}], rollouts)
     assert math.isnan(empty["staleness_mean"]) and empty["staleness_max"] == 0
+
+
+@pytest.mark.slow
+def test_the_generate_stage_records_the_step_of_the_checkpoint_it_sampled_with(tmp_path: Path) -> None:
+    """The real generate stage (packaged model, HF backend, 1 prompt x 2 samples x 4 tokens) with max_staleness 1:
+    iterations 0 and 1 sample with the base (step 0, generate 1 running before train 0 exists), iteration 2 with
+    checkpoint 0 (step 1); train 0 is a skipped step (equal rewards), its checkpoint a copy of the base."""
+    from schemas.config import load_config
+    from stages import base_model, generate, prompts
+    from tests.reliability import helpers as h
+    from tests.support.stages import start_run
+
+    overrides = h.run_overrides(
+        tmp_path / "sources", "iterations=3", "generate.backend=hf", "generate.prompts_per_iteration=1",
+        "generate.n_samples=2", "generate.max_new_tokens=4", "generate.mismatch_samples=0", "data.max_test_prompts=1",
+        "pipeline.max_staleness=1", "train.is_level=token", "advantage.drop_zero_variance_groups=false",
+    )
+    layout = start_run(load_config(None, overrides), str(tmp_path / "root"))
+    run_stage_at("prompts", layout, BASE, prompts.run)
+    run_stage_at("base_model", layout, BASE, base_model.run)
+    steps = {}
+    for stage, k, work in [("generate", 0, generate.run), ("score", 0, fake_score(True)), ("generate", 1, generate.run),
+                           ("advantage", 0, advantage.run), ("train", 0, train.run), ("generate", 2, generate.run)]:
+        [manifest, *_] = run_stage_at(stage, layout, k, work)
+        if stage == "generate":
+            steps[k] = manifest.metrics["policy_step"]
+            assert {r["policy_step"] for r in rows_of(layout, "rollouts", k)} == {steps[k]}
+    assert steps == {0: 0, 1: 0, 2: 1}
+    assert {r["policy_version"] for r in rows_of(layout, "rollouts", 2)} == {checkpoint_sha(layout, 0)}
+    [train_row] = rows_of(layout, "train_metrics", 0)
+    assert train_row["skipped"] and (train_row["staleness_mean"], train_row["staleness_max"]) == (0.0, 0)
