@@ -26,16 +26,23 @@ import time
 from typing import Any
 
 
-def synthetic_samples(n: int, prompt_tokens: int, response_tokens: int, vocab: int, seed: int) -> list[dict]:
+def synthetic_samples(
+    n: int, prompt_tokens: int, response_tokens: int, vocab: int, seed: int, group_size: int = 1
+) -> list[dict]:
+    """`n` samples in groups of `group_size` consecutive samples sharing a prompt (a GRPO batch: n_samples
+    responses per prompt), responses of response_tokens / 2 to response_tokens tokens."""
     import numpy as np
 
     rng = np.random.default_rng(seed)
     samples = []
+    prompt: list[int] = []
     for i in range(n):
+        if i % group_size == 0:
+            prompt = rng.integers(10, vocab, size=prompt_tokens).tolist()
         length = int(rng.integers(response_tokens // 2, response_tokens + 1))
         samples.append(
             {
-                "prompt_ids": rng.integers(10, vocab, size=prompt_tokens).tolist(),
+                "prompt_ids": list(prompt),
                 "response_ids": rng.integers(10, vocab, size=length).tolist(),
                 "behaviour_logprobs": [-3.0] * length,
                 "advantage": 1.0 if i % 2 else -1.0,
@@ -71,10 +78,10 @@ def run_bare(model_dir: str, samples: list[dict], threads: int, budget: int) -> 
     tokens = 0
     for indices in pack_by_tokens([len(p) + len(r) for p, r in zip(prompts, responses, strict=True)], budget):
         micro = build_micro_batch(indices, prompts, responses)
-        logits = model(input_ids=micro.input_ids_BL, attention_mask=micro.attention_mask_BL).logits
+        logits = model(input_ids=micro.input_ids_RL, attention_mask=micro.attention_mask_RL).logits
         logp_all = torch.log_softmax(logits.float(), dim=-1)
         logp_BT = micro.to_BT(
-            logp_all[micro.rows_N, micro.positions_N].gather(-1, micro.targets_N[:, None])[:, 0]
+            logp_all[micro.hidden_rows_N, micro.positions_N].gather(-1, micro.targets_N[:, None])[:, 0]
         )
         mask_BT = micro.response_mask_BT()
         ratio = torch.exp(logp_BT - logp_BT.detach())
@@ -128,12 +135,17 @@ def _child(name: str, args: tuple, queue: multiprocessing.Queue) -> None:
 def measure(name: str, args: tuple) -> dict[str, Any]:
     context = multiprocessing.get_context("spawn")
     queue = context.Queue()
+    samples = args[1]
     load_before = os.getloadavg()[0]
     process = context.Process(target=_child, args=(name, args, queue))
     process.start()
     result = queue.get()
     process.join()
     result.update(name=name, load_before=load_before, load_after=os.getloadavg()[0])
+    # The same work on both sides: the batch's tokens (each sample's prompt + response), whatever was forwarded
+    # (with shared prompts the stage forwards each group's prompt once).
+    result["forwarded_tokens"] = result["tokens"]
+    result["tokens"] = sum(len(s["prompt_ids"]) + len(s["response_ids"]) for s in samples)
     result["tokens_per_second"] = result["tokens"] / result["train_seconds"]
     result["tokens_per_cpu_second"] = result["tokens"] / result["train_cpu_seconds"]
     return result
@@ -150,6 +162,10 @@ def main() -> None:
     parser.add_argument("--micro-batch-tokens", type=int, default=2048)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument(
+        "--group-size", type=int, default=4,
+        help="samples per prompt (generate.n_samples); the ratio is also printed for 1 (no prompt to share)",
+    )
     args = parser.parse_args()
 
     if args.model is None:
@@ -160,7 +176,24 @@ def main() -> None:
     from transformers import AutoConfig
 
     vocab = AutoConfig.from_pretrained(args.model).vocab_size
-    samples = synthetic_samples(args.sequences, args.prompt_tokens, args.response_tokens, vocab, seed=0)
+    ratios = {}
+    for group_size in dict.fromkeys((args.group_size, 1)):
+        samples = synthetic_samples(
+            args.sequences, args.prompt_tokens, args.response_tokens, vocab, seed=0, group_size=group_size
+        )
+        print(f"--- group size {group_size}: {args.sequences // group_size} prompts x {group_size} samples")
+        ratios[group_size] = compare(args, samples)
+    print()
+    for group_size, (wall, cpu, memory) in ratios.items():
+        label = "headline" if group_size == args.group_size else "no shared prompt"
+        print(
+            f"group size {group_size} ({label}): ratio stage / bare {wall:.2f} wall-clock, {cpu:.2f} per CPU-second "
+            f"(target >= 1.0); peak RSS {memory:.2f} (target <= 0.5)"
+        )
+
+
+def compare(args: argparse.Namespace, samples: list[dict]) -> tuple[float, float, float]:
+    """Run bare and stage `args.repeats` times each, alternating; (wall, CPU, memory) ratios stage / bare."""
     child_args = (args.model, samples, args.threads, args.micro_batch_tokens)
     results: dict[str, list[dict]] = {"bare": [], "stage": []}
     for _ in range(args.repeats):
@@ -168,7 +201,8 @@ def main() -> None:
             result = measure(name, child_args)
             results[name].append(result)
             print(
-                f"{name:<6} {result['tokens']:>6} tok  {result['train_seconds']:>7.1f} s wall "
+                f"{name:<6} {result['tokens']:>6} tok ({result['forwarded_tokens']:>6} forwarded) "
+                f"{result['train_seconds']:>7.1f} s wall "
                 f"{result['tokens_per_second']:>6.1f} tok/s  {result['train_cpu_seconds']:>7.1f} s CPU "
                 f"{result['tokens_per_cpu_second']:>6.1f} tok/CPU-s  "
                 f"peak RSS {result['peak_rss_mb']:>6.0f} MB  "
@@ -177,7 +211,7 @@ def main() -> None:
                 flush=True,
             )
     print(
-        f"\nbatch: {args.sequences} sequences x ({args.prompt_tokens} prompt + <= {args.response_tokens} "
+        f"batch: {args.sequences} sequences x ({args.prompt_tokens} prompt + <= {args.response_tokens} "
         f"response) tokens, {args.threads} threads, micro-batch budget {args.micro_batch_tokens} tokens"
     )
     summary = {}
@@ -196,8 +230,10 @@ def main() -> None:
     memory = max(r["peak_rss_mb"] for r in results["stage"]) / max(r["peak_rss_mb"] for r in results["bare"])
     print(
         f"ratio stage / bare: {wall:.2f} wall-clock, {cpu:.2f} per CPU-second (target >= 1.0); "
-        f"peak RSS {memory:.2f} (target <= 0.5)"
+        f"peak RSS {memory:.2f} (target <= 0.5)",
+        flush=True,
     )
+    return wall, cpu, memory
 
 
 if __name__ == "__main__":

@@ -668,6 +668,13 @@ class TrainConfig(Section):
         "(estimated as micro_batch_tokens x layers x 27 x hidden x 4 B, measured on SmolLM2-135M) would exceed the "
         "weights + gradients (2 x parameters x 4 B), i.e. when they would dominate the backward's memory."
     )
+    share_prompts: Literal["auto"] | bool = Field(
+        "auto", description="Forward a group's shared prompt once: the samples of a micro-batch with equal prompt "
+        "token ids go into one row [prompt, response_1, ..., response_m] with a 4D attention mask (each response "
+        "sees the prompt and itself) and position ids; same math, only rounding differs (stages/rl/logprobs.py). "
+        "`true`: wherever the model's attention takes a 4D mask (sdpa, eager); `auto`: also only on the tested "
+        "architectures (Llama: SmolLM2); elsewhere, and with `false`, one row per sample."
+    )
     lora_rank: int = Field(
         0, ge=0, description="LoRA (peft) rank; 0: full fine-tune. Saved checkpoints have the adapters merged."
     )

@@ -10,7 +10,8 @@ GAE) and the train stage of the next iteration, and is resumed like the policy. 
 optimizer step of verl's clipped value loss (`value_loss`) on a minibatch, beside each policy step, with its
 own learning rate and schedule (`train.critic_lr`, `critic_warmup_steps`, `critic_lr_schedule`). The critic
 trains in fp32 on the torch backend only (TrainConfig refuses a critic with DeepSpeed). A multi-turn sample's
-loss mask keeps observation tokens out of the value loss and its statistics, as out of the policy's.
+loss mask keeps observation tokens out of the value loss and its statistics, as out of the policy's. The critic
+packs its micro-batches like the policy (`train.share_prompts`: a group's prompt forwarded once per row).
 """
 
 from __future__ import annotations
@@ -25,7 +26,13 @@ import numpy as np
 import torch
 
 from schemas.config import TrainConfig
-from stages.rl.logprobs import MicroBatch, build_micro_batch, pack_by_tokens
+from stages.rl.logprobs import (
+    MicroBatch,
+    build_micro_batch,
+    decoder_hidden_states,
+    plan_micro_batches,
+    takes_shared_prompts,
+)
 from stages.rl.schedule import lr_at
 
 CRITIC_DIR = "critic"
@@ -44,18 +51,20 @@ class ValueModel(torch.nn.Module):
 
     def forward(
         self,
-        input_ids_BL: torch.Tensor,
-        attention_mask_BL: torch.Tensor,
-        rows_N: torch.Tensor,
+        input_ids_RL: torch.Tensor,
+        attention_mask_RL: torch.Tensor,
+        hidden_rows_N: torch.Tensor,
         positions_N: torch.Tensor,
+        position_ids_RL: torch.Tensor | None = None,
+        segments_RL: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        decoder = self.backbone.get_decoder()
-        hidden_BLH = decoder(input_ids=input_ids_BL, attention_mask=attention_mask_BL, use_cache=False)[0]
-        return self.head(hidden_BLH[rows_N, positions_N].float()).squeeze(-1)
+        hidden_RLH = decoder_hidden_states(self.backbone, input_ids_RL, attention_mask_RL, position_ids_RL,
+                                           segments_RL)
+        return self.head(hidden_RLH[hidden_rows_N, positions_N].float()).squeeze(-1)
 
     def values_BT(self, micro: MicroBatch) -> torch.Tensor:
-        """(B, T) values of a micro-batch's response tokens, 0 on padding."""
-        return micro.to_BT(self(micro.input_ids_BL, micro.attention_mask_BL, micro.rows_N, micro.positions_N))
+        """(B, T) values of a micro-batch's response tokens (plain or shared rows), 0 on padding."""
+        return micro.to_BT(self(*micro.forward_inputs()))
 
 
 def critic_dir(checkpoint_dir: Path) -> Path:
@@ -167,6 +176,7 @@ class CriticTrainer:
         self.global_step = global_step
         self.device = torch.device(device)
         self.params = [p for p in model.parameters() if p.requires_grad]
+        self.share = takes_shared_prompts(model.backbone, cfg.share_prompts)
 
     def step(self, samples: list[CriticSample], minibatch: list[int]) -> dict[str, float]:
         """Backward the token-mean clipped value loss of `minibatch` micro-batch by micro-batch, step; the row's
@@ -174,14 +184,12 @@ class CriticTrainer:
         cfg = self.cfg
         masks = [s.loss_mask for s in samples]
         tokens = float(sum(len(samples[i].response_ids) if masks[i] is None else sum(masks[i]) for i in minibatch))
-        lengths = [len(samples[i].prompt_ids) + len(samples[i].response_ids) for i in minibatch]
+        prompts, responses = [s.prompt_ids for s in samples], [s.response_ids for s in samples]
         sums = dict.fromkeys(("loss", "clipped", "r", "r_sq", "e", "e_sq", "count"), 0.0)
         self.model.train()
-        for group in pack_by_tokens(lengths, cfg.micro_batch_tokens):
-            indices = [minibatch[j] for j in group]
-            micro = build_micro_batch(indices, [s.prompt_ids for s in samples], [s.response_ids for s in samples],
-                                      loss_masks=masks)
-            micro = micro.to(self.device)
+        for rows in plan_micro_batches(minibatch, prompts, responses, cfg.micro_batch_tokens, self.share):
+            micro = build_micro_batch(rows, prompts, responses, loss_masks=masks).to(self.device)
+            indices = micro.indices
             mask_BT = micro.response_mask_BT()
             old_BT = micro.to_BT(torch.tensor([v for i in indices for v in samples[i].values], device=self.device))
             returns_BT = micro.to_BT(torch.tensor([r for i in indices for r in samples[i].returns], device=self.device))
@@ -214,15 +222,15 @@ class CriticTrainer:
 
 
 def predict_values(model: ValueModel, prompts: list[list[int]], responses: list[list[int]], token_budget: int,
-                   device: str | torch.device = "cpu") -> list[np.ndarray]:
-    """V(s_t) of every response token of every (prompt, response), no grad, micro-batched by `token_budget`."""
+                   device: str | torch.device = "cpu", share: bool = False) -> list[np.ndarray]:
+    """V(s_t) of every response token of every (prompt, response), no grad, micro-batched by `token_budget`
+    (`share`: the shared-prompt layout)."""
     out: list[np.ndarray] = [np.zeros(0)] * len(prompts)
-    lengths = [len(p) + len(r) for p, r in zip(prompts, responses, strict=True)]
     model.eval()
-    for indices in pack_by_tokens(lengths, token_budget):
-        micro = build_micro_batch(indices, prompts, responses).to(torch.device(device))
+    for rows in plan_micro_batches(range(len(prompts)), prompts, responses, token_budget, share):
+        micro = build_micro_batch(rows, prompts, responses).to(torch.device(device))
         with torch.no_grad():
             values_BT = model.values_BT(micro)
-        for row, i in enumerate(indices):
-            out[i] = values_BT[row, : len(responses[i])].double().cpu().numpy()
+        for b, i in enumerate(micro.indices):
+            out[i] = values_BT[b, : len(responses[i])].double().cpu().numpy()
     return out

@@ -8,7 +8,8 @@ only when the batch gets more than one optimizer step or the correction needs th
 (3) `epochs` seeded shuffles, each cut into `minibatches` optimizer steps; each step first fixes its rollout
 correction over the whole minibatch (`_correction`: rejection, M2PO, normalised weights), then packs the
 minibatch into micro-batches by token budget with gradients accumulated, every loss term aggregated with the
-minibatch's totals (`losses.aggregate`) so the gradient is the minibatch loss's whatever the packing;
+minibatch's totals (`losses.aggregate`) so the gradient is the minibatch loss's whatever the packing (with
+`train.share_prompts` the samples of a group share a forward row: stages/rl/logprobs.py);
 (4) clipping, `lr_at(global_step)`, the step.
 
 Multi-turn samples carry a `loss_mask` (0 at tool / environment observation tokens): the micro-batch's
@@ -35,7 +36,14 @@ import torch
 from schemas.config import TrainConfig
 from stages.generation.device import resolve_dtype
 from stages.rl.critic import NO_CRITIC, CriticSample, CriticTrainer
-from stages.rl.logprobs import MicroBatch, ResponseLogprobs, build_micro_batch, micro_logprobs, pack_by_tokens
+from stages.rl.logprobs import (
+    MicroBatch,
+    ResponseLogprobs,
+    build_micro_batch,
+    micro_logprobs,
+    plan_micro_batches,
+    takes_shared_prompts,
+)
 from stages.rl.losses import (
     PolicyLossOutput,
     aggregate,
@@ -287,7 +295,8 @@ def metrics_row(totals: dict[str, float], kl_ref_on: bool) -> dict[str, float | 
       loss, policy_loss = the minibatch loss and its policy term (what was back-propagated)
       approx_kl = sum k3(pi_old || pi_theta) / n;  kl_ref = sum kl_estimator(pi_theta || pi_ref) / n (0 if off)
       entropy = sum H(pi_theta) / n;  the clip / rejection / importance-ratio columns: losses.step_stat_metrics
-      tokens, loss_tokens = non-padding tokens forwarded, loss tokens;  padding_frac = 1 - tokens / padded
+      tokens, loss_tokens = non-padding tokens forwarded (a shared prompt once per row, train.share_prompts), loss
+        tokens;  padding_frac = 1 - tokens / padded
     `PolicyTrainer._step` adds step, epoch, skipped, grad_norm (before clipping), lr, sequences, seconds.
     """
     loss_tokens = max(totals["loss_tokens"], 1.0)
@@ -341,6 +350,8 @@ class PolicyTrainer:
         self.ref_policy = (
             ResponseLogprobs(ref_model, temperature, cfg.logprob_chunk_tokens) if ref_model else None
         )
+        # Each group's prompt forwarded once per row (train.share_prompts, stages/rl/logprobs.py)
+        self.share = takes_shared_prompts(model, cfg.share_prompts)
         disable_dropout(model)
 
     # ----------------------------------------------------------------------------------------------------
@@ -353,26 +364,30 @@ class PolicyTrainer:
         else:
             yield
 
-    def _micro(self, samples: list[TrainSample], indices: list[int]) -> MicroBatch:
-        micro = build_micro_batch(indices, [s.prompt_ids for s in samples], [s.response_ids for s in samples],
+    def _micro(self, samples: list[TrainSample], rows: list[list[int]]) -> MicroBatch:
+        micro = build_micro_batch(rows, [s.prompt_ids for s in samples], [s.response_ids for s in samples],
                                   loss_masks=[s.loss_mask for s in samples])
         return micro.to(self.device)
+
+    def _plan(self, samples: list[TrainSample], indices: list[int], token_budget: int) -> list[list[list[int]]]:
+        """Micro-batches (lists of forward rows of sample indices) of the samples `indices`."""
+        return plan_micro_batches(indices, [s.prompt_ids for s in samples], [s.response_ids for s in samples],
+                                  token_budget, self.share)
 
     def sequence_logprobs(self, policy: torch.nn.Module, samples: list[TrainSample]) -> list[torch.Tensor]:
         """Logprobs of every sample's response tokens under `policy`, no grad (old policy / reference)."""
         out: list[torch.Tensor] = [torch.empty(0)] * len(samples)
-        lengths = [len(s.prompt_ids) + len(s.response_ids) for s in samples]
         model = self.model
         was_training = model.training
         model.eval()
         try:
             # No activations are kept without grad, so twice the training budget fits the same memory.
-            for indices in pack_by_tokens(lengths, 2 * self.cfg.micro_batch_tokens):
-                micro = self._micro(samples, indices)
+            for rows in self._plan(samples, list(range(len(samples))), 2 * self.cfg.micro_batch_tokens):
+                micro = self._micro(samples, rows)
                 with torch.no_grad(), self._autocast():
                     logp_BT, _ = micro_logprobs(policy, micro)
-                for row, i in enumerate(indices):
-                    out[i] = logp_BT[row, : len(samples[i].response_ids)].float().clone()
+                for b, i in enumerate(micro.indices):
+                    out[i] = logp_BT[b, : len(samples[i].response_ids)].float().clone()
         finally:
             model.train(was_training)
         return out
@@ -420,12 +435,10 @@ class PolicyTrainer:
 
     def _rank_micro_batches(
         self, samples: list[TrainSample], minibatch: list[int]
-    ) -> list[tuple[list[int], float]]:
-        """This rank's micro-batches (global sample indices) and loss weights (0 for padding repeats)."""
-        lengths = [len(samples[i].prompt_ids) + len(samples[i].response_ids) for i in minibatch]
-        packed = [
-            [minibatch[j] for j in group] for group in pack_by_tokens(lengths, self.cfg.micro_batch_tokens)
-        ]
+    ) -> list[tuple[list[list[int]], float]]:
+        """This rank's micro-batches (forward rows of global sample indices) and loss weights (0 for padding
+        repeats)."""
+        packed = self._plan(samples, minibatch, self.cfg.micro_batch_tokens)
         world, rank = self.stepper.world_size, self.stepper.rank
         mine = [(group, 1.0) for k, group in enumerate(packed) if k % world == rank]
         # Every rank runs the same number of forward/backward passes (ZeRO-3 gathers parameters in
@@ -500,8 +513,8 @@ class PolicyTrainer:
         # The correction and the denominators of the minibatch loss, known before any backward (losses.aggregate).
         correction = self._correction(minibatch, batch)
         totals = StepTotals()
-        for indices, weight in self._rank_micro_batches(batch.samples, minibatch):
-            micro = self.micro_batch_loss(indices, batch, correction)
+        for rows, weight in self._rank_micro_batches(batch.samples, minibatch):
+            micro = self.micro_batch_loss(rows, batch, correction)
             release_freed_memory()
             # DeepSpeed averages gradients over ranks; each rank holds a part of a sum, so scale by world.
             self.stepper.backward(micro.loss * (weight * world))
@@ -518,12 +531,15 @@ class PolicyTrainer:
             "lr": lr, "sequences": len(minibatch), "seconds": time.monotonic() - started, **critic_row,
         }  # fmt: skip
 
-    def micro_batch_loss(self, indices: list[int], batch: TrainBatch, correction: StepCorrection) -> MicroBatchLoss:
-        """The loss of the micro-batch of samples `indices`, aggregated with the minibatch's denominators (so
-        micro-batch losses add up to the minibatch loss): policy loss (+ kl_coef KL to the reference)
+    def micro_batch_loss(
+        self, rows: list[list[int]], batch: TrainBatch, correction: StepCorrection
+    ) -> MicroBatchLoss:
+        """The loss of the micro-batch of forward rows `rows` (sample indices), aggregated with the minibatch's
+        denominators (so micro-batch losses add up to the minibatch loss): policy loss (+ kl_coef KL to the reference)
         (- entropy_coef entropy), over the tokens the step's `correction` keeps, and its statistics."""
         cfg = self.cfg
-        micro = self._micro(batch.samples, indices)
+        micro = self._micro(batch.samples, rows)
+        indices = micro.indices
         with self._autocast():
             logp_BT, entropy_BT = micro_logprobs(self.policy, micro, entropy_grad=cfg.entropy_coef > 0)
         logp_BT = logp_BT.float()

@@ -41,9 +41,11 @@ def make_job(tmp_path: Path, name: str, policy_dir: Path, **train) -> TrainJob: 
     samples = []
     for i in range(10):
         response = rng.integers(3, 16, size=int(rng.integers(2, 9))).tolist()
+        prompt = [1] + rng.integers(3, 16, size=4).tolist()
         samples.append(
             {
-                "prompt_ids": [1] + rng.integers(3, 16, size=4).tolist(),
+                # pairs of samples share a prompt (a GRPO group of 2): the micro-batches have shared rows
+                "prompt_ids": prompt if i % 2 == 0 else samples[-1]["prompt_ids"],
                 "response_ids": response,
                 "behaviour_logprobs": (-2.5 + 0.1 * rng.standard_normal(len(response))).tolist(),
                 "advantage": float(i % 3) - 0.9,

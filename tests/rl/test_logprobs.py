@@ -17,8 +17,8 @@ def test_pack_by_tokens_hand_example():
 
 def test_build_micro_batch_positions():
     micro = build_micro_batch([0, 1], prompts=[[5, 6], [7]], responses=[[8, 9, 10], [11]])
-    assert micro.input_ids_BL.tolist() == [[5, 6, 8, 9, 10], [7, 11, 0, 0, 0]]
-    assert micro.attention_mask_BL.tolist() == [[1, 1, 1, 1, 1], [1, 1, 0, 0, 0]]
+    assert micro.input_ids_RL.tolist() == [[5, 6, 8, 9, 10], [7, 11, 0, 0, 0]]
+    assert micro.attention_mask_RL.tolist() == [[1, 1, 1, 1, 1], [1, 1, 0, 0, 0]]
     # response token j of sequence b is predicted at position len(prompt) - 1 + j
     assert micro.positions_N.tolist() == [1, 2, 3, 0]
     assert micro.targets_N.tolist() == [8, 9, 10, 11]
