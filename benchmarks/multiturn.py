@@ -31,73 +31,153 @@ import json
 import os
 import time
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 DATA = REPO / "deployments" / "data" / "retool-math.jsonl"
+TEMPERATURE = 0.8
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--backend", choices=["hf", "vllm"], default="hf")
-    parser.add_argument("--prompts", type=int, default=6)
-    parser.add_argument("--samples", type=int, default=2)
-    parser.add_argument("--turn-tokens", type=int, default=64)
-    parser.add_argument("--direct", action="store_true",
-                        help="prompts that ask for a code block outright (`Use Python: print(...)`): more tool calls")
-    args = parser.parse_args()
-
-    from schemas.config import GenerateConfig, ModelConfig, MultiTurnConfig, ScoreConfig
-    from stages.generation import make_backend
-    from stages.generation.agent_loop import ConversationStart, SandboxTool, run_conversations
-    from stages.generation.base import GenerationRequest, SamplingSpec, sample_seed
-    from stages.generation.models import load_tokenizer, resolve_model
-    from stages.generation.sampling import encode_prompts
-    from stages.sandbox import Sandbox
-
-    model_dir = resolve_model(ModelConfig())
-    tokenizer = load_tokenizer(model_dir)
+def tool_starts(args: argparse.Namespace) -> tuple[list[list[dict]], list[Any]]:
+    """The ReTool math prompts (or `--direct` ones that ask for a code block outright): messages, specs."""
     rows = [json.loads(line) for line in DATA.read_text().splitlines()][: args.prompts]
     texts = [row["prompt"] for row in rows]
     if args.direct:
         texts = [f"Use Python: print({a} * {b} + {i}). Write only the code block."
                  for i, (a, b) in enumerate(zip(range(17, 17 + len(rows)), range(31, 31 + len(rows)), strict=True))]
-    messages = [json.dumps([{"role": "user", "content": text}]) for text in texts]
-    encoded = encode_prompts(tokenizer, [str(i) for i in range(len(rows))], messages, 768, "skip")
-    starts = [ConversationStart(json.loads(messages[int(pid)]), ids, sample_seed(0, 0, pid, s))
+    return [[{"role": "user", "content": text}] for text in texts], [None] * len(texts)
+
+
+def feedback_starts(args: argparse.Namespace) -> tuple[list[list[dict]], list[dict]]:
+    """One pytasks problem from each of the last `--prompts` families (messages and code_tests specs)."""
+    from stages.data.pytasks import generate_rows
+    from stages.data.rows import code_messages, code_tests_spec
+
+    rows = generate_rows()
+    firsts = {}
+    for row in rows:
+        firsts.setdefault(row["family"], row)
+    chosen = list(firsts.values())[-args.prompts:]
+    return ([code_messages(row["prompt"]) for row in chosen],
+            [code_tests_spec(row["prompt"], row["test"], row["entry_point"]) for row in chosen])
+
+
+def single_turn(backend: Any, requests: list[Any], lengths: list[int]) -> tuple[int, float]:  # noqa: ANN401
+    """(tokens, seconds) of single-turn generation where request i samples exactly lengths[i] tokens (a vLLM
+    session with ignore_eos); on a backend without sessions, one batch capped at max(lengths) that eos may end."""
+    from stages.generation.base import SamplingSpec, sessions
+
+    open_session = sessions(backend)
+    started = time.monotonic()
+    if open_session is None:
+        samples = backend.generate(requests, SamplingSpec(temperature=TEMPERATURE, max_new_tokens=max(lengths)))
+        return sum(len(s.token_ids) for s in samples), time.monotonic() - started
+    tokens = 0
+    with open_session() as session:
+        for key, (request, length) in enumerate(zip(requests, lengths, strict=True)):
+            session.submit(key, request, SamplingSpec(temperature=TEMPERATURE, max_new_tokens=length), ignore_eos=True)
+        while session.running:
+            tokens += sum(len(sample.token_ids) for _, sample in session.step())
+    return tokens, time.monotonic() - started
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--backend", choices=["hf", "vllm"], default="hf")
+    parser.add_argument("--mode", choices=["tool", "feedback"], default="tool")
+    parser.add_argument("--prompts", type=int, default=6)
+    parser.add_argument("--samples", type=int, default=2)
+    parser.add_argument("--turn-tokens", type=int, default=64)
+    parser.add_argument("--direct", action="store_true",
+                        help="tool mode: prompts that ask for a code block outright (`Use Python: print(...)`)")
+    parser.add_argument("--repeat-continuous", action="store_true",
+                        help="run the continuous loop twice and count the conversations that came out the same")
+    args = parser.parse_args()
+
+    from schemas.config import GenerateConfig, ModelConfig, MultiTurnConfig, ScoreConfig
+    from stages.generation import make_backend
+    from stages.generation.agent_loop import ConversationStart, SandboxTool, run_conversations, sandbox_judge
+    from stages.generation.base import GenerationRequest, SamplingSpec, sample_seed, sessions
+    from stages.generation.models import load_tokenizer, resolve_model
+    from stages.generation.sampling import encode_prompts
+    from stages.sandbox import Sandbox
+    from stages.sandbox.rewards import RewardInput
+
+    model_dir = resolve_model(ModelConfig())
+    tokenizer = load_tokenizer(model_dir)
+    messages, specs = tool_starts(args) if args.mode == "tool" else feedback_starts(args)
+    encoded = encode_prompts(tokenizer, [str(i) for i in range(len(messages))],
+                             [json.dumps(m) for m in messages], 768, "skip")
+    starts = [ConversationStart(messages[int(pid)], ids, sample_seed(0, 0, pid, s))
               for pid, ids in zip(encoded.prompt_ids, encoded.token_ids, strict=True) for s in range(args.samples)]
-    mt = MultiTurnConfig(mode="tool", max_turns=4, max_tool_calls=3, max_response_tokens=4 * args.turn_tokens + 256)
+    owners = [int(pid) for pid in encoded.prompt_ids for _ in range(args.samples)]
+    mt = MultiTurnConfig(mode=args.mode, max_turns=4, max_tool_calls=3, feedback_chars=256,
+                         max_response_tokens=4 * args.turn_tokens + 3 * 128)
     gen = GenerateConfig(backend=args.backend, multi_turn=mt, max_new_tokens=args.turn_tokens)
     backend = make_backend(args.backend, model_dir, gen)
-    sampling = SamplingSpec(temperature=0.8, max_new_tokens=args.turn_tokens)
+    sampling = SamplingSpec(temperature=TEMPERATURE, max_new_tokens=args.turn_tokens)
+    score_cfg = ScoreConfig(workers=2)
+    loops = ["per_turn", "continuous"] if sessions(backend) else ["per_turn"]
+    if args.repeat_continuous and sessions(backend):
+        loops.append("continuous")
     load_before = os.getloadavg()[0]
+    runs: list[dict[str, Any]] = []
     try:
-        # One short call first, so neither measurement pays the engine's first-call costs.
+        # One short call first, so no measurement pays the engine's first-call costs.
         backend.generate([GenerationRequest(starts[0].prompt_token_ids, 0)], SamplingSpec(max_new_tokens=8))
-        with Sandbox.from_config(ScoreConfig(workers=2)) as sandbox:
-            started = time.monotonic()
-            conversations, figures = run_conversations(backend, tokenizer, mt, starts, sampling, "multi-turn",
-                                                       tool=SandboxTool(sandbox, mt.tool_timeout_s, 512))
-            multi_wall = time.monotonic() - started
-        multi_tokens = sum(sum(c.loss_mask) for c in conversations)
-        per_request = max(1, round(multi_tokens / len(conversations)))
+        with Sandbox.from_config(score_cfg) as sandbox:
+            tool = SandboxTool(sandbox, mt.tool_timeout_s, 512) if args.mode == "tool" else None
+            judge = (sandbox_judge(sandbox, score_cfg, [specs[i] for i in owners],
+                                   [RewardInput(starts[k].messages, {}, "pytasks") for k in range(len(starts))],
+                                   mt.feedback_chars) if args.mode == "feedback" else None)
+            for loop in loops:
+                cfg = mt.model_copy(update={"continuous_batching": loop == "continuous"})
+                started = time.monotonic()
+                conversations, figures = run_conversations(backend, tokenizer, cfg, starts, sampling, loop,
+                                                           tool=tool, judge=judge)
+                runs.append({"loop": loop, "conversations": conversations, "wall": time.monotonic() - started,
+                             "waited": figures["tool_wall_seconds"] + figures["judge_seconds"],
+                             "tokens": sum(sum(c.loss_mask) for c in conversations)})
         requests = [GenerationRequest(s.prompt_token_ids, s.seed) for s in starts]
-        started = time.monotonic()
-        samples = backend.generate(requests, SamplingSpec(temperature=0.8, max_new_tokens=per_request))
-        single_wall = time.monotonic() - started
+        measured: dict[tuple[int, ...], tuple[int, float]] = {}  # the same lengths are generated once
+        for run in runs[:2]:
+            own = [max(1, sum(c.loss_mask)) for c in run["conversations"]]
+            mean = [max(1, round(run["tokens"] / len(starts)))] * len(starts)
+            # exact per-request lengths need ignore_eos: vLLM sessions only
+            for kind, lengths in (("own", own), ("mean", mean)) if sessions(backend) else (("mean", mean),):
+                if tuple(lengths) not in measured:
+                    measured[tuple(lengths)] = single_turn(backend, requests, lengths)
+                run[kind] = measured[tuple(lengths)]
     finally:
         backend.close()
-    single_tokens = sum(len(s.token_ids) for s in samples)
-    tool = figures["tool_wall_seconds"]
-    multi_rate = multi_tokens / max(multi_wall - tool, 1e-9)
-    single_rate = single_tokens / max(single_wall, 1e-9)
-    turns = sum(c.num_turns for c in conversations) / len(conversations)
-    calls = sum(c.tool_calls for c in conversations)
-    print(f"backend {backend.name}; {len(starts)} conversations, mean {turns:.2f} turns, {calls} tool calls")
-    print(f"multi-turn:  {multi_tokens} model tokens in {multi_wall:.1f} s, tool calls {tool:.2f} s (apart): "
-          f"{multi_rate:.1f} tok/s without tool time")
-    print(f"single-turn: {single_tokens} tokens in {single_wall:.1f} s: {single_rate:.1f} tok/s")
-    print(f"ratio (multi-turn / single-turn, tool time excluded): {multi_rate / single_rate:.2f} (target >= 0.7); "
-          f"load {load_before:.1f} -> {os.getloadavg()[0]:.1f}")
+    report(backend.name, args, runs, load_before)
+
+
+def report(backend: str, args: argparse.Namespace, runs: list[dict[str, Any]], load_before: float) -> None:
+    first = runs[0]["conversations"]
+    turns = sum(c.num_turns for c in first) / len(first)
+    calls = sum(c.tool_calls for c in first)
+    print(f"backend {backend}, mode {args.mode}; {len(first)} conversations; per-turn loop: mean {turns:.2f} turns, "
+          f"{sum(c.num_turns == 4 for c in first)} reached 4 turns, {calls} tool calls")
+    for i, run in enumerate(runs):
+        rate = run["tokens"] / max(run["wall"] - run["waited"], 1e-9)
+        label = run["loop"] + (" (repeat)" if i == 2 else "")
+        print(f"{label}: {run['tokens']} model tokens in {run['wall']:.1f} s, engine idle on tools/judge "
+              f"{run['waited']:.2f} s (apart): {rate:.1f} tok/s")
+        for kind, what in (("own", "each request its conversation's model tokens"),
+                           ("mean", "every request the mean, a full batch")):
+            if kind in run:
+                tokens, seconds = run[kind]
+                print(f"  single-turn, {what}: {tokens} tokens in {seconds:.1f} s: {tokens / seconds:.1f} tok/s; "
+                      f"ratio {rate / (tokens / seconds):.2f}")
+    if len(runs) > 1:
+        same = sum(a.token_ids == b.token_ids for a, b in zip(first, runs[1]["conversations"], strict=True))
+        print(f"same tokens, per-turn vs continuous: {same}/{len(first)} conversations")
+    if len(runs) > 2:
+        same = sum(a.token_ids == b.token_ids
+                   for a, b in zip(runs[1]["conversations"], runs[2]["conversations"], strict=True))
+        print(f"same tokens, continuous vs continuous: {same}/{len(first)} conversations")
+    print(f"load {load_before:.1f} -> {os.getloadavg()[0]:.1f} (target: ratio >= 0.7, tool time excluded)")
 
 
 if __name__ == "__main__":

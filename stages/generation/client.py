@@ -12,7 +12,8 @@ when the run's flow ends (`stop_server`). The engine itself starts at the first 
 Trust: every answer names the checkpoint hash the server confirmed; a `WarmEngine` raises unless it is the
 stage's input's, and the manifest records it (`warm_engine.checkpoint_sha256`). "Memory allows" on CPU is a
 measured check made before an engine starts (`memory_refusal`); on a GPU the engine sleeps between requests
-(server.py) and needs vLLM's sleep mode there.
+(server.py) and needs vLLM's sleep mode there. `WarmEngine.session` gives the multi-turn loop continuous batching
+in the server's engine, as the in-process vLLM backend does (a `WarmSession`: frames on one connection).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import contextlib
 import hashlib
 import json
 import os
+import select
 import socket
 import subprocess
 import sys
@@ -330,6 +332,10 @@ class WarmEngine:
                              "sampling": asdict(sampling)}, progress)
         return decode_samples(answer["samples"])
 
+    def session(self) -> WarmSession:
+        """Continuous batching in the server's engine (base.TurnSession), for the multi-turn agent loop."""
+        return WarmSession(self)
+
     def close(self) -> None:
         """Nothing to free here: the engine stays warm in the server for the next stage."""
 
@@ -353,6 +359,86 @@ class WarmEngine:
             "generation_cpu_seconds": round(self.generation_cpu_seconds, 3),
             "sleep_mode": self.server["sleep_mode"],
         }
+
+
+class WarmSession:
+    """A `TurnSession` over one connection to the server (its op `session`): a submit is one frame out, the
+    engine's finished requests come back in frames as its steps finish them. `step` waits at most
+    `STEP_WAIT_S` for one, so the caller gets to submit the turns its tool calls have meanwhile made ready.
+    An error closes the connection, and the server aborts what is left of the session."""
+
+    STEP_WAIT_S = 0.02
+
+    def __init__(self, engine: WarmEngine) -> None:
+        self.engine = engine
+        self.connection: socket.socket | None = None
+        self.submitted = 0
+        self.returned = 0
+
+    def __enter__(self) -> WarmSession:
+        engine = self.engine
+        self.connection = connect(engine.address)
+        if self.connection is None:  # none there (killed, idle exit): start one, as WarmEngine._call does
+            if start_server(engine.address, engine.cfg, engine.device, engine.cfg.warm_engine_idle_s) is not None:
+                engine.server_starts += 1
+            self.connection = connect(engine.address)
+        if self.connection is None:
+            raise ServerGone(f"no generation server at {engine.address.socket_path}")
+        send_message(self.connection, {"op": "session", **self.engine._checkpoint()})
+        self._note(self._receive())
+        return self
+
+    @property
+    def running(self) -> int:
+        return self.submitted - self.returned
+
+    def submit(self, key: int, request: GenerationRequest, sampling: SamplingSpec, ignore_eos: bool = False) -> None:
+        assert self.connection is not None, "use the session as a context manager"
+        send_message(self.connection, {"op": "submit", "key": key, "request": encode_requests([request])[0],
+                                       "sampling": asdict(sampling), "ignore_eos": ignore_eos})
+        self.submitted += 1
+
+    def step(self) -> list[tuple[int, Sample]]:
+        assert self.connection is not None, "use the session as a context manager"
+        if not select.select([self.connection], [], [], self.STEP_WAIT_S)[0]:
+            return []
+        answer = self._receive()
+        if "finished" not in answer:
+            self._note(answer)  # raises: only an error ends a session from the server's side
+            raise WarmEngineError(f"generation server ended the session early: {answer}")
+        keys, samples = answer["finished"]
+        self.returned += len(keys)
+        return list(zip(keys, decode_samples(samples), strict=True))
+
+    def _receive(self) -> dict[str, Any]:
+        assert self.connection is not None
+        answer = receive_message(self.connection)
+        if answer is None:
+            raise ServerGone(f"the generation server at {self.engine.address.socket_path} ended the session "
+                             f"(its log: {self.engine.address.log_path})")
+        return answer
+
+    def _note(self, answer: dict[str, Any]) -> None:
+        if not answer.get("ok"):
+            raise WarmEngineError(f"generation server: {answer.get('error')}", answer.get("refused"))
+        self.engine._check_and_note(answer)
+
+    def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
+        connection, self.connection = self.connection, None
+        if connection is None:
+            return
+        with connection:
+            if exc_type is None:
+                send_message(connection, {"op": "end"})
+                self.connection = connection
+                answer = self._receive()
+                self.connection = None
+                if not answer.get("ok"):
+                    raise WarmEngineError(f"generation server: {answer.get('error')}", answer.get("refused"))
+                if answer["server"]["loaded_sha256"] != self.engine.checkpoint_sha256:
+                    raise UntrustedServer("the generation server's engine changed checkpoint during the session")
+                self.engine.server = answer["server"]
+                self.engine.generation_cpu_seconds += answer["cpu_seconds"]
 
 
 @dataclass

@@ -4,8 +4,10 @@
 client (client.py) bound and passed in, so requests queue while vLLM imports. Requests are served one at a time
 (one engine): `ping`, `load` (checkpoint k: the engine starts at the first load, later loads swap weights in
 place with vLLM's `reload_weights`), `generate` (loads first, then the same `VLLMBackend.generate` the in-process
-backend runs, streaming progress) and `shutdown`. Frames are an 8-byte length and JSON: only this uid talks here,
-floats round-trip exactly, and no pickle means a request cannot run code in the server.
+backend runs, streaming progress), `session` (continuous batching for the multi-turn loop: the in-process
+backend's `VLLMSession`, its submits and finished requests as frames on the one connection) and `shutdown`.
+Frames are an 8-byte length and JSON: only this uid talks here, floats round-trip exactly, and no pickle means a
+request cannot run code in the server.
 
 Trust: the server hashes the checkpoint directory itself (`checkpoint_digest`, the manifests' content hash) and
 refuses one that is not what the stage expects; its tokenizer and architecture files must equal those the engine
@@ -23,6 +25,7 @@ import argparse
 import contextlib
 import json
 import os
+import select
 import selectors
 import signal
 import socket
@@ -206,6 +209,33 @@ class EngineHost:
         finally:
             self.requests_served += 1
 
+    def run_session(self, connection: socket.socket) -> None:
+        """Op `session`: continuous batching over one connection (client.py's `WarmSession`). `submit` frames add a
+        request; whenever any is running the engine steps and each step's finished requests go back in a
+        `finished` frame; `end` closes the session. A client gone mid-session: its requests are aborted."""
+        self.wake()
+        try:
+            with self.backend.session() as session:
+                while True:
+                    if session.running == 0 or select.select([connection], [], [], 0)[0]:
+                        message = receive_message(connection)
+                        if message is None:
+                            raise ConnectionResetError("the client closed its session")
+                        if message.get("op") == "end":
+                            return
+                        if message.get("op") != "submit":
+                            raise RequestRefused("bad_request", f"unknown session op {message.get('op')!r}")
+                        (request,) = decode_requests([message["request"]])
+                        session.submit(int(message["key"]), request, SamplingSpec(**message["sampling"]),
+                                       bool(message.get("ignore_eos", False)))
+                        continue  # take every submit already sent before the next step
+                    finished = session.step()
+                    if finished:
+                        keys, samples = zip(*finished, strict=True)
+                        send_message(connection, {"finished": [list(keys), encode_samples(list(samples))]})
+        finally:
+            self.requests_served += 1
+
     def abort_unfinished(self) -> None:
         """Drop what a broken-off generate left in the engine (its client went away), so the next one starts clean."""
         engine = self.backend.llm.llm_engine
@@ -253,10 +283,17 @@ def handle(connection: socket.socket, message: dict[str, Any], host: EngineHost)
     if op == "shutdown":
         send_message(connection, {"ok": True, "server": host.describe()})
         return "shutdown"
-    if op not in ("load", "generate"):
+    if op not in ("load", "generate", "session"):
         raise RequestRefused("bad_request", f"unknown op {op!r}")
     loaded = host.load(Path(message["model_dir"]), str(message["checkpoint_sha256"]))
     answer: dict[str, Any] = {"ok": True, "load": asdict(loaded)}
+    if op == "session":  # the load confirmed first, then the session's frames, then the closing answer
+        send_message(connection, {**answer, "server": host.describe()})
+        cpu_started = process_cpu_seconds()
+        host.run_session(connection)
+        send_message(connection, {"ok": True, "server": host.describe(),
+                                  "cpu_seconds": process_cpu_seconds() - cpu_started})
+        return "served"
     if op == "generate":
         spec = SamplingSpec(**message["sampling"])
         cpu_started = process_cpu_seconds()

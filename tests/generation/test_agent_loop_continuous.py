@@ -2,7 +2,8 @@
 its conversations are the per-turn loop's on the same seeds, line up by hand (turn 0 is single-turn generation
 with the code stop, the observation is the interpreter's output), and a hanging tool call does not hold up the
 other conversations: they finish before the hang's timeout has elapsed, which the per-turn loop cannot do (its
-next turn waits for every tool call of the turn before)."""
+next turn waits for every tool call of the turn before). The warm engine (generation server) gives the same
+conversations through its socket session."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import pytest
 
 from schemas.config import GenerateConfig, MultiTurnConfig, ScoreConfig
 from stages.generation.agent_loop import (
+    Conversation,
     ConversationStart,
     SandboxTool,
     ToolResult,
@@ -33,7 +35,8 @@ pytestmark = [
 
 CODE_PROMPT = "Use Python: print(17+25). Write only the code block."
 SAMPLING = SamplingSpec(temperature=0.5, max_new_tokens=48)
-HANG_TIMEOUT_S = 15.0
+HANG_TIMEOUT_S = 30.0
+SEEDS = range(11, 17)
 
 
 @pytest.fixture(scope="module")
@@ -121,15 +124,32 @@ def test_sessions_are_the_capability(backend) -> None:  # noqa: ANN001
     assert not uses_continuous_batching(backend, cfg.model_copy(update={"continuous_batching": False}))
 
 
-def test_continuous_loop_reproduces_the_per_turn_loop(backend, tokenizer, sandbox: Sandbox) -> None:  # noqa: ANN001
-    starts = starts_of(tokenizer, range(11, 17))
-    cfg = MultiTurnConfig(mode="tool", max_turns=3, max_response_tokens=200)
-    tool = SandboxTool(sandbox, 2.0, 200)
-    continuous, figures = run_conversations(backend, tokenizer, cfg, starts, SAMPLING, "continuous", tool=tool)
-    per_turn, per_turn_figures = run_conversations(
-        backend, tokenizer, cfg.model_copy(update={"continuous_batching": False}), starts, SAMPLING, "per turn",
-        tool=tool)
-    assert (figures["continuous_batching"], per_turn_figures["continuous_batching"]) == (1, 0)
+TOOL_LOOP = MultiTurnConfig(mode="tool", max_turns=3, max_response_tokens=200)
+
+
+@pytest.fixture(scope="module")
+def per_turn(backend, tokenizer, sandbox: Sandbox) -> list[Conversation]:  # noqa: ANN001
+    """The per-turn loop's conversations of six samples of CODE_PROMPT (seeds 11-16)."""
+    conversations, figures = run_conversations(
+        backend, tokenizer, TOOL_LOOP.model_copy(update={"continuous_batching": False}), starts_of(tokenizer, SEEDS),
+        SAMPLING, "per turn", tool=SandboxTool(sandbox, 2.0, 200))
+    assert figures["continuous_batching"] == 0
+    return conversations
+
+
+def assert_same(continuous: list[Conversation], per_turn: list[Conversation]) -> None:
+    for c, p in zip(continuous, per_turn, strict=True):
+        assert (c.token_ids, c.messages, c.turn_spans, c.loss_mask, c.finish_reason) == (
+            p.token_ids, p.messages, p.turn_spans, p.loss_mask, p.finish_reason)
+        assert c.logprobs == pytest.approx(p.logprobs, abs=1e-4)
+
+
+def test_continuous_loop_reproduces_the_per_turn_loop(backend, tokenizer, sandbox: Sandbox,  # noqa: ANN001
+                                                      per_turn: list[Conversation]) -> None:
+    starts = starts_of(tokenizer, SEEDS)
+    continuous, figures = run_conversations(backend, tokenizer, TOOL_LOOP, starts, SAMPLING, "continuous",
+                                            tool=SandboxTool(sandbox, 2.0, 200))
+    assert figures["continuous_batching"] == 1
     first = backend.generate([GenerationRequest(s.prompt_token_ids, s.seed) for s in starts],
                              SamplingSpec(temperature=0.5, max_new_tokens=48, stop=["\n```\n"]))
     observation = tokenizer("<interpreter>\n42\n</interpreter>\n", add_special_tokens=False)["input_ids"]
@@ -145,19 +165,36 @@ def test_continuous_loop_reproduces_the_per_turn_loop(backend, tokenizer, sandbo
             assert c.turn_spans[1][0] == n0 + len(observation)
             answered += 1
     assert answered >= 1 and sum(c.num_turns for c in continuous) > len(starts), "expected tool calls to follow"
-    for c, p in zip(continuous, per_turn, strict=True):
-        assert (c.token_ids, c.messages, c.turn_spans, c.finish_reason) == (
-            p.token_ids, p.messages, p.turn_spans, p.finish_reason)
-        assert c.logprobs == pytest.approx(p.logprobs, abs=1e-4)
+    assert_same(continuous, per_turn)
     assert figures["generated_tokens"] == sum(sum(c.loss_mask) for c in continuous)
+
+
+def test_the_warm_engine_batches_continuously_too(model_dir: Path, tokenizer, sandbox: Sandbox,  # noqa: ANN001
+                                                  per_turn: list[Conversation], tmp_path_factory) -> None:  # noqa: ANN001
+    """The generation server's engine through its socket session: the same conversations as in-process."""
+    from stages.generation.client import WarmEngine, server_address, stop_server
+    from storage.checkpoints import checkpoint_digest
+
+    cfg = GenerateConfig(backend="vllm", vllm_kv_cache_gib=1)
+    address = server_address(str(tmp_path_factory.mktemp("warm-run")), cfg, "cpu")
+    try:
+        warm = WarmEngine(address, cfg, "cpu", model_dir, checkpoint_digest(model_dir)[0])
+        assert uses_continuous_batching(warm, TOOL_LOOP)
+        continuous, figures = run_conversations(warm, tokenizer, TOOL_LOOP, starts_of(tokenizer, SEEDS), SAMPLING,
+                                                "warm", tool=SandboxTool(sandbox, 2.0, 200))
+        assert figures["continuous_batching"] == 1 and warm.record()["generation_cpu_seconds"] > 0
+    finally:
+        stop_server(address)
+    assert_same(continuous, per_turn)
 
 
 def test_a_hanging_tool_call_does_not_stall_the_others(backend, tokenizer, sandbox: Sandbox) -> None:  # noqa: ANN001
     timed = TimedBackend(backend)
     tool = HangingTool(sandbox, HANG_TIMEOUT_S)
     cfg = MultiTurnConfig(mode="tool", max_turns=2, max_response_tokens=200, tool_timeout_s=HANG_TIMEOUT_S)
-    conversations, _ = run_conversations(timed, tokenizer, cfg, starts_of(tokenizer, range(21, 29)), SAMPLING,
-                                         "hang", tool=tool)
+    # short turns, so that the others' second turns end well within the hang's timeout on a loaded machine too
+    conversations, _ = run_conversations(timed, tokenizer, cfg, starts_of(tokenizer, range(21, 29)),
+                                         SamplingSpec(temperature=0.5, max_new_tokens=24), "hang", tool=tool)
     hung = [i for i, c in enumerate(conversations) if c.tool_calls and "TimeoutError" in c.messages[1]["content"]]
     assert len(hung) == 1, [c.messages for c in conversations]
     others = [i for i, c in enumerate(conversations) if c.tool_calls and i not in hung]
