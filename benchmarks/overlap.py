@@ -1,0 +1,148 @@
+"""Overlapped iterations: iterations per hour with `pipeline.max_staleness: 1` vs 0 (strict), and both reward curves.
+
+Two real `rlpipe run`s of the same config and seed from fresh roots (driver, stage fork server, every stage a
+process), one strict and one overlapped, each with its lanes pinned to separate cores as a stand-in for two
+machines: `RLPIPE_LANE_CPUS=rollout=0;train=1` (generate, score, evaluate on core 0; advantage, train on core
+1), `threads: 1`. Iterations per hour = N / (first iteration stage's start -> last one's end, from the
+manifests), so the run-level stages (prompts, base model, base evaluation) count in neither. Target: >= 1.4x.
+
+Overlap can at best turn (G + T) per iteration into max(G, T) (G = generate + score, T = advantage + train), so
+the config is one where the two are about equal on this CPU: the default run's shape (4 prompts x 4 samples x
+<= 128 tokens, vLLM fp32 eager with the warm engine), whose iteration measured generate 22.0 s, score 1.6,
+advantage 0.3, train 23.9 (docs/measurements.md, overhead). `advantage.filter_metric: seq_reward` keeps the
+train step from being skipped (with `acc` a batch whose groups are all right or all wrong is copied, and train
+takes a second). With G = T the ceiling is 2x, less what cannot overlap: iteration 0's generate, the last
+train, and the one evaluation (`evaluate.every` is large: only the last checkpoint is judged, on 2 held-out
+prompts). Both runs use `train.is_level: token` (max_staleness > 0 needs a sampler correction; in the strict
+run the weights are ~1), so the algorithms differ only in the sampler's staleness. The reward printed per
+iteration is the mean score of that iteration's rollouts.
+
+Run: `.venv/bin/python -m benchmarks.overlap` (`--iterations 4`; sizes: `--help`; `--root DIR` keeps the runs).
+On a shared machine the other jobs share the two cores: the load average is printed before and after.
+
+Measured: not yet (docs/measurements.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import datetime
+from pathlib import Path
+
+import pyarrow.parquet as pq
+
+REPO = Path(__file__).resolve().parents[1]
+ITERATION_STAGES = ("generate", "score", "advantage", "train", "evaluate")
+LANES = {"rollout": ("generate", "score", "evaluate"), "train": ("advantage", "train")}
+
+
+def run_overrides(args: argparse.Namespace, staleness: int) -> list[str]:
+    return [
+        f"iterations={args.iterations}", "threads=1", "device=cpu", f"generate.backend={args.backend}",
+        f"generate.prompts_per_iteration={args.prompts}", f"generate.n_samples={args.samples}",
+        f"generate.max_new_tokens={args.max_new_tokens}", "generate.temperature=1.0",
+        f"data.max_test_prompts={args.test_prompts}", "evaluate.n_samples=1", "evaluate.k=[1]",
+        f"evaluate.max_new_tokens={args.max_new_tokens}", "evaluate.every=1000", "score.workers=1",
+        "train.is_level=token", "advantage.filter_metric=seq_reward", f"seed={args.seed}",
+        f"pipeline.max_staleness={staleness}",
+    ]
+
+
+def rlpipe_run(root: Path, run_id: str, overrides: list[str], cpus: str, log: Path) -> float:
+    """`rlpipe run` to completion with the lanes pinned, its output in `log`; its wall seconds."""
+    command = [sys.executable, "-m", "flows.cli", "run", "--root", str(root), "--run-id", run_id]
+    for override in overrides:
+        command += ["--set", override]
+    env = {**os.environ, "RLPIPE_LANE_CPUS": cpus}
+    started = time.monotonic()
+    with open(log, "wb") as handle:
+        code = subprocess.call(command, cwd=REPO, stdout=handle, stderr=subprocess.STDOUT, env=env)
+    if code != 0:
+        raise SystemExit(f"rlpipe run {run_id} exited {code}; see {log}")
+    return time.monotonic() - started
+
+
+def stage_spans(run_dir: Path) -> dict[tuple[str, int], tuple[float, float]]:
+    """(stage, iteration) -> (start, end) in epoch seconds, from the iteration stages' manifests."""
+    spans = {}
+    for path in run_dir.glob("**/*manifest.json"):
+        manifest = json.loads(path.read_text())
+        if manifest["stage"] in ITERATION_STAGES:
+            start = datetime.fromisoformat(manifest["started_at"]).timestamp()
+            end = datetime.fromisoformat(manifest["ended_at"]).timestamp()
+            spans[(manifest["stage"], int(re.search(r"iter=(\d+)", manifest["path"]).group(1)))] = (start, end)
+    return spans
+
+
+def both_lanes_busy(spans: dict[tuple[str, int], tuple[float, float]]) -> float:
+    """Seconds during which a rollout-lane stage and a train-lane stage ran at the same time."""
+    rollout = [span for (stage, _), span in spans.items() if stage in LANES["rollout"]]
+    train = [span for (stage, _), span in spans.items() if stage in LANES["train"]]
+    return sum(max(0.0, min(a[1], b[1]) - max(a[0], b[0])) for a in rollout for b in train)
+
+
+def rewards(run_dir: Path, iterations: int) -> list[float]:
+    """Mean reward of each iteration's rollouts (the scores table)."""
+    means = []
+    for k in range(iterations):
+        values = pq.read_table(run_dir / f"iter={k:04d}" / "scores.parquet", columns=["reward"]).column(0)
+        means.append(sum(values.to_pylist()) / len(values))
+    return means
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--iterations", type=int, default=4)
+    parser.add_argument("--prompts", type=int, default=4, help="prompts per iteration")
+    parser.add_argument("--samples", type=int, default=4, help="samples per prompt")
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--test-prompts", type=int, default=2)
+    parser.add_argument("--backend", default="vllm", choices=("hf", "vllm"))
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--cpus", default="rollout=0;train=1", help="RLPIPE_LANE_CPUS for both runs")
+    parser.add_argument("--root", help="keep the runs here (default: a temporary directory, removed after)")
+    return parser.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
+    root = Path(args.root or tempfile.mkdtemp(prefix="rlpipe-overlap-bench-"))
+    root.mkdir(parents=True, exist_ok=True)
+    load_before = os.getloadavg()
+    print(f"overlap benchmark: {args.iterations} iterations, {args.prompts} prompts x {args.samples} samples x "
+          f"<= {args.max_new_tokens} tokens, {args.backend}, lanes {args.cpus}; load {load_before[0]:.2f}; "
+          f"runs under {root}", flush=True)
+    figures = {}
+    try:
+        for name, staleness in (("strict", 0), ("overlap", 1)):
+            wall = rlpipe_run(root / name, name, run_overrides(args, staleness), args.cpus, root / f"{name}.log")
+            run_dir = root / name / "runs" / name
+            spans = stage_spans(run_dir)
+            span = max(end for _, end in spans.values()) - min(start for start, _ in spans.values())
+            figures[name] = (span, rewards(run_dir, args.iterations))
+            print(f"{name:8s} max_staleness={staleness}: run {wall:6.1f} s, iterations {span:6.1f} s = "
+                  f"{args.iterations / span * 3600:6.1f} iterations/hour; "
+                  f"both lanes busy {both_lanes_busy(spans):5.1f} s", flush=True)
+        load_after = os.getloadavg()
+    finally:
+        if args.root is None:
+            shutil.rmtree(root, ignore_errors=True)
+    (strict_span, strict_rewards), (overlap_span, overlap_rewards) = figures["strict"], figures["overlap"]
+    print(f"ratio (iterations/hour, overlap / strict): {strict_span / overlap_span:.2f} (target >= 1.4)")
+    print("training reward per iteration (mean score of its rollouts):")
+    for k, (a, b) in enumerate(zip(strict_rewards, overlap_rewards, strict=True)):
+        print(f"  iter {k}: strict {a:.3f}  overlap {b:.3f}")
+    print(f"load average before {load_before[0]:.2f} {load_before[1]:.2f}, after {load_after[0]:.2f} "
+          f"{load_after[1]:.2f} (1, 5 min)")
+
+
+if __name__ == "__main__":
+    main()
