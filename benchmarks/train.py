@@ -1,18 +1,23 @@
 """Training throughput: the train stage's update vs a bare torch forward/backward/step loop, same batch.
 
 Both sides train SmolLM2-135M-Instruct (fp32, torch AdamW, one optimizer step over the whole batch, token-mean
-PPO-clip loss) on the same synthetic batch of `--sequences` sequences of varying length: (a) bare: the loop
-a user would write (`model(input_ids).logits`, full `log_softmax`, `gather`, loss, `backward`, clip, step)
-on the stage's micro-batches; (b) stage: `stages.rl.session.run_job`, the function the train stage calls.
-Tokens/s is non-padding tokens per second of the update (load and save left out), by wall clock and per
-CPU-second (on a shared machine CPU time is the steadier figure). Each measurement runs in a fresh process
-(its own peak RSS); the sides alternate `--repeats` times, with the load average before and after.
+PPO-clip loss) on the same synthetic batch: `--sequences` sequences in groups of `--group-size` sharing a prompt,
+as the stage sees a GRPO batch (generate.n_samples responses per prompt, 4 by default). (a) bare: the loop a
+user would write (one row per sequence, `model(input_ids).logits`, full `log_softmax`, `gather`, loss,
+`backward`, clip, step) on the stage's micro-batches; (b) stage: `stages.rl.session.run_job`, the function the
+train stage calls (defaults: activation checkpointing `auto`, shared prompts `auto`). Tokens/s is the batch's
+tokens (each sample's prompt + response: the same work on both sides, whatever each forwards) per second of the
+update (load and save left out), by wall clock and per CPU-second (on a shared machine CPU time is the steadier
+figure). Each measurement runs in a fresh process (its own peak RSS); the sides alternate `--repeats` times,
+with the load average before and after. The ratio is printed for `--group-size` and for 1: the headline is the
+group size, since a GRPO batch always has groups and the stage forwards each group's prompt once
+(`train.share_prompts`); group size 1 has no prompt to share (the stage's figure before sharing).
 
-Run: `.venv/bin/python -m benchmarks.train` (`--help` for the knobs).
-Targets (issue 22): peak RSS (b) / (a) <= 0.5 at tok/s (b) / (a) >= 1.0. On 2026-11-25 (load ~3.5, other
-engineers' jobs running): memory 0.39 (2,238 vs 5,808 MB: activation checkpointing on by `auto`, the step
-freeing each gradient, freed heap returned) at 0.87 wall / 0.86 per CPU-second (0.90 and 1.14 in two other
-runs under load): speed >= 1.0 is not shown on this shared CPU (docs/measurements.md, "Benchmark notes").
+Run: `.venv/bin/python -m benchmarks.train` (`--help` for the knobs). Targets (issue 22): peak RSS (b) / (a) <=
+0.5 at tok/s (b) / (a) >= 1.0. On 2026-11-25, `--repeats 2`, other engineers' jobs running (load 5.6 -> 4.2,
+7.2 at most): group size 4: memory 0.40 (2,310 vs 5,844 MB) at speed 1.57 wall / 1.41 per CPU-second (1,682
+tokens forwarded for the batch's 3,218): both targets met; group size 1: memory 0.40 at 1.20 wall (noise of the
+load) / 0.88 per CPU-second, as before sharing (docs/measurements.md, "train").
 """
 
 from __future__ import annotations

@@ -564,8 +564,9 @@ class TrainConfig(Section):
     )
     minibatches: int = Field(1, ge=1, description="Optimizer steps each epoch is split into.")
     micro_batch_tokens: int = Field(
-        2048, ge=16, description="Micro-batches are packed to at most this many padded tokens (sequences x "
-        "longest); gradients accumulate over a minibatch's micro-batches."
+        2048, ge=16, description="Micro-batches are packed to at most this many padded tokens (rows x longest "
+        "row; a row is one sequence, or with `share_prompts` a prompt and its group's responses); gradients "
+        "accumulate over a minibatch's micro-batches."
     )
     logprob_chunk_tokens: int = Field(
         512, ge=1, description="Response tokens the LM head + log-softmax run over at once (memory: chunk x "
