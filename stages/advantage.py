@@ -535,7 +535,7 @@ def with_model_columns(ctx: StageContext, samples: pa.Table) -> pa.Table:
     from stages.generation.device import claim_device
     from stages.rl.checkpoint import load_reference
     from stages.rl.critic import critic_dir, load_value_model, predict_values
-    from stages.rl.logprobs import all_response_logprobs
+    from stages.rl.logprobs import all_response_logprobs, takes_shared_prompts
     from stages.rl.losses import kl_estimate
 
     cfg, train = ctx.config.advantage, ctx.config.train
@@ -546,7 +546,8 @@ def with_model_columns(ctx: StageContext, samples: pa.Table) -> pa.Table:
     if cfg.use_kl_in_reward:
         reference = load_reference(ctx.policy_dir("reference"), device)
         ref_logp = all_response_logprobs(
-            reference, prompts, responses, ctx.config.generate.temperature, budget, train.logprob_chunk_tokens
+            reference, prompts, responses, ctx.config.generate.temperature, budget, train.logprob_chunk_tokens,
+            share=takes_shared_prompts(reference, train.share_prompts),
         )
         del reference
         sampler = samples["response_logprobs"].to_pylist()
@@ -559,7 +560,8 @@ def with_model_columns(ctx: StageContext, samples: pa.Table) -> pa.Table:
         checkpoint = ctx.policy_dir("policy")
         if critic_dir(checkpoint).is_dir():
             critic, _ = load_value_model(checkpoint, checkpoint, device)
-            values = predict_values(critic, prompts, responses, budget, device)
+            values = predict_values(critic, prompts, responses, budget, device,
+                                    share=takes_shared_prompts(critic.backbone, train.share_prompts))
             samples = samples.append_column("values", pa.array([v.tolist() for v in values], pa.list_(pa.float64())))
     return samples
 
