@@ -167,7 +167,7 @@ def _train_grads(share: bool, budget: int, loss_masks: bool = False, **overrides
     ("budget", "loss_masks", "overrides"),
     [
         (4096, False, {}),  # every group in one row, one micro-batch
-        (24, False, {}),  # groups split into sub-rows and across micro-batches
+        (16, False, {}),  # groups split into sub-rows and across micro-batches
         (4096, True, {"entropy_coef": 0.01}),  # multi-turn loss masks, entropy bonus
         # two steps (the old-logprob pass), the reference pass, a minibatch correction
         (30, False, {"minibatches": 2, "kl_coef": 0.1, "rejection": ["token_k1"], "rejection_ratio_low": 0.9,
@@ -175,6 +175,11 @@ def _train_grads(share: bool, budget: int, loss_masks: bool = False, **overrides
     ],
 )
 def test_training_with_shared_prompts_equals_one_row_per_sample(budget, loss_masks, overrides):
+    prompts, responses = _groups(seed=2, groups=3, size=4)  # the samples _train_samples makes
+    plan = plan_micro_batches(range(len(prompts)), prompts, responses, budget, share=True)
+    micro_batches_of_group_0 = {k for k, rows in enumerate(plan) for row in rows if set(row) & {0, 1, 2, 3}}
+    if budget == 16:  # group 0 (6 + 4 + 6 + 2 + 4 tokens) is cut into sub-rows in different micro-batches
+        assert len(micro_batches_of_group_0) >= 2
     shared_grads, shared_rows = _train_grads(True, budget, loss_masks, **overrides)
     plain_grads, plain_rows = _train_grads(False, budget, loss_masks, **overrides)
     assert len(shared_grads) == len(plain_grads) == len(shared_rows)
