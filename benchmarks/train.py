@@ -110,6 +110,7 @@ def run_bare(model_dir: str, samples: list[dict], threads: int, budget: int) -> 
 
 def run_stage(model_dir: str, samples: list[dict], threads: int, budget: int) -> dict[str, Any]:
     from schemas.config import TrainConfig
+    from stages.rl.logprobs import plan_micro_batches
     from stages.rl.session import TrainJob, run_job
 
     cfg = TrainConfig(lr=1e-6, micro_batch_tokens=budget)
@@ -123,8 +124,13 @@ def run_stage(model_dir: str, samples: list[dict], threads: int, budget: int) ->
             samples=samples,
         )
         rows, metrics = run_job(job)
+    prompts, responses = [s["prompt_ids"] for s in samples], [s["response_ids"] for s in samples]
+    plan = plan_micro_batches(range(len(samples)), prompts, responses, budget, share=True)
     return {
         "tokens": sum(r["tokens"] for r in rows),
+        # the tokens the stage's forward rows hold: a shared prompt once per row (share_prompts is on by `auto`)
+        "forwarded_tokens": sum(len(prompts[row[0]]) + sum(len(responses[i]) for i in row)
+                                for batch in plan for row in batch),
         "train_seconds": metrics["train_seconds"],
         "train_cpu_seconds": metrics["train_cpu_seconds"],
         "load_seconds": metrics["load_seconds"],
@@ -149,7 +155,7 @@ def measure(name: str, args: tuple) -> dict[str, Any]:
     result.update(name=name, load_before=load_before, load_after=os.getloadavg()[0])
     # The same work on both sides: the batch's tokens (each sample's prompt + response), whatever was forwarded
     # (with shared prompts the stage forwards each group's prompt once).
-    result["forwarded_tokens"] = result["tokens"]
+    result.setdefault("forwarded_tokens", result["tokens"])
     result["tokens"] = sum(len(s["prompt_ids"]) + len(s["response_ids"]) for s in samples)
     result["tokens_per_second"] = result["tokens"] / result["train_seconds"]
     result["tokens_per_cpu_second"] = result["tokens"] / result["train_cpu_seconds"]

@@ -190,7 +190,7 @@ TRAIN_METRICS = TableSchema(
             ("rejected_frac", pa.float64()),  # response tokens rejected by rollout correction
             ("grad_norm", pa.float64()),  # before clipping
             ("lr", pa.float64()),
-            ("tokens", pa.int64()),  # non-padding tokens forwarded (prompt + response)
+            ("tokens", pa.int64()),  # the trained sequences' prompt + response tokens
             ("loss_tokens", pa.int64()),  # response tokens in the loss
             ("padding_frac", pa.float64()),  # padded positions / all positions of the micro-batches
             ("sequences", pa.int32()),

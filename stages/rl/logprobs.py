@@ -65,6 +65,8 @@ class MicroBatch:
     # Shared rows: each token's position id, and its segment (0 the prompt, k the row's k-th response, -1 padding)
     position_ids_RL: torch.Tensor | None = None
     segments_RL: torch.Tensor | None = None
+    # Prompt + response tokens of the micro-batch's sequences, each counted (what one row per sequence forwards)
+    sample_tokens: int = 0
 
     @property
     def width(self) -> int:
@@ -175,6 +177,7 @@ def build_micro_batch(
         loss_mask_N=loss_mask_N,
         position_ids_RL=position_ids_RL if shared else None,
         segments_RL=segments_RL if shared else None,
+        sample_tokens=sum(len(prompts[i]) + len(responses[i]) for i in indices),
     )
 
 

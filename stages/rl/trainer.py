@@ -220,7 +220,7 @@ def disable_dropout(model: torch.nn.Module) -> None:
 # A micro-batch's statistics that add over micro-batches (weighted by the micro-batch's loss weight) and ranks.
 _WEIGHTED_FIELDS = (
     "loss", "policy_loss", "kl_ref_sum", "entropy_sum", "approx_kl_sum", "clip_low", "clip_high", "clip_dual",
-    "loss_tokens", "response_tokens", "rejected", "tokens", "padded_tokens",
+    "loss_tokens", "response_tokens", "rejected", "tokens", "forwarded_tokens", "padded_tokens",
 )  # fmt: skip
 # Importance-ratio sums: every response token counted once (a weight-0 padding repeat adds nothing).
 _RATIO_FIELDS = ("w_sum", "w_sq_sum", "w_count")
@@ -295,8 +295,9 @@ def metrics_row(totals: dict[str, float], kl_ref_on: bool) -> dict[str, float | 
       loss, policy_loss = the minibatch loss and its policy term (what was back-propagated)
       approx_kl = sum k3(pi_old || pi_theta) / n;  kl_ref = sum kl_estimator(pi_theta || pi_ref) / n (0 if off)
       entropy = sum H(pi_theta) / n;  the clip / rejection / importance-ratio columns: losses.step_stat_metrics
-      tokens, loss_tokens = non-padding tokens forwarded (a shared prompt once per row, train.share_prompts), loss
-        tokens;  padding_frac = 1 - tokens / padded
+      tokens = the sequences' prompt + response tokens (each sequence's prompt counted, so tokens/s compares with
+        and without train.share_prompts);  loss_tokens = loss tokens;  padding_frac = 1 - forwarded / padded, over
+        the tokens the forward rows hold (a shared prompt once per row)
     `PolicyTrainer._step` adds step, epoch, skipped, grad_norm (before clipping), lr, sequences, seconds.
     """
     loss_tokens = max(totals["loss_tokens"], 1.0)
@@ -309,7 +310,7 @@ def metrics_row(totals: dict[str, float], kl_ref_on: bool) -> dict[str, float | 
         **step_stat_metrics(totals),
         "tokens": int(totals["tokens"]),
         "loss_tokens": int(totals["loss_tokens"]),
-        "padding_frac": 1.0 - totals["tokens"] / max(totals["padded_tokens"], 1.0),
+        "padding_frac": 1.0 - totals["forwarded_tokens"] / max(totals["padded_tokens"], 1.0),
     }
 
 
@@ -584,7 +585,8 @@ class PolicyTrainer:
                 # approx KL(pi_old || pi_theta), k3 estimator with samples from pi_old
                 "approx_kl_sum": float((kl_estimate(old_BT, logp_BT.detach(), "k3") * keep_BT).sum()),
                 **step_stat_sums(out, keep_BT, mask_BT, ratio_base_BT, behaviour_BT),
-                "tokens": float(micro.tokens),
+                "tokens": float(micro.sample_tokens),
+                "forwarded_tokens": float(micro.tokens),
                 "padded_tokens": float(micro.padded_tokens),
             }
         return MicroBatchLoss(loss, stats)

@@ -259,11 +259,11 @@ def test_step_totals_weigh_micro_batches_and_count_each_ratio_once():
     # a: 3 loss tokens of 4 (1 rejected), ratios [0.5, 1, 2, 1]; b: 1 token, ratio 1.5.
     a = {"loss": 0.5, "policy_loss": 0.4, "kl_ref_sum": 0.3, "entropy_sum": 6.0, "approx_kl_sum": 0.2,
          "clip_low": 1.0, "clip_high": 0.0, "clip_dual": 0.0, "loss_tokens": 3.0, "response_tokens": 4.0,
-         "rejected": 1.0, "tokens": 10.0, "padded_tokens": 12.0,
+         "rejected": 1.0, "tokens": 14.0, "forwarded_tokens": 10.0, "padded_tokens": 12.0,
          "w_sum": 4.5, "w_sq_sum": 6.25, "w_count": 4.0, "w_min": 0.5, "w_max": 2.0}
     b = {"loss": -0.25, "policy_loss": -0.3, "kl_ref_sum": 0.1, "entropy_sum": 2.0, "approx_kl_sum": 0.6,
          "clip_low": 0.0, "clip_high": 1.0, "clip_dual": 0.0, "loss_tokens": 1.0, "response_tokens": 1.0,
-         "rejected": 0.0, "tokens": 5.0, "padded_tokens": 6.0,
+         "rejected": 0.0, "tokens": 5.0, "forwarded_tokens": 5.0, "padded_tokens": 6.0,
          "w_sum": 1.5, "w_sq_sum": 2.25, "w_count": 1.0, "w_min": 1.5, "w_max": 1.5}
     totals = StepTotals()
     for stats, weight in ((a, 1.0), (b, 1.0), (a, 0.0)):
@@ -271,12 +271,13 @@ def test_step_totals_weigh_micro_batches_and_count_each_ratio_once():
     linear = torch.nn.Linear(1, 1)
     one_rank = TorchStepper(linear, torch.optim.SGD(linear.parameters()), max_grad_norm=1.0)
     row = metrics_row(totals.all_reduce(one_rank), kl_ref_on=True)
-    # 4 loss tokens, 5 response tokens; ratios [0.5, 1, 2, 1, 1.5]: mean 6 / 5, ESS 6^2 / (5 * 8.5)
+    # 4 loss tokens, 5 response tokens; ratios [0.5, 1, 2, 1, 1.5]: mean 6 / 5, ESS 6^2 / (5 * 8.5); a shares a
+    # prompt (14 sample tokens in 10 forwarded): padding is over the forwarded 15 of 18
     expected = {
         "loss": 0.25, "policy_loss": 0.1, "approx_kl": 0.8 / 4, "kl_ref": 0.4 / 4, "entropy": 8.0 / 4,
         "clip_frac_low": 1 / 4, "clip_frac_high": 1 / 4, "clip_frac_dual": 0.0, "rejected_frac": 1 / 5,
         "is_ratio_mean": 1.2, "is_ratio_min": 0.5, "is_ratio_max": 2.0, "is_ess": 36 / 42.5,
-        "tokens": 15, "loss_tokens": 4, "padding_frac": 1 - 15 / 18,
+        "tokens": 19, "loss_tokens": 4, "padding_frac": 1 - 15 / 18,
     }  # fmt: skip
     assert row == pytest.approx(expected)
     assert metrics_row(totals.all_reduce(one_rank), kl_ref_on=False)["kl_ref"] == 0.0
