@@ -7,6 +7,8 @@ Every sample has its own seed (`SamplingParams(seed=...)`); on CPU chunked prefi
 split, because rewinding a partly prefilled request's generator crashed the CPU engine. Prefix caching stays
 on but is emptied at every `generate` call, so a call computes what a fresh engine would. Requests are fed in
 windows to our own `LLMEngine.step` loop, which keeps the scheduler full and reports progress per request.
+`session()` opens the same loop to a caller (base.TurnSession: submit a request, step, collect the finished ones):
+the multi-turn agent loop's continuous batching across turns.
 Precision and compilation follow `generate.vllm_dtype` / `vllm_compile` ("auto": fp32 eager on CPU, bf16
 compiled with CUDA graphs on GPU; compile caches under `~/.cache/rlpipe/vllm`); on GPU the memory fraction,
 sequence limit and KV-cache dtype are config fields passed through, and the installed build must fit `device`

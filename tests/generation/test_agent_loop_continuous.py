@@ -203,3 +203,31 @@ def test_a_hanging_tool_call_does_not_stall_the_others(backend, tokenizer, sandb
     # every other conversation, a second turn after its own tool call included, ended while the hang went on
     assert max(timed.finished_at[i] for i in range(len(conversations)) if i not in hung) < deadline
     assert timed.finished_at[hung[0]] > deadline and conversations[hung[0]].num_turns == 2
+
+
+def test_feedback_mode_continuous_is_the_per_turn_loop(backend, tokenizer, sandbox: Sandbox) -> None:  # noqa: ANN001
+    """A test no answer can pass (add(1, 2) == 4): in the continuous loop too every answer is judged (reward 0
+    each), the failures come back as a user turn, each conversation ends at max_turns, and the conversations are
+    the per-turn loop's on the same seeds."""
+    from stages.generation.agent_loop import sandbox_judge
+    from stages.sandbox.rewards import RewardInput
+
+    text = "Write a Python function add(a, b) that returns a + b, in a ```python block."
+    spec = {"kind": "code_tests", "entry_point": "add", "preamble": "",
+            "test": "def check(candidate):\n    assert candidate(1, 2) == 4\n"}
+    cfg = MultiTurnConfig(mode="feedback", max_turns=3, max_response_tokens=600)
+    starts = [ConversationStart([{"role": "user", "content": text}], encode_chat(tokenizer, text), seed)
+              for seed in (3, 4, 5)]
+    rows = [RewardInput(s.messages, {}, "t") for s in starts]
+    judge = sandbox_judge(sandbox, ScoreConfig(workers=2, timeout_s=2.0), [spec] * 3, rows, cfg.feedback_chars)
+    sampling = SamplingSpec(temperature=0.7, max_new_tokens=40)
+    continuous, figures = run_conversations(backend, tokenizer, cfg, starts, sampling, "feedback", judge=judge)
+    per_turn, _ = run_conversations(backend, tokenizer, cfg.model_copy(update={"continuous_batching": False}),
+                                    starts, sampling, "feedback per turn", judge=judge)
+    assert figures["continuous_batching"] == 1
+    for c in continuous:
+        assert c.turn_rewards == [0.0, 0.0, 0.0] and c.turn_passed == [False, False, False]
+        assert [m["role"] for m in c.messages] == ["assistant", "user", "assistant", "user", "assistant"]
+        assert c.messages[1]["content"].startswith("Your answer failed these tests:\n")
+        assert c.finish_reason in ("max_turns", "length") and c.num_turns == 3
+    assert_same(continuous, per_turn)
