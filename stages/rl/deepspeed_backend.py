@@ -291,6 +291,20 @@ def _kill_tree(launcher: subprocess.Popen) -> int:
     return len(tree)
 
 
+# DeepSpeed's CPU all-reduce maps one POSIX shared-memory file per rank (deepspeed/ops/csrc/cpu/comm/shm.cpp,
+# `deepspeed_allreduce_buffer_<uid>_<master addr>_<master port>_<rank>`, 69 MB each) and never unlinks it: every
+# CPU job would leave them in /dev/shm (RAM) until reboot. A job's files are removed when it ends.
+SHM_DIR = Path("/dev/shm")
+
+
+def remove_shm_buffers(port: int, shm_dir: Path = SHM_DIR) -> list[Path]:
+    """Unlink this user's DeepSpeed all-reduce buffers of the job on `port` (any address, any rank)."""
+    removed = sorted(shm_dir.glob(f"deepspeed_allreduce_buffer_{os.getuid()}_*_{port}_*"))
+    for path in removed:
+        path.unlink(missing_ok=True)
+    return removed
+
+
 def _watch_stage(stage: str, poll_s: float = 1.0) -> None:
     """In a rank: kill this process once the train stage that launched it (`pid:start time`) has ended.
 
@@ -308,7 +322,10 @@ def _watch_stage(stage: str, poll_s: float = 1.0) -> None:
     def watch() -> None:
         while stage_alive():
             time.sleep(poll_s)
-        os.kill(os.getpid(), signal.SIGKILL)  # no cleanup: the stage that would use this rank's work is gone
+        # no other cleanup: the stage that would use this rank's work is gone (and cannot unlink the buffers)
+        with contextlib.suppress(KeyError, ValueError, OSError):
+            remove_shm_buffers(int(os.environ["MASTER_PORT"]))
+        os.kill(os.getpid(), signal.SIGKILL)
 
     threading.Thread(target=watch, daemon=True, name="rlpipe stage watch").start()
 
@@ -390,7 +407,7 @@ def launch(
         *launcher_resources("cpu" if job.device == "cpu" else "cuda", processes,
                             os.environ.get("CUDA_VISIBLE_DEVICES"), hostfile),
         "--master_port",
-        str(_free_port()),
+        str(port := _free_port()),
         "--module",
         "stages.rl.deepspeed_backend",
         "--job",
@@ -418,6 +435,8 @@ def launch(
     except BaseException:  # an exception or a signal while waiting: the job's work is not wanted any more
         _kill_tree(launcher)
         raise
+    finally:
+        remove_shm_buffers(port)
     if returncode != 0 or not result_path.is_file():
         raise DeepSpeedLaunchError(f"deepspeed launcher exited with {returncode}:\n{_tail(log_path)}")
     result = json.loads(result_path.read_text())

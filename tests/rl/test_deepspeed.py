@@ -26,7 +26,7 @@ import torch
 from safetensors.torch import load_file
 
 from schemas.config import TrainConfig
-from stages.rl.deepspeed_backend import READY, REPO_ROOT, DeepSpeedLaunchError, launch
+from stages.rl.deepspeed_backend import READY, REPO_ROOT, SHM_DIR, DeepSpeedLaunchError, launch
 from stages.rl.session import TrainJob, run_job
 from storage.layout import RunLayout
 from tests.reliability import helpers as h
@@ -64,15 +64,22 @@ def make_job(tmp_path: Path, name: str, policy_dir: Path, **train) -> TrainJob: 
     )
 
 
+def _shm_buffers() -> set[Path]:
+    """DeepSpeed's CPU all-reduce files in /dev/shm (one per rank and job, 69 MB each; remove_shm_buffers)."""
+    return set(SHM_DIR.glob("deepspeed_allreduce_buffer_*"))
+
+
 @pytest.mark.parametrize("zero_stage", [2, 3])
 def test_two_processes_match_plain_torch(tmp_path: Path, zero_stage: int):
     policy = save_tiny_model(tmp_path / "policy")
+    shm_before = _shm_buffers()
     # two steps: the second is off-policy and uses the first step's updated weights and optimizer state
     train = {"zero_stage": zero_stage, "minibatches": 2}
     torch_rows, _ = run_job(make_job(tmp_path, "torch", policy, **train))
     job = make_job(tmp_path, "ds", policy, backend="deepspeed", processes=2, **train)
     ds_rows, metrics = launch(job, tmp_path / "job.json", processes=2, timeout_s=500)
     assert metrics["processes"] == 2 and metrics["zero_stage"] == zero_stage and len(ds_rows) == 2
+    assert _shm_buffers() <= shm_before  # the job's shared-memory buffers went with it
     for a, b in zip(torch_rows, ds_rows, strict=True):
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-4, abs=1e-6)
         assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-3)
@@ -212,15 +219,18 @@ def test_ranks_end_when_the_train_stage_is_killed_alone(tmp_path: Path) -> None:
     job_path = tmp_path / "job.json"
     make_job(tmp_path, "ds", policy, backend="deepspeed", processes=2).dump(job_path)
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+    shm_before = _shm_buffers()
     stage = subprocess.Popen([sys.executable, "-c", STAGE, str(job_path)], cwd=REPO_ROOT, env=env)
     try:
         h.wait_for(lambda: _ranks_ready(Path(f"{job_path}.log")) or stage.poll() is not None, 300, what="the ranks")
         assert stage.poll() is None, Path(f"{job_path}.log").read_text()[-3000:]
+        assert len(_shm_buffers() - shm_before) == 2  # the ranks' all-reduce buffers exist while the job runs
         launched = [p for p in _job_processes(job_path) if p.pid != stage.pid]
         assert len(launched) == 4, [p.info["cmdline"] for p in launched]  # runner, launch, rank 0, rank 1
         stage.kill()
         stage.wait()
         h.wait_for(lambda: not _job_processes(job_path), 30, what="the launcher and ranks to end")
+        assert _shm_buffers() <= shm_before  # unlinked by the ranks, since the stage that would is gone
     finally:
         stage.kill()
         for process in _job_processes(job_path):
