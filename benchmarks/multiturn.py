@@ -25,16 +25,20 @@ whose load changes between the loop and its comparator the CPU-time ratio is the
 `--repeat-continuous` runs the continuous loop twice; the run prints how many conversations came out token
 for token the same, per-turn vs continuous and continuous vs continuous. Target: ratio >= 0.7.
 
-Measured 2026-11-25 on the 2-core box, vLLM CPU fp32 eager, `--backend vllm --mode feedback --prompts 6 --samples 4
---turn-tokens 48` (24 conversations, 22 ran all 4 turns, mean 3.79), the quietest run, load 1.4 -> 2.6:
-per-turn loop 86.4 tok/s (48.0 tok/CPU-s), continuous 90.8 tok/s (57.5 tok/CPU-s); **ratio to single-turn at
-each conversation's own length: per-turn 0.65 (by CPU time 0.55), continuous 0.45 (0.54), below the 0.7 target**;
-the comparator itself measured 133 and 202 tok/s a minute apart, so the wall-clock ratios carry that noise. Both
-loops gave the same tokens for 24/24 conversations. Full figures, the loaded runs and what they show:
-docs/measurements.md. In short: with nearly every conversation running all 4 turns the batch barely shrinks
-(24, 23, 22, 22 requests), so continuous batching has little to win here; the loop's cost is the growing
-context (the prompt, earlier answers and the feedback tokens, which single-turn generation never prefills or
-attends to: per-turn rates 175, 130, 89, 45 tok/s).
+Measured 2026-11-25 on the 2-core box, vLLM CPU fp32 eager (full figures and the loaded runs: docs/measurements.md):
+- Tool mode, `--backend vllm --mode tool --direct --prompts 18 --samples 4 --turn-tokens 64 --repeat-continuous`,
+  load 2.6 -> 2.0, the steadiest run (each comparator measured twice within 1-2%): 72 conversations, mean 1.65 turns,
+  47 tool calls. Per-turn loop 154.8 tok/s, continuous 188.8 (repeat 185.5) tok/s; single-turn at each
+  conversation's own length 248.8 / 243.3 tok/s: **ratio per-turn 0.62, continuous 0.78 (target >= 0.7 met)**, by
+  CPU time the same; against the full batch at the mean 0.50 and 0.60. Tool time 0.16 s apart (per-turn; the
+  continuous loop's engine never sat idle on a tool). Same tokens: 72/72 per-turn vs continuous, 72/72 continuous
+  vs continuous.
+- Feedback mode, `--mode feedback --prompts 6 --samples 4 --turn-tokens 48` (24 conversations, 22 ran all 4
+  turns), load 1.4 -> 2.6: per-turn 86.4 tok/s, continuous 90.8 tok/s; against own lengths 0.65 and 0.45 (by CPU
+  time 0.55, 0.54), the comparator moving 133 -> 202 tok/s between its two measurements. With nearly every
+  conversation running all 4 turns the batch barely shrinks (24, 23, 22, 22), so continuous batching has little
+  to win; the cost is the growing context (prompt, earlier answers, feedback tokens, which single-turn generation
+  never prefills or attends to: per-turn rates 175, 130, 89, 45 tok/s). Same tokens 24/24.
 
 Run: `.venv/bin/python -m benchmarks.multiturn --backend vllm --mode feedback` (`--help` for sizes).
 """
