@@ -43,9 +43,9 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 
+from stages.registry import ITERATION_STAGES, LANES
+
 REPO = Path(__file__).resolve().parents[1]
-ITERATION_STAGES = ("generate", "score", "advantage", "train", "evaluate")
-LANES = {"rollout": ("generate", "score", "evaluate"), "train": ("advantage", "train")}
 
 
 def run_overrides(args: argparse.Namespace, staleness: int) -> list[str]:
