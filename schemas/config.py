@@ -165,9 +165,9 @@ class MultiTurnConfig(Section):
     )
     continuous_batching: bool = Field(
         True, description="A conversation's next turn enters the engine as soon as its tool call or judgement "
-        "returns, while the others decode (backends with sessions: in-process vLLM); the tokens then depend on "
-        "timing, so the manifest's `deterministic` is false. `false`, or a backend without sessions (HF, the warm "
-        "engine): one batched call per turn for every conversation still going, reproducible."
+        "returns, while the others decode (backends with sessions: vLLM, in process or as the warm engine); the "
+        "tokens then depend on timing, so the manifest's `deterministic` is false. `false`, or a backend without "
+        "sessions (HF): one batched call per turn for every conversation still going, reproducible."
     )
 
     @model_validator(mode="after")
