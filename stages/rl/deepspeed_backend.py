@@ -205,6 +205,11 @@ def worker(job_path: Path) -> None:
     deepspeed.init_distributed(dist_backend=dist_backend(device_type))
     world = dist.get_world_size()
     rank = dist.get_rank()
+    if device_type == "cpu":
+        # Every rank has mapped every rank's all-reduce buffer once all have passed init: the names can go now
+        # (the mappings live on), so the buffers leave nothing in /dev/shm however the job ends.
+        dist.barrier()
+        remove_shm_buffers(int(os.environ["MASTER_PORT"]))
     # The machine's threads are shared by the ranks.
     torch.set_num_threads(max(1, job.threads // world))
     seed_everything(cfg, job.iteration)
@@ -293,7 +298,8 @@ def _kill_tree(launcher: subprocess.Popen) -> int:
 
 # DeepSpeed's CPU all-reduce maps one POSIX shared-memory file per rank (deepspeed/ops/csrc/cpu/comm/shm.cpp,
 # `deepspeed_allreduce_buffer_<uid>_<master addr>_<master port>_<rank>`, 69 MB each) and never unlinks it: every
-# CPU job would leave them in /dev/shm (RAM) until reboot. A job's files are removed when it ends.
+# CPU job would leave them in /dev/shm (RAM) until reboot. The ranks unlink them once all have mapped them
+# (`worker`), and `launch` again when the job ends (a rank that died before that point).
 SHM_DIR = Path("/dev/shm")
 
 
@@ -322,10 +328,7 @@ def _watch_stage(stage: str, poll_s: float = 1.0) -> None:
     def watch() -> None:
         while stage_alive():
             time.sleep(poll_s)
-        # no other cleanup: the stage that would use this rank's work is gone (and cannot unlink the buffers)
-        with contextlib.suppress(KeyError, ValueError, OSError):
-            remove_shm_buffers(int(os.environ["MASTER_PORT"]))
-        os.kill(os.getpid(), signal.SIGKILL)
+        os.kill(os.getpid(), signal.SIGKILL)  # no cleanup: the stage that would use this rank's work is gone
 
     threading.Thread(target=watch, daemon=True, name="rlpipe stage watch").start()
 

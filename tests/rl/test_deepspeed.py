@@ -224,13 +224,14 @@ def test_ranks_end_when_the_train_stage_is_killed_alone(tmp_path: Path) -> None:
     try:
         h.wait_for(lambda: _ranks_ready(Path(f"{job_path}.log")) or stage.poll() is not None, 300, what="the ranks")
         assert stage.poll() is None, Path(f"{job_path}.log").read_text()[-3000:]
-        assert len(_shm_buffers() - shm_before) == 2  # the ranks' all-reduce buffers exist while the job runs
+        # the ranks' all-reduce buffers (two files, mapped by both) are unlinked once both ranks have mapped them
+        assert _shm_buffers() <= shm_before
         launched = [p for p in _job_processes(job_path) if p.pid != stage.pid]
         assert len(launched) == 4, [p.info["cmdline"] for p in launched]  # runner, launch, rank 0, rank 1
         stage.kill()
         stage.wait()
         h.wait_for(lambda: not _job_processes(job_path), 30, what="the launcher and ranks to end")
-        assert _shm_buffers() <= shm_before  # unlinked by the ranks, since the stage that would is gone
+        assert _shm_buffers() <= shm_before  # nothing left by a job whose stage was killed
     finally:
         stage.kill()
         for process in _job_processes(job_path):
