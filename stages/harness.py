@@ -15,10 +15,13 @@ Exit codes: 0 done, 2 bad input or config (message names the file/row/field), 1 
 from __future__ import annotations
 
 import argparse
+import atexit
+import contextlib
 import os
 import shutil
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -465,4 +468,15 @@ def main(stage: str, work: Callable[[StageContext], None], argv: list[str] | Non
 
 
 def exit_with(stage: str, run: Callable[[StageContext], None]) -> None:
-    sys.exit(main(stage, run))
+    """Run the stage, then end the process with its exit code as a stage forked from the stage server ends
+    (flows/runner/forkserver.py): Python's exit work (non-daemon threads, atexit handlers, flushed streams), then
+    `os._exit`, so no C++ static destructor runs. In a fresh interpreter one did: a library's thread, still joinable
+    at teardown, aborted a stage that had already decided its exit code 2 ("terminate called without an active
+    exception", SIGABRT)."""
+    code = main(stage, run)
+    threading._shutdown()  # type: ignore[attr-defined]  # what the interpreter does first at exit
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(code)

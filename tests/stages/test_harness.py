@@ -144,3 +144,33 @@ def test_evaluate_every_leaves_unscheduled_evaluations_out_of_the_plan(tmp_path:
     plan = pending_stages(Run(layout, config))
     assert [target.iteration for target in plan if target.stage == "evaluate"] == [1, 2]
     assert [target.iteration for target in plan if target.stage == "train"] == [0, 1, 2]
+
+
+EXIT_WITH_SCRIPT = """
+import atexit, sys, threading, time
+from stages.harness import exit_with
+
+marker, root = sys.argv[1], sys.argv[2]
+def late_write():  # a non-daemon thread still running when the stage returns: exit waits for it
+    time.sleep(0.3)
+    open(marker, "a").write("thread ")
+threading.Thread(target=late_write).start()
+atexit.register(lambda: open(marker, "a").write("atexit"))
+sys.argv = ["prompts", "--root", root, "--run", "nosuchrun"]
+print("before exit", flush=False)
+exit_with("prompts", lambda ctx: None)
+"""
+
+
+def test_a_stage_process_ends_with_its_exit_code_after_pythons_exit_work(tmp_path: Path) -> None:
+    """exit_with ends the process with os._exit (no C++ teardown), yet as Python would: the stage's exit code
+    (2: a run that does not exist), non-daemon threads finished, then atexit handlers, streams flushed."""
+    import subprocess
+    import sys
+
+    marker = tmp_path / "marker"
+    result = subprocess.run([sys.executable, "-c", EXIT_WITH_SCRIPT, str(marker), str(tmp_path / "root")],
+                            capture_output=True, text=True, cwd=Path(__file__).resolve().parents[2], timeout=120)
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert marker.read_text() == "thread atexit"
+    assert "before exit" in result.stdout and "prompts" in result.stdout + result.stderr
