@@ -21,7 +21,9 @@ sampler's staleness. The reward printed per iteration is the mean score of that 
 Run: `.venv/bin/python -m benchmarks.overlap` (`--iterations 4`; sizes: `--help`; `--root DIR` keeps the runs).
 On a shared machine the other jobs share the two cores: the load average is printed before and after.
 
-Measured 2026-11-25 with other helpers' benchmarks running (load 6.6 -> 2.3): strict 47.8, overlapped 41.1
+Measured 2026-11-25 17:17, nothing else running (load 1.65 -> 1.3): strict 52.5, overlapped 66.6 iterations/hour,
+**ratio 1.27, below the 1.4 target** (both lanes busy 79 of 216 s; see docs/measurements.md).
+Earlier, with other helpers' benchmarks running (load 6.6 -> 2.3): strict 47.8, overlapped 41.1
 iterations/hour, ratio 0.86: generate k+1 did run beside train k in every iteration, but side by side each
 took about twice as long as alone, as both cores were shared with the other jobs (docs/measurements.md). The
 1.4x target is not shown on this shared machine.
