@@ -10,6 +10,7 @@ iteration 0 runs again and iteration 1 is done. Everything is torn down even whe
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -29,6 +30,7 @@ from flows.deploy import REPO_ROOT, deployment_pools, free_port, load_spec, stop
 from stages.registry import ITERATION_STAGES, RUN_STAGES, STAGES, instance, stage_state
 from storage.layout import BASE, RunLayout
 from storage.run import Run, read_run_config
+from tests.support.scratch import scratch_dir
 
 pytestmark = pytest.mark.slow
 
@@ -128,10 +130,12 @@ def rlpipe(env: dict[str, str], *args: str, timeout: float = 900) -> subprocess.
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    logs = tmp_path_factory.mktemp("cluster")
     marker = uuid.uuid4().hex
     processes: list[subprocess.Popen] = []
-    try:
+    with scratch_dir(tmp_path_factory, "cluster") as logs, contextlib.ExitStack() as stop:
+        # `rlpipe server` stops its server and workers on SIGTERM; then anything left is killed outright.
+        stop.callback(kill_marked, marker)
+        stop.callback(lambda: stop_processes(reversed(processes), grace_s=30))
         moto, endpoint = start_moto(logs)
         processes.append(moto)
         port = free_port()
@@ -165,10 +169,6 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
             for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION", "RLPIPE_S3_ENDPOINT_URL"):
                 patch.setenv(name, env[name])
             yield Cluster(api=api, root=root, env=env, logs=logs)
-    finally:
-        # `rlpipe server` stops its server and workers on SIGTERM; then anything left is killed outright.
-        stop_processes(reversed(processes), grace_s=30)
-        kill_marked(marker)
 
 
 def trigger(api_url: str, deployment: str) -> str:

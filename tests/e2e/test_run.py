@@ -15,11 +15,14 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
 from safetensors import safe_open
+
+from tests.support.scratch import scratch_dir
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(2700)]
 
@@ -73,11 +76,11 @@ def assert_tables_complete(run_dir: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def finished_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    root = tmp_path_factory.mktemp("root")
-    result = rlpipe(root, "run", "--config", str(CONFIG))
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
-    return root
+def finished_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    with scratch_dir(tmp_path_factory, "root") as root:
+        result = rlpipe(root, "run", "--config", str(CONFIG))
+        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
+        yield root
 
 
 def test_run_finishes_and_is_traceable(finished_run: Path) -> None:

@@ -14,6 +14,7 @@ import json
 import random
 import subprocess
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pyarrow as pa
@@ -25,6 +26,7 @@ from storage.checkpoints import verify_checkpoint
 from storage.layout import BASE, RunLayout
 from storage.manifest import read_manifest
 from storage.run import Run, read_run_config
+from tests.support.scratch import scratch_dir
 from tests.support.stages import run_stage_at
 
 from . import helpers as h
@@ -44,22 +46,22 @@ def parity_score(ctx: StageContext) -> None:
 
 
 @pytest.fixture(scope="module")
-def model_run(tmp_path_factory: pytest.TempPathFactory) -> RunLayout:
+def model_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunLayout]:
     from schemas.config import load_config
     from stages import base_model, prompts
     from tests.support.stages import start_run
 
-    base = tmp_path_factory.mktemp("model")
-    overrides = h.run_overrides(
-        base / "sources", "threads=2", "generate.backend=hf", "generate.prompts_per_iteration=1",
-        "generate.n_samples=2", "generate.max_new_tokens=16", "train.micro_batch_tokens=1024",
-    )
-    layout = start_run(load_config(None, overrides), str(base / "root"))
-    run_stage_at("prompts", layout, BASE, prompts.run)
-    run_stage_at("base_model", layout, BASE, base_model.run)
-    h.ensure_upstream_done(layout, "generate")  # evaluate_base: a stand-in (the model's evaluation is not drilled)
+    with scratch_dir(tmp_path_factory, "model") as base:
+        overrides = h.run_overrides(
+            base / "sources", "threads=2", "generate.backend=hf", "generate.prompts_per_iteration=1",
+            "generate.n_samples=2", "generate.max_new_tokens=16", "train.micro_batch_tokens=1024",
+        )
+        layout = start_run(load_config(None, overrides), str(base / "root"))
+        run_stage_at("prompts", layout, BASE, prompts.run)
+        run_stage_at("base_model", layout, BASE, base_model.run)
+        h.ensure_upstream_done(layout, "generate")  # evaluate_base: a stand-in (the model's evaluation is not drilled)
 
-    return layout
+        yield layout
 
 
 def done(layout: RunLayout, stage: str) -> bool:
