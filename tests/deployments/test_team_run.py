@@ -5,7 +5,9 @@ Two triggers of the scheduled deployment are fired at the same instant: one adva
 with every stage dispatched to a worker of its pool, the other finds the run lease held and ends `Skipped`.
 The flow-run records must show each stage once, on its intended pool; the bucket must hold every table with
 its manifest; the iteration must have published its metrics artifact. A third trigger resumes: nothing of
-iteration 0 runs again and iteration 1 is done. Everything is torn down even when an assertion fails.
+iteration 0 runs again and iteration 1 is done. Then a run with `pipeline.max_staleness: 1` goes through the
+`loop` deployment: its two lanes dispatch stages to both pools at once. Everything is torn down even when an
+assertion fails.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -171,9 +174,10 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
             yield Cluster(api=api, root=root, env=env, logs=logs)
 
 
-def trigger(api_url: str, deployment: str) -> str:
+def trigger(api_url: str, deployment: str, parameters: dict[str, Any] | None = None) -> str:
     deployment_id = rest("GET", f"{api_url}/deployments/name/{deployment}")["id"]
-    return api_post(api_url, f"/deployments/{deployment_id}/create_flow_run", {})["id"]
+    body = {"parameters": parameters} if parameters else {}
+    return api_post(api_url, f"/deployments/{deployment_id}/create_flow_run", body)["id"]
 
 
 def flow_run(api_url: str, run_id: str) -> dict:
@@ -197,8 +201,9 @@ def wait_finished(cluster: Cluster, run_ids: list[str], timeout_s: float) -> lis
         raise AssertionError(f"flow runs did not finish; worker logs:\n{worker_logs}") from None
 
 
-def stage_runs(api_url: str) -> list[dict]:
-    return api_post(api_url, "/flow_runs/filter", {"flows": {"name": {"any_": ["stage"]}}, "limit": 200})
+def stage_runs(api_url: str, run_id: str = RUN_ID) -> list[dict]:
+    runs = api_post(api_url, "/flow_runs/filter", {"flows": {"name": {"any_": ["stage"]}}, "limit": 200})
+    return [run for run in runs if run["parameters"]["run_id"] == run_id]
 
 
 def describe_failures(api_url: str, runs: list[dict]) -> str:
@@ -283,3 +288,45 @@ def test_two_pools_s3_root_overlapping_triggers_then_resume(cluster: Cluster) ->
     fs.invalidate_cache()
     for stage in ITERATION_STAGES:
         assert stage_state(Run(layout, config), instance(stage, 1)).done, stage
+
+
+@pytest.mark.timeout(WAIT_S + 300)
+def test_an_overlapped_run_dispatches_to_both_pools_at_once(cluster: Cluster) -> None:
+    """Two iterations with max_staleness 1 through the `loop` deployment: generate 1 is sampled by the base model
+    (not checkpoint 0), and stages of the two lanes ran as flow runs on different pools at the same time (in
+    strict order no two stage runs of a run overlap). The gpu worker runs one flow run at a time (`rlpipe server
+    --gpu-limit 1`), so generate and train, both gpu stages, still take turns."""
+    from schemas.config import load_config
+
+    api, run_id = cluster.api, "overlapped"
+    config = load_config(CONFIG, [f"run_id={run_id}", "pipeline.max_staleness=1", "train.is_level=token"])
+    layout = Run.start(config, cluster.root).layout
+    [loop] = wait_finished(cluster, [trigger(api, "loop/loop", {"root": cluster.root, "run_id": run_id})],
+                           timeout_s=WAIT_S)
+    stages = stage_runs(api, run_id)
+    assert loop["state"]["name"] == "Completed", describe_failures(api, [loop, *stages])
+    ran = sorted((run["parameters"]["stage"], run["parameters"]["iteration"]) for run in stages)
+    assert ran == sorted([(s, BASE) for s in RUN_STAGES] + [(s, k) for k in (0, 1) for s in ITERATION_STAGES])
+    expected_pool = deployment_pools(load_spec())
+    assert all(run["work_pool_name"] == expected_pool[run["parameters"]["stage"]] for run in stages)
+
+    def window(run: dict) -> tuple[datetime, datetime]:
+        return datetime.fromisoformat(run["start_time"]), datetime.fromisoformat(run["end_time"])
+
+    together = [(a["name"], b["name"]) for a in stages for b in stages
+                if a["work_pool_name"] == "gpu" and b["work_pool_name"] == "cpu"
+                and window(a)[0] < window(b)[1] and window(b)[0] < window(a)[1]]
+    assert together, sorted((window(run), run["name"]) for run in stages)
+
+    fs = layout.fs
+    fs.invalidate_cache()
+    policy_steps = {k: {row["policy_step"] for row in read_table(fs, layout.table_path("rollouts", k))} for k in (0, 1)}
+    assert policy_steps == {0: {0}, 1: {0}}  # both sampled by the base model; strict order would give {1} for 1
+    assert {row["staleness_max"] for row in read_table(fs, layout.table_path("train_metrics", 1))} == {1}
+
+
+def read_table(fs: Any, path: str) -> list[dict]:
+    import pyarrow.parquet as pq
+
+    with fs.open(path, "rb") as handle:
+        return pq.read_table(handle).to_pylist()

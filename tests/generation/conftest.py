@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from schemas.config import ModelConfig
+from schemas.config import GenerateConfig, ModelConfig
 
 PROMPTS = [
     "Write a Python function `add(a, b)` that returns the sum of a and b.",
@@ -36,6 +36,20 @@ def encode_chat(tokenizer, text: str) -> list[int]:  # noqa: ANN001
     if hasattr(ids, "input_ids"):  # newer transformers return a BatchEncoding
         ids = ids["input_ids"]
     return list(ids)
+
+
+@pytest.fixture(scope="module")
+def vllm_backend(model_dir: Path):  # noqa: ANN201 - a VLLMBackend
+    """The vLLM engine with the generate stage's settings (the config's "auto": fp32 and eager on CPU), one per
+    test module (a start costs 10 s to minutes)."""
+    from stages.generation import make_backend
+    from stages.generation.vllm_backend import vllm_available
+
+    if not vllm_available():
+        pytest.skip("vllm does not import (see ENVIRONMENT.md: remove torchvision/torchaudio/torchcodec)")
+    backend = make_backend("vllm", model_dir, GenerateConfig(backend="vllm", vllm_kv_cache_gib=1))
+    yield backend
+    backend.close()
 
 
 @pytest.fixture(scope="session")

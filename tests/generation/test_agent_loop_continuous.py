@@ -40,18 +40,6 @@ SEEDS = range(11, 17)
 
 
 @pytest.fixture(scope="module")
-def backend(model_dir: Path):  # noqa: ANN201 - a VLLMBackend
-    from stages.generation import make_backend
-    from stages.generation.vllm_backend import vllm_available
-
-    if not vllm_available():
-        pytest.skip("vllm does not import (see ENVIRONMENT.md: remove torchvision/torchaudio/torchcodec)")
-    started = make_backend("vllm", model_dir, GenerateConfig(backend="vllm", vllm_kv_cache_gib=1))
-    yield started
-    started.close()
-
-
-@pytest.fixture(scope="module")
 def sandbox():  # noqa: ANN201
     with Sandbox.from_config(ScoreConfig(workers=2, timeout_s=2.0)) as started:
         yield started
@@ -118,21 +106,21 @@ class HangingTool(SandboxTool):
         return super().run_one("import time\ntime.sleep(120)\n" if hang else code)
 
 
-def test_sessions_are_the_capability(backend) -> None:  # noqa: ANN001
+def test_sessions_are_the_capability(vllm_backend) -> None:  # noqa: ANN001
     cfg = MultiTurnConfig(mode="tool")
-    assert sessions(backend) is not None and uses_continuous_batching(backend, cfg)
-    assert not uses_continuous_batching(backend, cfg.model_copy(update={"continuous_batching": False}))
+    assert sessions(vllm_backend) is not None and uses_continuous_batching(vllm_backend, cfg)
+    assert not uses_continuous_batching(vllm_backend, cfg.model_copy(update={"continuous_batching": False}))
 
 
 TOOL_LOOP = MultiTurnConfig(mode="tool", max_turns=3, max_response_tokens=200)
 
 
 @pytest.fixture(scope="module")
-def per_turn(backend, tokenizer, sandbox: Sandbox) -> list[Conversation]:  # noqa: ANN001
+def per_turn(vllm_backend, tokenizer, sandbox: Sandbox) -> list[Conversation]:  # noqa: ANN001
     """The per-turn loop's conversations of six samples of CODE_PROMPT (seeds 11-16)."""
     conversations, figures = run_conversations(
-        backend, tokenizer, TOOL_LOOP.model_copy(update={"continuous_batching": False}), starts_of(tokenizer, SEEDS),
-        SAMPLING, "per turn", tool=SandboxTool(sandbox, 2.0, 200))
+        vllm_backend, tokenizer, TOOL_LOOP.model_copy(update={"continuous_batching": False}),
+        starts_of(tokenizer, SEEDS), SAMPLING, "per turn", tool=SandboxTool(sandbox, 2.0, 200))
     assert figures["continuous_batching"] == 0
     return conversations
 
@@ -144,13 +132,13 @@ def assert_same(continuous: list[Conversation], per_turn: list[Conversation]) ->
         assert c.logprobs == pytest.approx(p.logprobs, abs=1e-4)
 
 
-def test_continuous_loop_reproduces_the_per_turn_loop(backend, tokenizer, sandbox: Sandbox,  # noqa: ANN001
+def test_continuous_loop_reproduces_the_per_turn_loop(vllm_backend, tokenizer, sandbox: Sandbox,  # noqa: ANN001
                                                       per_turn: list[Conversation]) -> None:
     starts = starts_of(tokenizer, SEEDS)
-    continuous, figures = run_conversations(backend, tokenizer, TOOL_LOOP, starts, SAMPLING, "continuous",
+    continuous, figures = run_conversations(vllm_backend, tokenizer, TOOL_LOOP, starts, SAMPLING, "continuous",
                                             tool=SandboxTool(sandbox, 2.0, 200))
     assert figures["continuous_batching"] == 1
-    first = backend.generate([GenerationRequest(s.prompt_token_ids, s.seed) for s in starts],
+    first = vllm_backend.generate([GenerationRequest(s.prompt_token_ids, s.seed) for s in starts],
                              SamplingSpec(temperature=0.5, max_new_tokens=48, stop=["\n```\n"]))
     observation = tokenizer("<interpreter>\n42\n</interpreter>\n", add_special_tokens=False)["input_ids"]
     answered = 0
@@ -159,6 +147,7 @@ def test_continuous_loop_reproduces_the_per_turn_loop(backend, tokenizer, sandbo
         assert c.token_ids[:n0] == turn0.token_ids and c.turn_spans[0] == [0, n0]
         assert len(c.token_ids) == len(c.logprobs) == len(c.loss_mask) <= 200
         assert sum(c.loss_mask) == sum(end - begin for begin, end in c.turn_spans)
+        assert all(lp == 0.0 for lp, m in zip(c.logprobs, c.loss_mask, strict=True) if not m)
         if c.tool_calls and c.messages[1]["content"] == "42":
             assert c.token_ids[n0:n0 + len(observation)] == observation
             assert c.loss_mask[n0:n0 + len(observation)] == [0] * len(observation)
@@ -188,8 +177,9 @@ def test_the_warm_engine_batches_continuously_too(model_dir: Path, tokenizer, sa
     assert_same(continuous, per_turn)
 
 
-def test_a_hanging_tool_call_does_not_stall_the_others(backend, tokenizer, sandbox: Sandbox) -> None:  # noqa: ANN001
-    timed = TimedBackend(backend)
+def test_a_hanging_tool_call_does_not_stall_the_others(vllm_backend, tokenizer,  # noqa: ANN001
+                                                       sandbox: Sandbox) -> None:
+    timed = TimedBackend(vllm_backend)
     tool = HangingTool(sandbox, HANG_TIMEOUT_S)
     cfg = MultiTurnConfig(mode="tool", max_turns=2, max_response_tokens=200, tool_timeout_s=HANG_TIMEOUT_S)
     # short turns, so that the others' second turns end well within the hang's timeout on a loaded machine too
@@ -205,7 +195,8 @@ def test_a_hanging_tool_call_does_not_stall_the_others(backend, tokenizer, sandb
     assert timed.finished_at[hung[0]] > deadline and conversations[hung[0]].num_turns == 2
 
 
-def test_feedback_mode_continuous_is_the_per_turn_loop(backend, tokenizer, sandbox: Sandbox) -> None:  # noqa: ANN001
+def test_feedback_mode_continuous_is_the_per_turn_loop(vllm_backend, tokenizer,  # noqa: ANN001
+                                                       sandbox: Sandbox) -> None:
     """A test no answer can pass (add(1, 2) == 4): in the continuous loop too every answer is judged (reward 0
     each), the failures come back as a user turn, each conversation ends at max_turns, and the conversations are
     the per-turn loop's on the same seeds."""
@@ -221,8 +212,8 @@ def test_feedback_mode_continuous_is_the_per_turn_loop(backend, tokenizer, sandb
     rows = [RewardInput(s.messages, {}, "t") for s in starts]
     judge = sandbox_judge(sandbox, ScoreConfig(workers=2, timeout_s=2.0), [spec] * 3, rows, cfg.feedback_chars)
     sampling = SamplingSpec(temperature=0.7, max_new_tokens=40)
-    continuous, figures = run_conversations(backend, tokenizer, cfg, starts, sampling, "feedback", judge=judge)
-    per_turn, _ = run_conversations(backend, tokenizer, cfg.model_copy(update={"continuous_batching": False}),
+    continuous, figures = run_conversations(vllm_backend, tokenizer, cfg, starts, sampling, "feedback", judge=judge)
+    per_turn, _ = run_conversations(vllm_backend, tokenizer, cfg.model_copy(update={"continuous_batching": False}),
                                     starts, sampling, "feedback per turn", judge=judge)
     assert figures["continuous_batching"] == 1
     for c in continuous:

@@ -14,11 +14,9 @@ from __future__ import annotations
 
 import importlib.util
 import math
-from pathlib import Path
 
 import pytest
 
-from schemas.config import GenerateConfig
 from stages.generation.base import GenerationRequest, SamplingSpec, sample_seed
 
 pytestmark = [
@@ -36,19 +34,6 @@ MISMATCH_MAX_BOUND = 1.0
 LONG_CONTEXT = "Here is some context you may ignore. " * 40  # ~320 tokens per prompt
 
 
-@pytest.fixture(scope="module")
-def engine(model_dir: Path):  # noqa: ANN201 - a VLLMBackend
-    from stages.generation import make_backend
-    from stages.generation.vllm_backend import vllm_available
-
-    if not vllm_available():
-        pytest.skip("vllm does not import (see ENVIRONMENT.md: remove torchvision/torchaudio/torchcodec)")
-    # The generate stage's engine settings (the config's "auto": fp32 and eager on CPU).
-    backend = make_backend("vllm", model_dir, GenerateConfig(backend="vllm", vllm_kv_cache_gib=1))
-    yield backend
-    backend.close()
-
-
 def seeded(prompts: list[list[int]], samples: int) -> list[GenerationRequest]:
     return [
         GenerationRequest(prompt, sample_seed(0, 0, str(i), j))
@@ -56,7 +41,7 @@ def seeded(prompts: list[list[int]], samples: int) -> list[GenerationRequest]:
     ]
 
 
-def test_engine_runs_seeded_requests_beyond_one_step(engine, tokenizer, prompt_ids) -> None:  # noqa: ANN001
+def test_engine_runs_seeded_requests_beyond_one_step(vllm_backend, tokenizer, prompt_ids) -> None:  # noqa: ANN001
     from tests.generation.conftest import PROMPTS, encode_chat
 
     long_prompts = [encode_chat(tokenizer, LONG_CONTEXT + text) for text in PROMPTS] * 4
@@ -64,7 +49,7 @@ def test_engine_runs_seeded_requests_beyond_one_step(engine, tokenizer, prompt_i
     assert sum(len(r.prompt_token_ids) for r in requests) > 4096, "must exceed one step's token budget"
     spec = SamplingSpec(temperature=1.0, top_p=0.95, max_new_tokens=16)
     calls: list[tuple[int, int]] = []
-    samples = engine.generate(requests, spec, progress=lambda done, tokens: calls.append((done, tokens)))
+    samples = vllm_backend.generate(requests, spec, progress=lambda done, tokens: calls.append((done, tokens)))
     assert len(samples) == len(requests) == 32
     assert sum(done for done, _ in calls) == 32
     assert sum(tokens for _, tokens in calls) == sum(len(s.token_ids) for s in samples)
@@ -72,16 +57,16 @@ def test_engine_runs_seeded_requests_beyond_one_step(engine, tokenizer, prompt_i
         assert 0 < len(sample.token_ids) <= 16 and len(sample.logprobs) == len(sample.token_ids)
         assert all(math.isfinite(lp) and lp <= 0.0 for lp in sample.logprobs)
         assert sample.finish_reason in ("stop", "length")
-    assert engine.name == "vllm" and engine.deterministic and engine.engine_start_seconds > 0
+    assert vllm_backend.name == "vllm" and vllm_backend.deterministic and vllm_backend.engine_start_seconds > 0
     # The config's "auto" settings, resolved for this CPU: what the manifests record as `engine`.
-    assert engine.engine_settings == {"dtype": "float32", "compiled": False, "tensor_parallel_size": 1}
+    assert vllm_backend.engine_settings == {"dtype": "float32", "compiled": False, "tensor_parallel_size": 1}
 
 
-def test_seeds_reproduce_across_calls(engine, prompt_ids) -> None:  # noqa: ANN001
+def test_seeds_reproduce_across_calls(vllm_backend, prompt_ids) -> None:  # noqa: ANN001
     requests = seeded(prompt_ids, 3)
     spec = SamplingSpec(temperature=1.0, top_p=0.95, max_new_tokens=32)
-    first = engine.generate(requests, spec)
-    second = engine.generate(requests, spec)
+    first = vllm_backend.generate(requests, spec)
+    second = vllm_backend.generate(requests, spec)
     assert [s.token_ids for s in first] == [s.token_ids for s in second]
     assert [s.logprobs for s in first] == [s.logprobs for s in second]
     assert [s.text for s in first] == [s.text for s in second]
@@ -89,9 +74,9 @@ def test_seeds_reproduce_across_calls(engine, prompt_ids) -> None:  # noqa: ANN0
     assert len({tuple(s.token_ids) for s in first[:3]}) > 1
 
 
-def test_stop_string_convention_matches_hf(engine, tokenizer, prompt_ids) -> None:  # noqa: ANN001
+def test_stop_string_convention_matches_hf(vllm_backend, tokenizer, prompt_ids) -> None:  # noqa: ANN001
     spec = SamplingSpec(temperature=0.0, max_new_tokens=48, stop=["\n"])
-    sample = engine.generate([GenerationRequest(prompt_ids[0], 0)], spec)[0]
+    sample = vllm_backend.generate([GenerationRequest(prompt_ids[0], 0)], spec)[0]
     assert sample.finish_reason == "stop"
     assert "\n" not in sample.text
     # Tokens run up to and including the token that completed the stop string, as in the HF backend.
@@ -103,13 +88,13 @@ def test_stop_string_convention_matches_hf(engine, tokenizer, prompt_ids) -> Non
     SamplingSpec(temperature=1.0, top_p=1.0, max_new_tokens=48),
     SamplingSpec(temperature=0.8, top_p=0.95, top_k=50, max_new_tokens=48),
 ], ids=["t1", "t0.8-p0.95-k50"])
-def test_logprob_mismatch_vs_hf_forward(engine, model_dir, prompt_ids, spec) -> None:  # noqa: ANN001
+def test_logprob_mismatch_vs_hf_forward(vllm_backend, model_dir, prompt_ids, spec) -> None:  # noqa: ANN001
     from stages.generation.mismatch import logprob_mismatch
 
     requests = seeded(prompt_ids, 2)
-    samples = engine.generate(requests, spec)
+    samples = vllm_backend.generate(requests, spec)
     stats = logprob_mismatch(model_dir, requests, samples, spec, dtype="float32")
-    print(f"\nvLLM ({engine.engine_settings}) vs HF fp32 logprobs, {spec}: {stats}")  # visible with -s
+    print(f"\nvLLM ({vllm_backend.engine_settings}) vs HF fp32 logprobs, {spec}: {stats}")  # visible with -s
     assert stats["tokens"] + stats["outside_filter"] == sum(len(s.token_ids) for s in samples)
     assert stats["outside_filter"] <= 0.01 * stats["tokens"] + 1
     assert stats["mean_abs"] < MISMATCH_MEAN_BOUND, stats
