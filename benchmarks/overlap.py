@@ -8,25 +8,29 @@ manifests), so the run-level stages (prompts, base model, base evaluation) count
 
 Overlap can at best turn (G + T) per iteration into max(G, T) (G = generate + score, T = advantage + train), so
 the config is one where the two are about equal on this CPU: the default run's shape (4 prompts x 4 samples x
-<= 128 tokens, vLLM fp32 eager with the warm engine; its iteration measured generate 22.0 s, train 23.9 s on
-two cores, docs/measurements.md) with two passes over each batch (`--train-epochs 2`, PPO's epochs): on one
-core per lane one pass measured generate 33 s against train 15 s, and the train lane would idle half the
-time. `advantage.filter_metric: seq_reward` keeps the train step from being skipped (with `acc` a batch whose
-groups are all right or all wrong is copied in a second). With G = T the ceiling is 2x, less what cannot
-overlap: iteration 0's generate, the last train, and the one evaluation (`evaluate.every` is large: only the
-last checkpoint is judged, on 2 held-out prompts). Both runs use `train.is_level: token` (max_staleness > 0
-needs a sampler correction; in the strict run the weights are ~1), so the algorithms differ only in the
-sampler's staleness. The reward printed per iteration is the mean score of that iteration's rollouts.
+<= 128 tokens, vLLM fp32 eager, an engine per stage) with every group kept (`drop_zero_variance_groups: false`,
+TRL's and verl's default). Kept groups matter twice: from iteration 1 on the two runs sample different rollouts,
+and with zero-variance groups dropped they trained on different amounts (48 against 56 samples in 8 iterations,
+the strict run one skipped step), so the ratio measured the data as much as the schedule; and the train lane's
+time followed the kept count (0.5 to 55 s), so the lanes took turns waiting. Kept whole, a batch costs about the
+same every iteration (one pass, `--train-epochs 1`). With G = T the ceiling is 2x, less what cannot overlap:
+iteration 0's generate, the last train, and the one evaluation (`evaluate.every` is large: only the last
+checkpoint is judged, on 2 held-out prompts). Both runs use `train.is_level: token` (max_staleness > 0 needs a
+sampler correction; in the strict run the weights are ~1), so the algorithms differ only in the sampler's
+staleness. The reward printed per iteration is the mean score of that iteration's rollouts.
 
-Run: `.venv/bin/python -m benchmarks.overlap` (`--iterations 4`; sizes: `--help`; `--root DIR` keeps the runs).
-On a shared machine the other jobs share the two cores: the load average is printed before and after.
+Run: `.venv/bin/python -m benchmarks.overlap` (`--iterations 8`: the steady state outweighs the ends; sizes:
+`--help`; `--root DIR` keeps the runs). On a shared machine the other jobs share the two cores: the load average
+is printed before and after.
 
-Measured 2026-11-25 17:17, nothing else running (load 1.65 -> 1.3): strict 52.5, overlapped 66.6 iterations/hour,
-**ratio 1.27, below the 1.4 target** (both lanes busy 79 of 216 s; see docs/measurements.md).
-Earlier, with other helpers' benchmarks running (load 6.6 -> 2.3): strict 47.8, overlapped 41.1
-iterations/hour, ratio 0.86: generate k+1 did run beside train k in every iteration, but side by side each
-took about twice as long as alone, as both cores were shared with the other jobs (docs/measurements.md). The
-1.4x target is not shown on this shared machine.
+Measured 2026-11-25 20:31, nothing else running (load 0.2 -> 1.7), the defaults: strict 557.9 s for the 8
+iterations (51.6/hour: generate 29-32 s, train 32-39 s), overlapped 315.0 s (91.4/hour), **ratio 1.77**; both
+lanes busy 223 of 315 s; side by side generate took 30-35 s and train 33-39 s, as alone. The overlapped run's
+last batch had all rewards 0, a skipped step (0.8 s): with a train of the mean 35 s there it would be ~1.6.
+Training reward per iteration, strict / overlapped: .025/.025, .062/.062, .062/.062, .306/.244, .066/.045,
+.106/.106, .072/.062, .056/.000 (16 samples each; within their noise). Before every group was kept (2 epochs,
+zero-variance groups dropped): 1.27 over 4 iterations and 1.33 over 8, quiet; 0.86 under other jobs' load 6.6,
+where both cores were shared with them (docs/measurements.md).
 """
 
 from __future__ import annotations
@@ -58,7 +62,7 @@ def run_overrides(args: argparse.Namespace, staleness: int) -> list[str]:
         f"generate.warm_engine={args.warm_engine}", f"generate.vllm_kv_cache_gib={args.kv_cache_gib}",
         f"data.max_test_prompts={args.test_prompts}", "evaluate.n_samples=1", "evaluate.k=[1]",
         f"evaluate.max_new_tokens={args.max_new_tokens}", "evaluate.every=1000", "score.workers=1",
-        "train.is_level=token", "advantage.filter_metric=seq_reward", f"train.epochs={args.train_epochs}",
+        "train.is_level=token", "advantage.drop_zero_variance_groups=false", f"train.epochs={args.train_epochs}",
         f"seed={args.seed}",
         f"pipeline.max_staleness={staleness}",
     ]
@@ -108,12 +112,12 @@ def rewards(run_dir: Path, iterations: int) -> list[float]:
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--iterations", type=int, default=4)
+    parser.add_argument("--iterations", type=int, default=8)
     parser.add_argument("--prompts", type=int, default=4, help="prompts per iteration")
     parser.add_argument("--samples", type=int, default=4, help="samples per prompt")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--test-prompts", type=int, default=2)
-    parser.add_argument("--train-epochs", type=int, default=2, help="passes over each batch (balances the lanes)")
+    parser.add_argument("--train-epochs", type=int, default=1, help="passes over each batch (balances the lanes)")
     parser.add_argument("--backend", default="vllm", choices=("hf", "vllm"))
     parser.add_argument("--warm-engine", default="off", choices=("auto", "on", "off"),
                         help="generate.warm_engine (off: the same engine starts in both runs, whatever memory is free)")
