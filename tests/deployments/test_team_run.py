@@ -33,6 +33,7 @@ from flows.deploy import REPO_ROOT, deployment_pools, free_port, load_spec, stop
 from stages.registry import ITERATION_STAGES, RUN_STAGES, STAGES, instance, stage_state
 from storage.layout import BASE, RunLayout
 from storage.run import Run, read_run_config
+from tests.reliability.helpers import table_rows
 from tests.support.scratch import scratch_dir
 
 pytestmark = pytest.mark.slow
@@ -318,15 +319,7 @@ def test_an_overlapped_run_dispatches_to_both_pools_at_once(cluster: Cluster) ->
                 and window(a)[0] < window(b)[1] and window(b)[0] < window(a)[1]]
     assert together, sorted((window(run), run["name"]) for run in stages)
 
-    fs = layout.fs
-    fs.invalidate_cache()
-    policy_steps = {k: {row["policy_step"] for row in read_table(fs, layout.table_path("rollouts", k))} for k in (0, 1)}
+    layout.fs.invalidate_cache()
+    policy_steps = {k: {row["policy_step"] for row in table_rows(layout, "rollouts", k)} for k in (0, 1)}
     assert policy_steps == {0: {0}, 1: {0}}  # both sampled by the base model; strict order would give {1} for 1
-    assert {row["staleness_max"] for row in read_table(fs, layout.table_path("train_metrics", 1))} == {1}
-
-
-def read_table(fs: Any, path: str) -> list[dict]:
-    import pyarrow.parquet as pq
-
-    with fs.open(path, "rb") as handle:
-        return pq.read_table(handle).to_pylist()
+    assert {row["staleness_max"] for row in table_rows(layout, "train_metrics", 1)} == {1}
