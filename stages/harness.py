@@ -15,13 +15,10 @@ Exit codes: 0 done, 2 bad input or config (message names the file/row/field), 1 
 from __future__ import annotations
 
 import argparse
-import atexit
-import contextlib
 import os
 import shutil
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -55,6 +52,7 @@ from storage.checkpoints import checkpoint_digest, fetch_checkpoint, publish_che
 from storage.fs import atomic_write_bytes, describe_os_error, is_remote, temporary_prefix
 from storage.layout import BASE, RunLayout, StageInstance
 from storage.manifest import Manifest, config_hash, output_damage, read_manifest, write_manifest
+from storage.process import end_process
 from storage.run import Run, resolve_root
 from storage.tables import TableVersionError, read_table, write_table
 
@@ -469,14 +467,5 @@ def main(stage: str, work: Callable[[StageContext], None], argv: list[str] | Non
 
 def exit_with(stage: str, run: Callable[[StageContext], None]) -> None:
     """Run the stage, then end the process with its exit code as a stage forked from the stage server ends
-    (flows/runner/forkserver.py): Python's exit work (non-daemon threads, atexit handlers, flushed streams), then
-    `os._exit`, so no C++ static destructor runs. In a fresh interpreter one did: a library's thread, still joinable
-    at teardown, aborted a stage that had already decided its exit code 2 ("terminate called without an active
-    exception", SIGABRT)."""
-    code = main(stage, run)
-    threading._shutdown()  # type: ignore[attr-defined]  # what the interpreter does first at exit
-    atexit._run_exitfuncs()
-    for stream in (sys.stdout, sys.stderr):
-        with contextlib.suppress(Exception):
-            stream.flush()
-    os._exit(code)
+    (flows/runner/forkserver.py): no C++ static destructor runs (storage/process.py says why)."""
+    end_process(main(stage, run))

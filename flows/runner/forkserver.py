@@ -34,6 +34,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from schemas import settings
+from storage.process import end_process
 
 # Loaded once by the server; each is skipped when it is not installed (vLLM is an extra).
 PRELOAD = (
@@ -267,7 +268,6 @@ def _become_stage(request: dict, fds: list[int], keep_closed: list[int]) -> None
     """In the forked child: take the caller's descriptors, directory and environment, run the module as
     `python -m` would, and exit with its status. Never returns."""
     import runpy
-    import threading
     import traceback
 
     code = 1
@@ -309,15 +309,9 @@ def _become_stage(request: dict, fds: list[int], keep_closed: list[int]) -> None
             else:
                 print(exit_.code, file=sys.stderr)
                 code = 1
-        threading._shutdown()  # as the interpreter does at exit: wait for non-daemon threads
-        atexit._run_exitfuncs()
     except BaseException:  # noqa: BLE001 - everything ends here: the child must never return into the server
         traceback.print_exc()
-    finally:
-        for stream in (sys.stdout, sys.stderr):
-            with contextlib.suppress(Exception):
-                stream.flush()
-        os._exit(code)
+    end_process(code)
 
 
 def _send(connection: socket.socket, **message: int) -> None:

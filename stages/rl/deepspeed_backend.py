@@ -40,6 +40,7 @@ from stages.rl.checkpoint import TrainerState, copy_non_model_files, load_policy
 from stages.rl.logprobs import ResponseLogprobs
 from stages.rl.session import TrainJob, seed_everything, session_metrics
 from stages.rl.trainer import PolicyTrainer, make_adamw
+from storage.process import end_process
 
 DS_DIR = "deepspeed"
 DS_TAG = "optimizer"
@@ -260,6 +261,7 @@ def worker(job_path: Path) -> None:
         metrics["zero_offload"] = cfg.zero_offload
         metrics["peak_gpu_memory_mb"] = peak_mb
         Path(str(job_path) + ".result.json").write_text(json.dumps({"rows": rows, "metrics": metrics}))
+    dist.destroy_process_group()  # its threads joined here, not left to the interpreter's teardown
 
 
 def _append_line(path: Path, row: dict) -> None:
@@ -454,6 +456,7 @@ def main(argv: list[str] | None = None) -> None:
     if stage := os.environ.get(STAGE_ENV):
         _watch_stage(stage)
     worker(args.job)
+    end_process(0)  # a rank that wrote its work must not die in a C++ destructor at exit (storage/process.py)
 
 
 if __name__ == "__main__":

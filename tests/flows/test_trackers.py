@@ -245,8 +245,11 @@ def test_wandb_offline_run_files(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
     monkeypatch.setenv("WANDB_SILENT", "true")
     run = log_in_two_sessions(tmp_path, "wandb")
     handle = read_marker(run, "wandb").handle
-    logs = sorted((tmp_path / "runs/tr/trackers/wandb").glob(f"offline-run-*-{handle}/run-{handle}.wandb"))
-    assert len(logs) == 2  # two sessions of one W&B run (the same id, resumed)
+    # Two sessions of one W&B run (the same id, resumed), each in its folder `offline-run-<start second>-<id>`;
+    # W&B adds `-1` to the second's name when both started in the same second: ordered by (second, suffix).
+    logs = sorted((tmp_path / "runs/tr/trackers/wandb").glob(f"offline-run-*-{handle}*/run-{handle}.wandb"),
+                  key=lambda path: (path.parent.name.split("-")[2], len(path.parent.name)))
+    assert len(logs) == 2
     history: dict[str, list[tuple[int, float]]] = {}
     config: dict[str, object] = {}
     for path in logs:
