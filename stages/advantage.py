@@ -42,8 +42,9 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from schemas.config import AdvantageConfig
+from schemas.errors import InputError
 from schemas.tables import BASELINE_SAMPLE_IDX, ROLLOUT_KEY
-from stages.harness import StageContext, StageInputError, exit_with
+from stages.harness import StageContext, exit_with
 from stages.rl.advantages import (
     TOKEN_COLUMNS,
     TURN_ESTIMATORS,
@@ -91,12 +92,12 @@ def check_group_sizes(rollouts: pa.Table, n_samples: int, source: str) -> None:
     """Every (round, prompt) group has exactly `n_samples` rollouts, each key once: a short group (a lost sample)
     would give its members a baseline over fewer samples than the estimator assumes, silently."""
     if (key := duplicate_key(rollouts)) is not None:
-        raise StageInputError(f"{source}: duplicate rollout {key}")
+        raise InputError(f"{source}: duplicate rollout {key}")
     sizes = rollouts.group_by(["round", "prompt_id"], use_threads=False).aggregate([([], "count_all")])
     wrong = sizes.filter(pc.not_equal(sizes["count_all"], n_samples))
     if wrong.num_rows:
         prompt_id, round_index, size = (wrong[name][0].as_py() for name in ("prompt_id", "round", "count_all"))
-        raise StageInputError(
+        raise InputError(
             f"{source}: prompt {prompt_id} (round {round_index}) has {size} rollouts, but generate.n_samples "
             f"is {n_samples}: the table is incomplete or from another config"
         )
@@ -110,9 +111,9 @@ def split_baselines(table: pa.Table, greedy_baseline: bool, source: str) -> tupl
     sampled, baselines = table.filter(pc.invert(is_baseline)), table.filter(is_baseline)
     if not greedy_baseline:
         if baselines.num_rows:
-            raise StageInputError(f"{source}: greedy baseline rollout {key_of(baselines, 0)} (sample_idx "
-                                  f"{BASELINE_SAMPLE_IDX}), but advantage.estimator is not remax: the table is from "
-                                  "another config")
+            raise InputError(f"{source}: greedy baseline rollout {key_of(baselines, 0)} (sample_idx "
+                             f"{BASELINE_SAMPLE_IDX}), but advantage.estimator is not remax: the table is from "
+                             "another config")
         return sampled, baselines
     counts = Counter(zip(baselines["round"].to_pylist(), baselines["prompt_id"].to_pylist(), strict=True))
     groups = set(zip(sampled["round"].to_pylist(), sampled["prompt_id"].to_pylist(), strict=True))
@@ -120,8 +121,8 @@ def split_baselines(table: pa.Table, greedy_baseline: bool, source: str) -> tupl
         count = counts.get((round_index, prompt_id), 0)
         if count != 1 or (round_index, prompt_id) not in groups:
             what = f"{count} greedy baseline rows" if count != 1 else "a greedy baseline row but no sampled rows"
-            raise StageInputError(f"{source}: prompt {prompt_id} (round {round_index}) has {what}; remax needs "
-                                  "exactly one beside the sampled rollouts of each prompt")
+            raise InputError(f"{source}: prompt {prompt_id} (round {round_index}) has {what}; remax needs "
+                             "exactly one beside the sampled rollouts of each prompt")
     return sampled, baselines
 
 
@@ -129,7 +130,7 @@ def join_scores(rollouts: pa.Table, scores: pa.Table, source: str = "scores") ->
     """`rollouts` with their score's `reward`: every rollout has exactly one score, with a finite reward, and every
     score a rollout. An error names `source` (the scores) and the first rollout at fault in `rollouts` order."""
     if (key := duplicate_key(scores)) is not None:
-        raise StageInputError(f"{source}: duplicate score for rollout {key}")
+        raise InputError(f"{source}: duplicate score for rollout {key}")
     rollouts = rollouts.append_column("rollout_row", pa.array(np.arange(rollouts.num_rows)))
     scores = scores.select([*ROLLOUT_KEY, "reward", "status"])
     scores = scores.append_column("score_row", pa.array(np.arange(scores.num_rows)))
@@ -140,14 +141,14 @@ def join_scores(rollouts: pa.Table, scores: pa.Table, source: str = "scores") ->
     if unusable.num_rows:
         key = key_of(unusable, 0)
         if not unusable["score_row"][0].is_valid:
-            raise StageInputError(f"{source}: no score for rollout {key}")
-        raise StageInputError(
+            raise InputError(f"{source}: no score for rollout {key}")
+        raise InputError(
             f"{source}: reward {unusable['reward'][0].as_py()!r} of rollout {key} is not a finite number "
             "(a scorer bug: refusing to compute advantages from it)"
         )
     orphans = joined.filter(pc.invert(has_rollout))
     if orphans.num_rows:
-        raise StageInputError(f"{source}: {orphans.num_rows} scores have no rollout, e.g. {key_of(orphans, 0)}")
+        raise InputError(f"{source}: {orphans.num_rows} scores have no rollout, e.g. {key_of(orphans, 0)}")
     return joined.drop_columns(["rollout_row", "score_row"])
 
 
@@ -205,7 +206,7 @@ def build_batch(
         advantages_N, token_columns = estimate_turns(samples, shaped_N, groups, in_kept_group_N, cfg)
     elif cfg.greedy_baseline:
         if baselines is None:
-            raise StageInputError("advantage.estimator remax needs the greedy baseline rows (sample_idx -1)")
+            raise InputError("advantage.estimator remax needs the greedy baseline rows (sample_idx -1)")
         baseline_N = group_baselines(samples, groups, baselines, cfg, max_new_tokens)
         advantages_N = np.zeros_like(shaped_N)
         advantages_N[in_kept_group_N] = remax_advantages(shaped_N[in_kept_group_N], baseline_N[in_kept_group_N])
@@ -250,7 +251,7 @@ def group_baselines(
     baseline_K = []
     for round_index, prompt_id in keys_K:
         if (round_index, prompt_id) not in by_group:
-            raise StageInputError(f"prompt {prompt_id} (round {round_index}) has no greedy baseline row (remax)")
+            raise InputError(f"prompt {prompt_id} (round {round_index}) has no greedy baseline row (remax)")
         baseline_K.append(by_group[(round_index, prompt_id)])
     return np.array(baseline_K, dtype=np.float64)[groups.id_N]
 
@@ -285,15 +286,15 @@ def turns_of(samples: pa.Table, row: int, final_reward: float) -> Turns:
     where = key_of(samples, row)
     for span in spans:
         if len(span) != 2 or not 0 <= span[0] <= span[1] <= length:
-            raise StageInputError(f"rollout {where}: turn span {span} is not a [start, end) within its {length} "
-                                  "response tokens")
+            raise InputError(f"rollout {where}: turn span {span} is not a [start, end) within its {length} "
+                             "response tokens")
     if given is not None and len(given) != len(spans):
-        raise StageInputError(f"rollout {where}: {len(given)} turn_rewards for {len(spans)} turns")
+        raise InputError(f"rollout {where}: {len(given)} turn_rewards for {len(spans)} turns")
     rewards_K = np.zeros(len(spans)) if given is None else np.asarray(given, dtype=np.float64)
     if len(spans):
         rewards_K[-1] = final_reward
     if not np.all(np.isfinite(rewards_K)):
-        raise StageInputError(f"rollout {where}: turn_rewards {given} are not all finite")
+        raise InputError(f"rollout {where}: turn_rewards {given} are not all finite")
     mask_T = np.ones(length) if mask is None else np.asarray(mask, dtype=np.float64)
     return Turns(spans, mask_T, rewards_K)
 
@@ -441,7 +442,7 @@ def filter_groups(groups: Groups, values_N: np.ndarray, cfg: AdvantageConfig) ->
         low = -math.inf if cfg.min_group_mean is None else cfg.min_group_mean
         high = math.inf if cfg.max_group_mean is None else cfg.max_group_mean
         if low > high:
-            raise StageInputError(f"advantage.min_group_mean {low} > advantage.max_group_mean {high}: no group passes")
+            raise InputError(f"advantage.min_group_mean {low} > advantage.max_group_mean {high}: no group passes")
         in_range = partial(success_rate_in_range, low=low, high=high)
         filters.append((DROP_SUCCESS_RATE, in_range, groups.split(values_N)))
     drop_K = np.full(len(groups.round_K), None, dtype=object)
@@ -465,7 +466,7 @@ def cap_to_target(drop_K: np.ndarray, groups: Groups, cfg: AdvantageConfig) -> t
     try:
         needed = rounds_needed(min(len(kept_K), cfg.target_groups), cfg.target_groups, rounds, cfg.round_cap)
     except DynamicSamplingExhausted as error:
-        raise StageInputError(str(error)) from None
+        raise InputError(str(error)) from None
     return drop_K, needed
 
 

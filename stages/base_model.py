@@ -7,8 +7,9 @@ the content hash differs, so a run can never silently continue from a different 
 
 from __future__ import annotations
 
+from schemas.errors import InputError
 from stages.generation.models import ModelError, resolve_model
-from stages.harness import StageContext, StageInputError, exit_with
+from stages.harness import StageContext, exit_with
 from storage.checkpoints import checkpoint_digest
 
 
@@ -16,7 +17,7 @@ def run(ctx: StageContext) -> None:
     try:
         model_dir = resolve_model(ctx.config.model)
     except ModelError as error:  # a model that is not there (offline: how to fetch it) is bad input, exit 2
-        raise StageInputError(str(error)) from None
+        raise InputError(str(error)) from None
     digest, files, total = checkpoint_digest(model_dir)
     ctx.record_external_checkpoint(
         path=str(model_dir), sha256=digest, total_bytes=total,

@@ -19,6 +19,7 @@ import json
 
 import pyarrow as pa
 
+from schemas.errors import InputError
 from stages.evaluation.metrics import aggregate, clusters_of, multi_turn_summary
 from stages.generate import conversation_sample, roll_out
 from stages.generation.agent_loop import Conversation, ConversationStart, uses_continuous_batching
@@ -27,7 +28,7 @@ from stages.generation.client import open_stage_engine
 from stages.generation.device import backend_device_record, claim_device
 from stages.generation.models import load_tokenizer
 from stages.generation.sampling import GenerationResult, encode_prompts, generate_with_progress
-from stages.harness import StageContext, StageInputError, exit_with
+from stages.harness import StageContext, exit_with
 from stages.sandbox import ScoreJob
 from stages.sandbox.rewards import RewardInput
 from stages.score import score_with_progress
@@ -38,7 +39,7 @@ def run(ctx: StageContext) -> None:
     gen = ctx.config.generate
     prompts = [row for row in ctx.read_input("prompts").to_pylist() if row["split"] == "test"]
     if not prompts:
-        raise StageInputError(f"{ctx.inputs['prompts'].path}: no test prompts")
+        raise InputError(f"{ctx.inputs['prompts'].path}: no test prompts")
     by_id = {row["prompt_id"]: row for row in prompts}
     device = claim_device(ctx.config.device)
     model_dir = ctx.policy_dir()

@@ -33,6 +33,7 @@ from typing import Any
 
 import pyarrow as pa
 
+from schemas.errors import InputError
 from schemas.tables import BASELINE_SAMPLE_IDX, SINGLE_TURN_ROLLOUT
 from stages.generation.agent_loop import (
     Conversation,
@@ -47,7 +48,7 @@ from stages.generation.client import open_stage_engine
 from stages.generation.device import Device, backend_device_record, claim_device, resolve_dtype
 from stages.generation.models import load_tokenizer
 from stages.generation.sampling import GenerationResult, encode_prompts, generate_with_progress
-from stages.harness import StageContext, StageInputError, exit_with
+from stages.harness import StageContext, exit_with
 from stages.registry import policy_step
 from stages.sandbox import Sandbox, rewards
 from stages.sandbox.rewards import RewardInput
@@ -114,8 +115,8 @@ def run(ctx: StageContext) -> None:
     selected = select_round_prompts(list(train), ctx.config.seed, ctx.iteration, cfg.prompts_per_iteration, round_idx)
     if not selected:
         if round_idx == 0:
-            raise StageInputError(f"{ctx.inputs['prompts'].path}: no train prompts")
-        raise StageInputError(
+            raise InputError(f"{ctx.inputs['prompts'].path}: no train prompts")
+        raise InputError(
             f"{ctx.inputs['prompts'].path}: dynamic sampling round {round_idx} of iteration {ctx.iteration} found no "
             f"train prompt left that earlier rounds did not use ({len(train)} in all): the batch cannot reach "
             "advantage.target_groups; lower it or add training prompts"
@@ -223,7 +224,7 @@ def roll_out(
         try:
             return run_conversations(backend, tokenizer, mt, starts, sampling, label, tool=tool, judge=judge)
         except rewards.RewardSetupError as error:
-            raise StageInputError(str(error)) from None
+            raise InputError(str(error)) from None
 
 
 def conversation_sample(c: Conversation, tokenizer: Any) -> Sample:  # noqa: ANN401 - a HF tokenizer

@@ -33,6 +33,7 @@ from rich.console import Console
 
 from schemas.config import ConfigError, InvalidRunId, RunConfig
 from schemas.contracts import ContractViolation, rejected_path, validate_table, validation_path
+from schemas.errors import InputError
 from schemas.settings import LANE_CPUS, cache_dir, lane_cpus
 from schemas.tables import TABLES, SchemaMismatch, conform
 from stages.registry import (
@@ -57,10 +58,6 @@ from storage.run import Run, resolve_root
 from storage.tables import TableVersionError, read_table, write_table
 
 console = Console(stderr=True)
-
-
-class StageInputError(ValueError):
-    """Bad input data: the stage fails with exit code 2 and this message, naming file, row or field."""
 
 
 @dataclass
@@ -140,7 +137,7 @@ class StageContext:
             with self.harness_time("read"):
                 return read_table(self.fs, manifest.path, spec)
         except (TableVersionError, SchemaMismatch) as error:
-            raise StageInputError(str(error)) from None
+            raise InputError(str(error)) from None
 
     def round_input_names(self, table: str) -> list[str]:
         """The input names of `table` in every generation round this stage reads, round 0 first."""
@@ -166,10 +163,10 @@ class StageContext:
             try:
                 local = resolve_model(self.config.model)
             except ModelError as error:  # e.g. a hub model this machine's cache lacks, offline
-                raise StageInputError(str(error)) from None
+                raise InputError(str(error)) from None
             digest, _, _ = checkpoint_digest(local)
             if digest != manifest.sha256:
-                raise StageInputError(
+                raise InputError(
                     f"base model at {local} has content hash {digest[:12]}, but this run started from "
                     f"{manifest.sha256[:12]} ({manifest.path}): the model changed under the run"
                 )
@@ -448,7 +445,7 @@ def main(stage: str, work: Callable[[StageContext], None], argv: list[str] | Non
                 console.print(f"· {target.label} is done already")
                 return 0
             run_stage(run, target, work)
-    except (ConfigError, StageInputError, MissingInput, SchemaMismatch, TableVersionError, InvalidRunId) as error:
+    except (ConfigError, InputError, MissingInput, SchemaMismatch, TableVersionError, InvalidRunId) as error:
         console.print(f"[red]✗ {stage}: {error}[/]")
         return 2
     except ContractViolation as error:  # the stage's own output is wrong: not a bad-input exit

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import pyarrow as pa
 
+from schemas.errors import InputError
 from stages.data.sources import DataError, load_splits
-from stages.harness import StageContext, StageInputError, exit_with
+from stages.harness import StageContext, exit_with
 
 
 def run(ctx: StageContext) -> None:
@@ -17,11 +18,11 @@ def run(ctx: StageContext) -> None:
     try:
         train, test = load_splits(data)
     except DataError as error:
-        raise StageInputError(str(error)) from None
+        raise InputError(str(error)) from None
     if train.num_rows == 0:
-        raise StageInputError(f"data.train {data.train!r} yields no train prompts")
+        raise InputError(f"data.train {data.train!r} yields no train prompts")
     if test.num_rows == 0:
-        raise StageInputError(f"data.test {data.test!r} yields no test prompts")
+        raise InputError(f"data.test {data.test!r} yields no test prompts")
     ctx.write_table("prompts", pa.concat_tables([train, test]), {"train": train.num_rows, "test": test.num_rows})
 
 

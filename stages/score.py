@@ -15,9 +15,10 @@ from collections import Counter
 import pyarrow as pa
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from schemas.errors import InputError
 from schemas.tables import BASELINE_SAMPLE_IDX
 from stages.generation.agent_loop import final_answer
-from stages.harness import StageContext, StageInputError, exit_with
+from stages.harness import StageContext, exit_with
 from stages.sandbox import Sandbox, ScoreJob, ScoreResult, rewards
 
 
@@ -33,7 +34,7 @@ def score_with_progress(
         try:
             return rewards.score(sandbox, cfg, jobs, rows, progress=lambda done: progress.update(task, advance=done))
         except rewards.RewardSetupError as error:
-            raise StageInputError(str(error)) from None
+            raise InputError(str(error)) from None
 
 
 def graded_text(row: dict) -> str:
@@ -51,7 +52,7 @@ def run(ctx: StageContext) -> None:
     for row in rollouts:
         prompt = prompts.get(row["prompt_id"])
         if prompt is None:
-            raise StageInputError(
+            raise InputError(
                 f"{ctx.inputs['rollouts'].path}: prompt_id {row['prompt_id']} is not in the prompts table"
             )
         jobs.append(ScoreJob(response_text=graded_text(row), reward_spec=json.loads(prompt["reward_spec"])))

@@ -29,9 +29,10 @@ import pyarrow as pa
 import torch  # noqa: F401 - imported first so the harness sets torch's thread count (stages/harness.py)
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from schemas.errors import InputError
 from schemas.tables import ROLLOUT_KEY
 from stages.generation.device import claim_device, device_record, release_memory, resolve_dtype
-from stages.harness import StageContext, StageInputError, exit_with
+from stages.harness import StageContext, exit_with
 from stages.rl.advantages import TOKEN_COLUMNS
 from stages.rl.checkpoint import TrainerState, copy_policy, read_state
 from stages.rl.critic import copy_value_model
@@ -57,11 +58,11 @@ def training_samples(
     for row in sorted((r for r in batch if r["kept"]), key=_key):
         rollout = by_key.get(_key(row))
         if rollout is None:
-            raise StageInputError(
+            raise InputError(
                 f"{source}: kept row {dict(zip(ROLLOUT_KEY, _key(row), strict=True))} has no rollout"
             )
         if not math.isfinite(row["advantage"]):
-            raise StageInputError(f"{source}: advantage {row['advantage']} of {_key(row)} is not finite")
+            raise InputError(f"{source}: advantage {row['advantage']} of {_key(row)} is not finite")
         if not rollout["response_token_ids"]:
             empty += 1
             continue
@@ -187,7 +188,7 @@ def run(ctx: StageContext) -> None:
     cfg = ctx.config.train
     if needed := ctx.inputs["batch"].metrics.get("groups_needed", 0):
         rounds = ctx.inputs["batch"].metrics.get("rounds", 1)
-        raise StageInputError(
+        raise InputError(
             f"{ctx.inputs['batch'].path}: dynamic sampling still needs {needed} kept groups (advantage.target_groups"
             f"={ctx.config.advantage.target_groups}): run generate and score round {rounds}, then advantage, first "
             "(the iteration flow does this)"

@@ -18,10 +18,11 @@ from flows.artifacts import iteration_metrics
 from flows.cli.status import extra_rounds
 from flows.runner.process import StageOutcome, dynamic_sampling_rounds
 from schemas.config import load_config
+from schemas.errors import InputError
 from schemas.tables import SINGLE_TURN_ROLLOUT
 from stages.data.sources import code_messages, code_tests_spec, prompt_id_of
 from stages.generate import select_round_prompts
-from stages.harness import StageContext, StageInputError
+from stages.harness import StageContext
 from stages.registry import instance, round_inputs, stage_state
 from storage.catalog import open_catalog
 from storage.layout import BASE, RunLayout, StageInstance
@@ -194,13 +195,13 @@ def test_the_round_cap_fails_naming_it_and_train_refuses_a_short_batch(tmp_path:
     """Proves: past `max_generation_rounds` the loop ends with an error naming the cap, the batch already
     written stays valid, the extra round's tables are kept, and train refuses a batch that is still short."""
     layout = start(tmp_path, "advantage.max_generation_rounds=2", f"advantage.target_groups={N_PROBLEMS}")
-    with pytest.raises(StageInputError, match=r"still needs \d+ kept groups"):
+    with pytest.raises(InputError, match=r"still needs \d+ kept groups"):
         run_stage_at("train", layout, 0, h.real_stage("train"))
     before = batch_manifest(layout)
 
     ran: list[tuple[str, int]] = []
     config = read_run_config(layout)
-    with pytest.raises(StageInputError, match=r"advantage.max_generation_rounds=2"):
+    with pytest.raises(InputError, match=r"advantage.max_generation_rounds=2"):
         dynamic_sampling_rounds(Run(layout, config), 0, execute=in_process(layout, ran), log=lambda *a: None)
     assert ran == [("generate", 1), ("score", 1)]  # the advantage over both rounds refused: the cap
     # The refused rebuild left the previous batch as it was; round 1's tables are kept for a larger cap.

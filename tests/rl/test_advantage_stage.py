@@ -9,10 +9,10 @@ import pyarrow as pa
 import pytest
 
 from schemas.config import AdvantageConfig
+from schemas.errors import InputError
 from schemas.tables import BATCH, conform
 from stages import advantage
 from stages.advantage import check_group_sizes, join_scores
-from stages.harness import StageInputError
 
 
 def sample(
@@ -138,7 +138,7 @@ def test_dynamic_sampling_target():
     rows, metrics = build_batch(samples, AdvantageConfig(target_groups=5, max_generation_rounds=2), 96)
     assert metrics["groups_needed"] == 2
     # at the cap: a clear error
-    with pytest.raises(StageInputError, match="max_generation_rounds=1"):
+    with pytest.raises(InputError, match="max_generation_rounds=1"):
         build_batch(samples, AdvantageConfig(target_groups=5, max_generation_rounds=1), 96)
 
 
@@ -161,16 +161,16 @@ def scores(*rows: dict) -> pa.Table:
 def test_join_scores_errors():
     a0, a1 = sample("a", 0, 0.0), sample("a", 1, 1.0)
     nan_message = r"s.parquet: reward nan of rollout \{.*'prompt_id': 'a', 'sample_idx': 0\} is not a finite number"
-    with pytest.raises(StageInputError, match=nan_message):
+    with pytest.raises(InputError, match=nan_message):
         join_scores(rollouts(a0), scores({**a0, "reward": math.nan}), "s.parquet")
-    with pytest.raises(StageInputError, match=r"no score for rollout \{.*'sample_idx': 1\}"):
+    with pytest.raises(InputError, match=r"no score for rollout \{.*'sample_idx': 1\}"):
         join_scores(rollouts(a0, a1), scores(a0))
-    with pytest.raises(StageInputError, match=r"1 scores have no rollout, e.g. \{.*'sample_idx': 1\}"):
+    with pytest.raises(InputError, match=r"1 scores have no rollout, e.g. \{.*'sample_idx': 1\}"):
         join_scores(rollouts(a0), scores(a0, a1))
-    with pytest.raises(StageInputError, match=r"duplicate score for rollout \{.*'sample_idx': 1\}"):
+    with pytest.raises(InputError, match=r"duplicate score for rollout \{.*'sample_idx': 1\}"):
         join_scores(rollouts(a0, a1), scores(a0, a1, a1))
     # the first rollout at fault, in rollout order, is the one named
-    with pytest.raises(StageInputError, match=r"reward inf of rollout \{.*'sample_idx': 1\}"):
+    with pytest.raises(InputError, match=r"reward inf of rollout \{.*'sample_idx': 1\}"):
         join_scores(rollouts(a1, a0), scores({**a1, "reward": math.inf}))
     joined = join_scores(rollouts(a1, a0), scores(a0, a1)).sort_by("sample_idx")
     assert joined["reward"].to_pylist() == [0.0, 1.0] and joined["num_tokens"].to_pylist() == [10, 10]
@@ -179,11 +179,11 @@ def test_join_scores_errors():
 def test_group_sizes_must_equal_n_samples_in_every_round():
     full = [sample("a", i, 1.0) for i in range(4)] + [sample("a", i, 0.0, round_=1) for i in range(4)]
     check_group_sizes(rollouts(*full), 4, "rollouts.parquet")
-    with pytest.raises(StageInputError, match=r"rollouts.parquet: prompt a \(round 1\) has 3 rollouts.*n_samples is 4"):
+    with pytest.raises(InputError, match=r"rollouts.parquet: prompt a \(round 1\) has 3 rollouts.*n_samples is 4"):
         check_group_sizes(rollouts(*full[:-1]), 4, "rollouts.parquet")
     # a repeated rollout with a lost one keeps the count right: the repeat itself is refused
     repeat = r"rollouts.parquet: duplicate rollout \{.*'round': 1, .*'sample_idx': 2\}"
-    with pytest.raises(StageInputError, match=repeat):
+    with pytest.raises(InputError, match=repeat):
         check_group_sizes(rollouts(*full[:-1], full[-2]), 4, "rollouts.parquet")
 
 
@@ -227,6 +227,6 @@ def test_every_column_by_hand_from_shuffled_rows():
 
 
 def test_an_empty_success_rate_range_is_a_config_error():
-    with pytest.raises(StageInputError, match="min_group_mean 0.8 > advantage.max_group_mean 0.2"):
+    with pytest.raises(InputError, match="min_group_mean 0.8 > advantage.max_group_mean 0.2"):
         cfg = AdvantageConfig(min_group_mean=0.8, max_group_mean=0.2)
         build_batch([sample("a", 0, 1.0), sample("a", 1, 0.0)], cfg, 96)

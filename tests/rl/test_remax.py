@@ -21,10 +21,11 @@ import pytest
 
 from schemas.config import AdvantageConfig, ConfigError, RunConfig, load_config
 from schemas.contracts import checks_for
+from schemas.errors import InputError
 from schemas.tables import BASELINE_SAMPLE_IDX, BATCH, SINGLE_TURN_ROLLOUT, conform
 from stages import advantage, train
 from stages.advantage import split_baselines
-from stages.harness import StageContext, StageInputError
+from stages.harness import StageContext
 from stages.rl.advantages import remax_advantages
 from tests.support.stages import run_stage_at
 
@@ -90,13 +91,13 @@ def test_baseline_rows_are_checked() -> None:
     sampled = [row("a", 0, 1.0), row("a", 1, 0.0)]
     kept, greedy = split_baselines(table([*sampled, row("a", -1, 1.0)]), True, "t.parquet")
     assert kept.num_rows == 2 and greedy["sample_idx"].to_pylist() == [-1]
-    with pytest.raises(StageInputError, match=r"t.parquet: prompt a \(round 0\) has 0 greedy baseline rows"):
+    with pytest.raises(InputError, match=r"t.parquet: prompt a \(round 0\) has 0 greedy baseline rows"):
         split_baselines(table(sampled), True, "t.parquet")
-    with pytest.raises(StageInputError, match=r"has 2 greedy baseline rows"):
+    with pytest.raises(InputError, match=r"has 2 greedy baseline rows"):
         split_baselines(table([*sampled, row("a", -1, 1.0), {**row("a", -1, 1.0), "round": 0}]), True, "t")
-    with pytest.raises(StageInputError, match=r"prompt b \(round 0\) has a greedy baseline row but no sampled"):
+    with pytest.raises(InputError, match=r"prompt b \(round 0\) has a greedy baseline row but no sampled"):
         split_baselines(table([*sampled, row("a", -1, 1.0), row("b", -1, 1.0)]), True, "t")
-    with pytest.raises(StageInputError, match="sample_idx -1.*advantage.estimator is not remax"):
+    with pytest.raises(InputError, match="sample_idx -1.*advantage.estimator is not remax"):
         split_baselines(table([*sampled, row("a", -1, 1.0)]), False, "t")
 
 

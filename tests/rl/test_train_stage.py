@@ -91,7 +91,7 @@ def test_kl_lora_and_off_policy_options(run_layout):
 
 @pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
 def test_non_finite_advantage_names_the_row(bad):
-    from stages.harness import StageInputError
+    from schemas.errors import InputError
     from stages.train import training_samples
 
     def row(sample_idx: int, advantage: float) -> dict:
@@ -103,7 +103,7 @@ def test_non_finite_advantage_names_the_row(bad):
     # the finite row alone is fine
     samples, empty = training_samples([row(0, 0.5)], rollouts, "iter=0/batch")
     assert empty == 0 and samples[0]["advantage"] == 0.5
-    with pytest.raises(StageInputError) as error:
+    with pytest.raises(InputError) as error:
         training_samples([row(0, 0.5), row(1, bad)], rollouts, "iter=0/batch")
     message = str(error.value)
     # the source table, the field, the value, and the rollout key (run_id, iteration, round, prompt_id,

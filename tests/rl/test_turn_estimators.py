@@ -19,9 +19,10 @@ import pyarrow.parquet as pq
 import pytest
 
 from schemas.config import AdvantageConfig
+from schemas.errors import InputError
 from schemas.tables import BATCH, conform
 from stages import advantage, train
-from stages.harness import StageContext, StageInputError
+from stages.harness import StageContext
 from stages.rl.advantages import (
     delta_shaped_rewards,
     rloo_advantages,
@@ -222,10 +223,10 @@ def test_bad_turns_are_an_input_error() -> None:
     rows = [{**base, "sample_idx": 0, "reward": 1.0, "turn_spans": [[0, 1], [2, 4]], "turn_rewards": None},
             {**base, "sample_idx": 1, "reward": 0.0, "status": "fail", "turn_spans": [[0, 1]], "turn_rewards": None}]
     cfg = AdvantageConfig(estimator="turn_rloo")
-    with pytest.raises(StageInputError, match="'sample_idx': 0.*turn span \\[2, 4\\] is not"):
+    with pytest.raises(InputError, match="'sample_idx': 0.*turn span \\[2, 4\\] is not"):
         advantage.build_batch(pa.Table.from_pylist(rows), cfg, 16)
     rows[0].update(turn_spans=[[0, 1], [2, 3]], turn_rewards=[0.5])
-    with pytest.raises(StageInputError, match="1 turn_rewards for 2 turns"):
+    with pytest.raises(InputError, match="1 turn_rewards for 2 turns"):
         advantage.build_batch(pa.Table.from_pylist(rows), cfg, 16)
 
 
