@@ -418,6 +418,15 @@ class ScoreConfig(Section):
         "extra_info)` or TRL's `reward_func(prompts, completions, **columns)` signature (docs/data.md). "
         "Empty: each row's built-in verifier of its kind, weight 1.",
     )
+    max_reward_error_fraction: float | None = Field(
+        1.0, ge=0.0, le=1.0,
+        description="A score stage fails (exit code 2, one line naming the function, its file and line and the "
+        "first error) when a reward function's failed calls (it raised, ran past `timeout_s`, returned NaN or "
+        "not a number) are at least this share of its calls, and at least one. 1.0: only a function that "
+        "failed on every call stops the run; 0.0: any failure does (TRL's behaviour); null: never, the failed "
+        "rows are scored `error` with the term counting 0. The share per function is in the stage's output, "
+        "its manifest, `rlpipe status`, the report and the trackers either way.",
+    )
 
     @field_validator("rewards")
     @classmethod

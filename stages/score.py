@@ -18,7 +18,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from schemas.errors import InputError
 from schemas.tables import BASELINE_SAMPLE_IDX
 from stages.generation.agent_loop import final_answer
-from stages.harness import StageContext, exit_with
+from stages.harness import StageContext, console, exit_with
 from stages.sandbox import Sandbox, ScoreJob, ScoreResult, rewards
 
 
@@ -61,6 +61,10 @@ def run(ctx: StageContext) -> None:
     started = time.monotonic()
     results = score_with_progress(ctx, jobs, ctx.instance.label, inputs)
     seconds = time.monotonic() - started
+    functions = rewards.summarize(ctx.config.score, results)
+    for function in functions:  # one line per reward function: its mean and the share of its calls that failed
+        console.print(f"  {function.line()}", markup=False, highlight=False, soft_wrap=True)
+    rewards.check_failures(ctx.config.score, functions)  # a broken reward: exit code 2, before any output
 
     key_columns = ("run_id", "iteration", "round", "prompt_id", "sample_idx")
     rows = [
@@ -80,6 +84,7 @@ def run(ctx: StageContext) -> None:
         "mean_reward": sum(sampled) / max(len(sampled), 1),
         "programs_per_second": round(len(results) / seconds, 2) if seconds > 0 else None,
         "sandbox_wall_seconds": round(seconds, 3),
+        "rewards": {function.name: function.metrics() for function in functions},
         # `sandbox_seconds` is measured wall time, so a rerun never reproduces the table byte for byte (the
         # rewards do reproduce, unless a program's outcome depends on time, e.g. a test near its timeout).
         "deterministic": False,

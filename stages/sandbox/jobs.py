@@ -26,10 +26,12 @@ class ScoreResult:
     tests: list[dict[str, Any]] = field(default_factory=list)  # {"name", "passed", "status", "message"}
     code: str | None = None
     seconds: float = 0.0
+    # One per score.rewards term that applied (rewards.py): {"name" (its short name), "value", "error"}.
+    terms: list[dict[str, Any]] = field(default_factory=list)
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> ScoreResult:
-        return cls(**{key: values[key] for key in cls.__dataclass_fields__})
+        return cls(**{key: values[key] for key in cls.__dataclass_fields__ if key in values})
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -1,10 +1,12 @@
 """The process that runs user reward functions for the score stage, and `run_code` for those functions.
 
 Started by rewards.RewardHost (`main()`, from `python -c`) in the stage's working directory. It
-imports the entries it is given, reports their signature styles, then answers one call per frame: the
-function's value reduced to a float (verl: a number or a dict's `score`; TRL: the one item of the returned
-list, None meaning "does not apply"), or the error. A separate process because a user function can hang or
-crash: the stage kills and restarts this process and goes on.
+imports the entries it is given, reports their signature styles and where each is defined, then answers one
+call per frame: the function's value reduced to a finite float (verl: a number or a dict's `score`; TRL: the
+one item of the returned list, None meaning "does not apply"), or the error ending with the user's file:line
+(for an exception, its deepest frame in the function's file; for a value that is not a finite number, the
+function's own first line: the fault is the user's, whatever rlpipe line noticed it). A separate process because
+a user function can hang or crash: the stage kills and restarts this process and goes on.
 
 `run_code(code, stdin, timeout_s, files)` is the documented way for a reward function to execute model-written
 code: inside a reward call it asks the score stage, which runs it in its sandbox (the same isolation as the
@@ -18,6 +20,7 @@ import atexit
 import base64
 import inspect
 import json
+import math
 import os
 import traceback
 from dataclasses import dataclass, field
@@ -109,9 +112,28 @@ def reward_value(style: str, result: Any) -> float | None:  # noqa: ANN401 - wha
         result = result[0]
         if result is None:
             return None
-    if isinstance(result, bool | int | float) or hasattr(result, "__float__"):
-        return float(result)
-    raise TypeError(f"returned {type(result).__name__}, not a number")
+    if not (isinstance(result, bool | int | float) or hasattr(result, "__float__")):
+        raise TypeError(f"returned {type(result).__name__} {result!r:.60}, not a number")
+    value = float(result)
+    if not math.isfinite(value):
+        raise ValueError(f"returned a non-finite value {value}")
+    return value
+
+
+def location(function: Any) -> str:  # noqa: ANN401 - a callable
+    """`file:line` of the function's definition (through decorators that set __wrapped__), else its name."""
+    function = inspect.unwrap(function)
+    code = getattr(function, "__code__", None) or getattr(type(function).__call__, "__code__", None)
+    if code is None:
+        return getattr(function, "__qualname__", type(function).__name__)
+    return f"{code.co_filename}:{code.co_firstlineno}"
+
+
+def raised_at(error: BaseException, source: str) -> str:
+    """Where `error` was raised, as `file:line`: its deepest frame in the user's file `source`, else its last."""
+    frames = traceback.extract_tb(error.__traceback__)
+    own = [frame for frame in frames if frame.filename == source] or frames[-1:]
+    return f"{own[-1].filename}:{own[-1].lineno}" if own else source
 
 
 def accepted(function: Any, arguments: dict[str, Any]) -> dict[str, Any]:  # noqa: ANN401 - a callable
@@ -142,18 +164,22 @@ def main() -> None:
         except Exception as error:
             write_frame(replies, json.dumps({"fatal": f"reward function {index} {fn!r}: {error}"}).encode())
             return
-    write_frame(replies, json.dumps({"styles": styles}).encode())
+    locations = [location(function) for function in functions]
+    write_frame(replies, json.dumps({"styles": styles, "locations": locations}).encode())
     _STAGE = (requests, replies)
     while (raw := read_frame(requests)) is not None:
         message = json.loads(raw)
         index = message["call"]
+        function = functions[index]
         try:
-            function = functions[index]
-            reply: dict[str, Any] = {
-                "value": reward_value(styles[index], function(**accepted(function, message["arguments"])))
-            }
+            result = function(**accepted(function, message["arguments"]))
         except Exception as error:  # the user's code: any exception marks the row, never this process
-            where = traceback.extract_tb(error.__traceback__)[-1:]
-            line = f" ({where[0].filename}:{where[0].lineno})" if where else ""
-            reply = {"error": f"{type(error).__name__}: {error}{line}"[:1000]}
+            source = locations[index].rpartition(":")[0]
+            reply: dict[str, Any] = {"error": f"{type(error).__name__}: {error}"[:900]
+                                     + f" ({raised_at(error, source)})"}
+        else:
+            try:
+                reply = {"value": reward_value(styles[index], result)}
+            except Exception as error:  # noqa: BLE001 - a result that is not a finite number (its __float__ too)
+                reply = {"error": f"{str(error)[:900]} ({locations[index]})"}
         write_frame(replies, json.dumps(reply).encode())

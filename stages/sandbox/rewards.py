@@ -7,11 +7,14 @@ solution_str, ground_truth, extra_info)` or TRL's `reward_func(prompts, completi
 apart by parameter names. Empty: each row's verifier of its kind, weight 1 (the default before this existed).
 
 User functions run in another process (reward_host.py), one row per call, so one that raises, runs past
-score.timeout_s (the process is then replaced) or returns a non-finite value marks only that row `error`. Model
-code reaches the sandbox through `stages.sandbox.run_code`, never an exec here. A row's reward is the sum of
-weight x value over the terms that apply (a TRL None does not); a `no_code` row keeps exactly
-score.no_code_penalty; status, passed/total and tests are the verifier's plus one test entry per other term, and
-a row without a verifier (kind `custom`) is `ok` when its reward is > 0.
+score.timeout_s (the process is then replaced), returns a non-finite value or not a number marks only that row
+`error`; each such message ends with the user's file:line. Model code reaches the sandbox through
+`stages.sandbox.run_code`, never an exec here. A row's reward is the sum of weight x value over the terms that
+apply (a TRL None does not); a `no_code` row keeps exactly score.no_code_penalty; status, passed/total and tests
+are the verifier's plus one test entry per other term, and a row without a verifier (kind `custom`) is `ok` when
+its reward is > 0. Each result also lists its terms by short name (`reward_names`); `summarize` turns them into
+each term's mean and failed share, and `check_failures` stops a stage whose function failed too often
+(score.max_reward_error_fraction), so a broken reward is an error and not a silent 0.
 """
 
 from __future__ import annotations
@@ -20,7 +23,6 @@ import importlib
 import importlib.util
 import inspect
 import json
-import math
 import os
 import re
 import signal
@@ -28,12 +30,13 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from types import TracebackType
 from typing import Any
 
 from schemas.config import BUILTIN_REWARDS, VERIFIER_REWARDS, RewardEntry, ScoreConfig
+from schemas.errors import InputError
 
 from ._runner import HEADER
 from .jobs import ScoreJob, ScoreResult
@@ -106,6 +109,22 @@ def signature_style(function: Callable[..., Any]) -> str:
 
 def user_entries(cfg: ScoreConfig) -> list[tuple[int, RewardEntry]]:
     return [(index, entry) for index, entry in enumerate(cfg.rewards) if entry.fn not in BUILTIN_REWARDS]
+
+
+def reward_names(entries: list[RewardEntry]) -> list[str]:
+    """Each entry's short name in metrics and trackers: a built-in's own, a user function's name; user functions
+    that share a name (verl's are all `compute_score`) get their file's stem or module's last part before it
+    (`concise.compute_score`), and what still collides its index in score.rewards (`compute_score_2`)."""
+    plain = [entry.fn if entry.fn in BUILTIN_REWARDS else entry.fn.rpartition(":")[2] for entry in entries]
+    names = [name if entry.fn in BUILTIN_REWARDS or plain.count(name) == 1 else _qualified(entry.fn)
+             for entry, name in zip(entries, plain, strict=True)]
+    return [f"{name}_{index}" if names.count(name) > 1 else name for index, name in enumerate(names)]
+
+
+def _qualified(fn: str) -> str:
+    target, _, name = fn.rpartition(":")
+    owner = Path(target).stem if target.endswith(".py") else target.rpartition(".")[2]
+    return f"{owner}.{name}"
 
 
 def entry_label(index: int, entry: RewardEntry) -> str:
@@ -194,6 +213,7 @@ class RewardHost:
         self.run_code = run_code
         self.process: subprocess.Popen[bytes] | None = None
         self.styles: list[str] = []
+        self.locations: list[str] = []  # each function's file:line, for the messages written here
 
     def __enter__(self) -> RewardHost:
         return self
@@ -225,6 +245,7 @@ class RewardHost:
             self.stop()
             raise RewardSetupError((reply or {}).get("fatal") or "the reward function process did not start")
         self.styles = reply["styles"]
+        self.locations = reply["locations"]
 
     def stop(self) -> None:
         if self.process is None:
@@ -268,7 +289,8 @@ class RewardHost:
                 reply = self._receive(deadline)
                 if reply is None:
                     self.stop()
-                    return Call(error="the reward function's process exited", seconds=time.monotonic() - started)
+                    return Call(error=f"the reward function's process exited ({self.locations[index]})",
+                                seconds=time.monotonic() - started)
                 if "run_code" not in reply:
                     break
                 paused = time.monotonic()
@@ -277,14 +299,12 @@ class RewardHost:
                 self._send({"run_code_reply": answer})
         except JobTimeout:
             self.stop()  # the next call starts a fresh process
-            return Call(error=f"no result within score.timeout_s = {self.timeout_s:g} s", seconds=self.timeout_s)
+            return Call(error=f"no result within score.timeout_s = {self.timeout_s:g} s ({self.locations[index]})",
+                        seconds=self.timeout_s)
         seconds = time.monotonic() - started
         if "error" in reply:
             return Call(error=reply["error"], seconds=seconds)
-        value = reply.get("value")
-        if value is not None and not math.isfinite(value):
-            return Call(error=f"returned a non-finite value {value}", seconds=seconds)
-        return Call(value=value, seconds=seconds)
+        return Call(value=reply.get("value"), seconds=seconds)  # finite or None: reward_host.reward_value
 
 
 def _no_sandbox() -> dict[str, Any]:
@@ -297,7 +317,8 @@ def _no_sandbox() -> dict[str, Any]:
 
 @dataclass
 class Term:
-    name: str
+    fn: str  # the score.rewards entry, as the row's test entry names it
+    name: str  # its short name (reward_names)
     weight: float
     value: float | None  # None: does not apply to the row
     error: str = ""
@@ -305,10 +326,14 @@ class Term:
 
     def as_test(self) -> dict[str, Any]:
         if self.error:
-            return {"name": f"reward {self.name}", "passed": False, "status": "error", "message": self.error[:500]}
+            return {"name": f"reward {self.fn}", "passed": False, "status": "error", "message": self.error[:500]}
         passed = self.value is not None and self.value > 0
-        return {"name": f"reward {self.name}", "passed": passed, "status": "ok",
+        return {"name": f"reward {self.fn}", "passed": passed, "status": "ok",
                 "message": f"{self.value:g} x weight {self.weight:g}"}
+
+    def record(self) -> dict[str, Any]:
+        """The term in ScoreResult.terms."""
+        return {"name": self.name, "value": None if self.error else self.value, "error": self.error}
 
 
 @dataclass
@@ -318,10 +343,11 @@ class RewardPlan:
     verifiers: dict[str, float] = field(default_factory=dict)
     formats: list[RewardEntry] = field(default_factory=list)
     users: list[RewardEntry] = field(default_factory=list)
+    names: dict[str, str] = field(default_factory=dict)  # entry fn -> its short name
 
     @classmethod
     def from_config(cls, cfg: ScoreConfig) -> RewardPlan:
-        plan = cls()
+        plan = cls(names=dict(zip([entry.fn for entry in cfg.rewards], reward_names(cfg.rewards), strict=True)))
         for entry in cfg.rewards:
             if entry.fn in VERIFIER_REWARDS:
                 plan.verifiers[entry.fn] = entry.weight
@@ -350,7 +376,10 @@ def score(
 ) -> list[ScoreResult]:
     """The reward of every job under score.rewards (the sandbox's verdicts alone when it is empty)."""
     if not cfg.rewards:
-        return sandbox.score(jobs, progress=progress)
+        results = sandbox.score(jobs, progress=progress)
+        for job, result in zip(jobs, results, strict=True):  # the one term: the verifier of the row's kind
+            result.terms = [{"name": str((job.reward_spec or {}).get("kind")), "value": result.reward, "error": ""}]
+        return results
     plan = RewardPlan.from_config(cfg)
     indices = [i for i, job in enumerate(jobs) if (job.reward_spec or {}).get("kind") in plan.verifiers]
     verified = dict(zip(indices, sandbox.score([jobs[i] for i in indices], progress=progress), strict=True))
@@ -359,7 +388,8 @@ def score(
         with RewardHost([entry.fn for entry in plan.users], cfg.timeout_s, sandbox.run_code) as host:
             for i, (job, row) in enumerate(zip(jobs, rows, strict=True)):
                 if i not in verified or verified[i].status != "no_code":
-                    user_terms[i] = [_user_term(host, k, entry, job, row) for k, entry in enumerate(plan.users)]
+                    user_terms[i] = [_user_term(host, k, entry, plan.names[entry.fn], job, row)
+                                     for k, entry in enumerate(plan.users)]
                 if progress is not None:
                     progress(1)
     return [
@@ -367,24 +397,29 @@ def score(
     ]
 
 
-def _user_term(host: RewardHost, index: int, entry: RewardEntry, job: ScoreJob, row: RewardInput) -> Term:
+def _user_term(
+    host: RewardHost, index: int, entry: RewardEntry, name: str, job: ScoreJob, row: RewardInput
+) -> Term:
     if not host.styles:
         host.start()
     call = host.call(index, call_arguments(host.styles[index], job, row))
-    return Term(entry.fn, entry.weight, call.value, call.error, call.seconds)
+    return Term(entry.fn, name, entry.weight, call.value, call.error, call.seconds)
 
 
 def combine(
     cfg: ScoreConfig, plan: RewardPlan, job: ScoreJob, verified: ScoreResult | None, user_terms: list[Term]
 ) -> ScoreResult:
+    kind = (job.reward_spec or {}).get("kind")
+    verifier = [] if verified is None else [Term(kind, plan.names[kind], plan.verifiers[kind], verified.reward)]
     if verified is not None and verified.status == "no_code":
-        return verified  # nothing to grade: exactly the penalty, whatever else is configured
-    terms = [Term(entry.fn, entry.weight, think_format(job.response_text)) for entry in plan.formats] + user_terms
+        # nothing to grade: exactly the penalty, whatever else is configured
+        return replace(verified, terms=[term.record() for term in verifier])
+    terms = [Term(entry.fn, plan.names[entry.fn], entry.weight, think_format(job.response_text))
+             for entry in plan.formats] + user_terms
     applied = [term for term in terms if term.error or term.value is not None]
     reward = sum(term.weight * term.value for term in applied if term.value is not None and not term.error)
     tests = [term.as_test() for term in applied]
     if verified is not None:
-        kind = (job.reward_spec or {}).get("kind")
         reward += plan.verifiers[kind] * verified.reward
         passed, total, status = verified.passed, verified.total, verified.status
         tests = verified.tests + tests
@@ -395,4 +430,84 @@ def combine(
         status = "error"
     seconds = (verified.seconds if verified else 0.0) + sum(term.seconds for term in terms)
     code = verified.code if verified else None
-    return ScoreResult(float(reward), passed, total, status, tests, code, seconds)
+    records = [term.record() for term in verifier + terms]
+    return ScoreResult(float(reward), passed, total, status, tests, code, seconds, records)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Each term over a stage's rows
+
+
+@dataclass
+class RewardSummary:
+    """One score.rewards term over a stage's rows: the calls it answered, those that failed (raised, timed out,
+    returned NaN or not a number) with the first message, and the mean of its values (a TRL None is a call
+    without a value; a verifier's `no_code` rows count at score.no_code_penalty)."""
+
+    name: str
+    fn: str
+    weight: float
+    calls: int = 0
+    errors: int = 0
+    value_sum: float = 0.0
+    values: int = 0
+    first_error: str = ""
+
+    @property
+    def mean(self) -> float | None:
+        return self.value_sum / self.values if self.values else None
+
+    @property
+    def error_frac(self) -> float:
+        return self.errors / self.calls if self.calls else 0.0
+
+    def add(self, term: dict[str, Any]) -> None:
+        self.calls += 1
+        if term["error"]:
+            self.errors += 1
+            self.first_error = self.first_error or " ".join(term["error"].split())[:300]  # one line
+        elif term["value"] is not None:
+            self.value_sum += term["value"]
+            self.values += 1
+
+    def metrics(self) -> dict[str, Any]:
+        """The term in the stage manifest's `rewards` metrics."""
+        return {"fn": self.fn, "weight": self.weight, "calls": self.calls, "errors": self.errors,
+                "error_frac": self.error_frac, "mean": self.mean, "first_error": self.first_error}
+
+    def line(self) -> str:
+        """One line of the stage's output."""
+        if not self.calls:
+            return f"reward {self.name}: no row of its kind"
+        mean = "no value" if self.mean is None else f"mean {self.mean:.3f}"
+        failed = (f"{self.errors} failed ({self.error_frac:.0%}), first: {self.first_error}" if self.errors
+                  else "none failed")
+        return f"reward {self.name}: {mean} over {self.calls} calls, {failed}"
+
+
+def summarize(cfg: ScoreConfig, results: list[ScoreResult]) -> list[RewardSummary]:
+    """Every score.rewards entry over `results`, in config order (with the default, empty score.rewards: each
+    verifier kind present, by name)."""
+    if cfg.rewards:
+        summaries = {name: RewardSummary(name, entry.fn, entry.weight)
+                     for name, entry in zip(reward_names(cfg.rewards), cfg.rewards, strict=True)}
+    else:
+        summaries = {kind: RewardSummary(kind, kind, 1.0)
+                     for kind in sorted({term["name"] for result in results for term in result.terms})}
+    for result in results:
+        for term in result.terms:
+            summaries[term["name"]].add(term)
+    return list(summaries.values())
+
+
+def check_failures(cfg: ScoreConfig, summaries: list[RewardSummary]) -> None:
+    """An InputError (the stage fails with exit code 2) naming the first function whose failed calls are at least
+    score.max_reward_error_fraction of its calls (and at least one): the default 1.0 stops a function that
+    failed on every call it was given."""
+    limit = cfg.max_reward_error_fraction
+    for summary in summaries:
+        if limit is not None and summary.errors and summary.error_frac >= limit:
+            raise InputError(
+                f"reward function {summary.name} ({summary.fn}) failed on {summary.errors} of {summary.calls} "
+                f"calls (score.max_reward_error_fraction = {limit:g}); first: {summary.first_error}"
+            )

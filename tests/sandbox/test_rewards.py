@@ -117,10 +117,12 @@ def test_verl_and_trl_functions_and_their_faults(sandbox: Sandbox, sandbox_confi
     assert (ok.status, ok.reward) == ("ok", pytest.approx(1 + 0.5 + 0.5))
     assert (raised.status, raised.reward) == ("error", pytest.approx(1 + 0.5))  # the failing term counts 0
     assert raised.tests[1]["status"] == "error"
-    assert raised.tests[1]["message"].startswith("ValueError: asked to raise (")
-    assert hung.status == "error" and hung.tests[1]["message"] == "no result within score.timeout_s = 2 s"
+    # every message ends with the user's file:line (compute_score is defined on line 5 and raises on line 7)
+    assert raised.tests[1]["message"] == f"ValueError: asked to raise ({reward_file}:7)"
+    assert hung.status == "error"
+    assert hung.tests[1]["message"] == f"no result within score.timeout_s = 2 s ({reward_file}:5)"
     assert [t["name"] for t in hung.tests] == ["answer", f"reward {reward_file}:compute_score"]  # TRL: None
-    assert (nan.status, nan.tests[1]["message"]) == ("error", "returned a non-finite value nan")
+    assert (nan.status, nan.tests[1]["message"]) == ("error", f"returned a non-finite value nan ({reward_file}:5)")
     # after the hang the process was replaced: the next rows are scored as usual
     assert (wrong.status, wrong.reward) == ("fail", 0.0)
     assert (nothing.status, nothing.reward, len(nothing.tests)) == ("no_code", 0.0, 1)  # nothing to grade
@@ -226,3 +228,88 @@ def test_every_code_format_scores_a_right_and_a_wrong_solution(
     good, bad = sandbox.score([ScoreJob(code(right), spec), ScoreJob(code(wrong), spec)])
     assert (good.status, good.reward) == ("ok", 1.0), good.tests
     assert bad.status == "fail" and bad.reward < 1.0 and math.isfinite(bad.reward)
+
+
+def test_wrong_results_name_the_users_line_not_rlpipes(
+    sandbox: Sandbox, sandbox_config: ScoreConfig, tmp_path: Path
+) -> None:
+    """A string, a NaN, an exception raised inside the standard library: each message ends with the user's
+    file and line (the function's first line for a bad value, the user's line that called json for the raise)."""
+    path = tmp_path / "faulty.py"
+    path.write_text(textwrap.dedent('''\
+        import json
+
+
+        def grade(data_source, solution_str, ground_truth, extra_info):
+            if "STRING" in solution_str:
+                return "1.0"
+            return json.loads(solution_str)
+    '''))
+    cfg = with_rewards(sandbox_config, {"fn": f"{path}:grade"})
+    custom = {"kind": "custom", "columns": {}}
+    texts = ["STRING", "NaN", "not json", "0.5"]
+    results = rewards.score(sandbox, cfg, [ScoreJob(t, custom) for t in texts], [ROW] * len(texts))
+    messages = [r.tests[0]["message"] for r in results]
+    assert messages[0] == f"returned str '1.0', not a number ({path}:4)"
+    assert messages[1] == f"returned a non-finite value nan ({path}:4)"
+    assert messages[2].startswith("JSONDecodeError: Expecting value") and messages[2].endswith(f"({path}:7)")
+    assert "reward_host.py" not in " ".join(messages)
+    assert [(r.status, r.reward) for r in results] == [("error", 0.0)] * 3 + [("ok", 0.5)]
+    # the terms each result carries, by short name: what the stage's per-function metrics are made of
+    assert results[0].terms == [{"name": "grade", "value": None, "error": messages[0]}]
+    assert results[3].terms == [{"name": "grade", "value": 0.5, "error": ""}]
+
+
+def test_short_names_are_the_functions_and_disambiguate_duplicates() -> None:
+    entries = [{"fn": "code_tests"}, {"fn": "rewards/concise.py:compute_score"}, {"fn": "a/b/style.py:compute_score"},
+               {"fn": "graders.levels:by_level"}, {"fn": "x/math.py:math"}, {"fn": "math"},
+               {"fn": "one/same.py:f"}, {"fn": "two/same.py:f"}]
+    cfg = ScoreConfig(rewards=entries)
+    assert rewards.reward_names(cfg.rewards) == [
+        "code_tests", "concise.compute_score", "style.compute_score", "by_level", "math.math", "math", "same.f_6",
+        "same.f_7"]
+
+
+def summary_of(cfg: ScoreConfig, terms_by_row: list[list[dict]]) -> list[rewards.RewardSummary]:
+    from stages.sandbox import ScoreResult
+
+    return rewards.summarize(cfg, [ScoreResult(0.0, 0, 0, "ok", terms=terms) for terms in terms_by_row])
+
+
+def test_summary_and_the_failure_bound_by_hand() -> None:
+    cfg = ScoreConfig(rewards=[{"fn": "math", "weight": 2.0}, {"fn": "m.py:f"}, {"fn": "m.py:g"}])
+
+    def term(name: str, value: float | None, error: str = "") -> dict:
+        return {"name": name, "value": value, "error": error}
+
+    rows = [
+        [term("math", 1.0), term("f", 0.5), term("g", None, "RuntimeError: no\nmore (m.py:3)")],
+        [term("math", 0.0), term("f", None), term("g", None, "RuntimeError: second (m.py:3)")],
+        [term("math", 0.5), term("f", None, "TypeError: x (m.py:1)"), term("g", None, "RuntimeError: third")],
+    ]
+    math_, f, g = summary_of(cfg, rows)
+    assert (math_.name, math_.calls, math_.errors, math_.mean, math_.weight) == ("math", 3, 0, 0.5, 2.0)
+    # f: 3 calls, one failed, one None (TRL: does not apply), one value 0.5
+    assert (f.calls, f.errors, f.mean, f.error_frac) == (3, 1, 0.5, 1 / 3)
+    assert (g.calls, g.errors, g.mean, g.error_frac) == (3, 3, None, 1.0)
+    assert g.first_error == "RuntimeError: no more (m.py:3)"  # the first, on one line
+    assert f.line() == "reward f: mean 0.500 over 3 calls, 1 failed (33%), first: TypeError: x (m.py:1)"
+    assert math_.line() == "reward math: mean 0.500 over 3 calls, none failed"
+    assert g.metrics() == {"fn": "m.py:g", "weight": 1.0, "calls": 3, "errors": 3, "error_frac": 1.0, "mean": None,
+                           "first_error": "RuntimeError: no more (m.py:3)"}
+    # the default 1.0 stops g (every call failed), not f; 0.3 stops f too, f first in config order; null never
+    from schemas.errors import InputError
+
+    with pytest.raises(InputError) as stopped:
+        rewards.check_failures(cfg, [math_, f, g])
+    assert str(stopped.value) == ("reward function g (m.py:g) failed on 3 of 3 calls "
+                                  "(score.max_reward_error_fraction = 1); first: RuntimeError: no more (m.py:3)")
+    rewards.check_failures(cfg, [math_, f])
+    strict = ScoreConfig(**(cfg.model_dump() | {"max_reward_error_fraction": 0.3}))
+    with pytest.raises(InputError, match=r"^reward function f \(m.py:f\) failed on 1 of 3 calls"):
+        rewards.check_failures(strict, [math_, f, g])
+    rewards.check_failures(ScoreConfig(**(cfg.model_dump() | {"max_reward_error_fraction": None})), [math_, f, g])
+    rewards.check_failures(ScoreConfig(**(cfg.model_dump() | {"max_reward_error_fraction": 0.0})), [math_])
+    # the default score.rewards (empty): one term per verifier kind present
+    default = summary_of(ScoreConfig(), [[term("math", 1.0)], [term("code_tests", 0.25)], [term("math", 0.0)]])
+    assert [(s.name, s.calls, s.mean) for s in default] == [("code_tests", 1, 0.25), ("math", 2, 0.5)]
