@@ -3,8 +3,9 @@
 `log.trackers: [tensorboard, mlflow, wandb]` turns them on; the flow calls `log_iterations(run)` after each
 iteration (plain functions, no Prefect). The numbers are the report's (`reports.html.collect`, from the storage
 root only, wherever the stages ran): training reward and solve rate, held-out pass@k per dataset with its 95%
-interval, lengths, the optimizer steps' losses, KL, clip fractions, entropy and IS statistics (averaged over
-the iteration), seconds per stage. The config goes in as MLflow params, W&B config, TensorBoard hparams + text.
+interval, each reward function's mean and failed share (`reward/<function>/mean`, `.../error_frac`), lengths,
+the optimizer steps' losses, KL, clip fractions, entropy and IS statistics (averaged over the iteration),
+seconds per stage. The config goes in as MLflow params, W&B config, TensorBoard hparams + text.
 
 The step is the iteration, logged once: `runs/<run>/trackers/<tracker>.json` lists the steps a tracker has (and
 its own run id, so a resumed run continues the same MLflow or W&B run). Only finished iterations missing from
@@ -84,14 +85,18 @@ def _evaluation_scalars(prefix: str, rows: list[dict[str, Any]], ks: list[int]) 
 
 
 def iteration_scalars(data: ReportData, iteration: int) -> dict[str, float]:
-    """Every number logged at step `iteration`, by name (`train/...`, `eval/<dataset>/...`, `length/...`,
-    `update/...`, `time/<stage>`); iteration 0 also carries the base model's evaluation (`eval_base/...`) and
-    the run-level stages' seconds. Missing or non-finite values are left out."""
+    """Every number logged at step `iteration`, by name (`train/...`, `reward/<function>/...`,
+    `eval/<dataset>/...`, `length/...`, `update/...`, `time/<stage>`); iteration 0 also carries the base model's
+    evaluation (`eval_base/...`) and the run-level stages' seconds. Missing or non-finite values are left out."""
     scalars: dict[str, Any] = {}
     for row in data.reward:
         if row["iteration"] == iteration:
             scalars |= {"train/reward_mean": row["mean_reward"], "train/solve_rate": row["solve_rate"],
                         "train/samples": row["rows"]}
+    for row in data.reward_functions:
+        if row["iteration"] == iteration:
+            name = _key(row["function"])
+            scalars |= {f"reward/{name}/mean": row["mean"], f"reward/{name}/error_frac": row["error_frac"]}
     for row in data.lengths:
         if row["iteration"] == iteration:
             scalars |= {"length/mean": row["mean"], "length/p50": row["p50"], "length/p90": row["p90"],

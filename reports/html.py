@@ -2,7 +2,8 @@
 
 Sections: reward and solve rate per iteration; held-out pass@k and greedy accuracy per iteration (base
 model included, as iteration -1); response length and truncation; clip fractions, KL and entropy per
-optimizer step; the sandbox's status mix; time per stage; the best and worst samples of the last
+optimizer step; the sandbox's status mix; time per stage; each reward function's mean and failed share per
+iteration (a chart, a table, and a warning at the top when one failed); the best and worst samples of the last
 iteration. Plots are inline SVG (reports/svg.py); there are no external assets, so the file renders
 offline, from S3, or as a CI artifact, and one inline script only marks each chart as laid out (for tests).
 
@@ -62,6 +63,8 @@ class ReportData:
     ks: list[int] = field(default_factory=lambda: [1])
     notes: list[str] = field(default_factory=list)
     devices: list[dict[str, Any]] = field(default_factory=list)  # stage, iteration, round, device record, tokens/s
+    # iteration, function, calls, errors, error_frac, mean, first_error: the score stages' reward_functions
+    reward_functions: list[dict[str, Any]] = field(default_factory=list)
 
 
 def read_config(layout: RunLayout) -> RunConfig | None:
@@ -183,6 +186,13 @@ def collect(catalog: Catalog, run_id: str, config: RunConfig | None) -> ReportDa
         data.best = catalog.rows(query.format(order="DESC"), params)
         data.worst = catalog.rows(query.format(order="ASC"), params)
     data.devices = _devices(catalog, run_id)
+    # One row per iteration and function: an iteration's generation rounds pooled (mean over the calls with a value).
+    data.reward_functions = catalog.rows(
+        """SELECT iter AS iteration, function, sum(calls) AS calls, sum(errors) AS errors,
+                  sum(errors) / sum(calls) AS error_frac, sum(mean * "values") / sum("values") AS mean,
+                  arg_min(first_error, round) FILTER (WHERE first_error <> '') AS first_error
+           FROM reward_functions WHERE run_id = $run AND stage = 'score' AND calls > 0
+           GROUP BY ALL ORDER BY iteration, function""", run)
     data.notes = [f"{s.path}: {s.reason}" for s in catalog.skipped]
     return data
 
@@ -305,6 +315,14 @@ def _charts(data: ReportData) -> list[str]:
         {s: [float(data.statuses[i].get(s, 0)) for i in iterations] for s in statuses},
         "iteration", "share of samples", colours=STATUS_COLOURS, normalise=True,
     ))
+    functions = sorted({r["function"] for r in data.reward_functions})
+    if functions:  # a chart only where the score stages recorded their reward functions
+        charts.append(line_chart(
+            "chart-reward-functions", "Reward per function (mean value, before its weight)",
+            [Series(name, [float(r["iteration"]) for r in rows], [r["mean"] for r in rows])
+             for name in functions for rows in [[r for r in data.reward_functions if r["function"] == name]]],
+            "iteration", "mean value", x_labels=labels,
+        ))
     columns = sorted(data.stage_seconds, key=lambda c: (c != "run", int(c) if c.isdigit() else -1))
     stages = [s for s in (*RUN_STAGES, *STAGES) if any(s in data.stage_seconds[c] for c in columns)]
     charts.append(stacked_bar_chart(
@@ -381,6 +399,31 @@ def describe_config(config: RunConfig | None) -> str:
             f"loss {escape(config.train.policy_loss)}")
 
 
+def _reward_functions_table(rows: list[dict[str, Any]]) -> str:
+    if not rows:
+        return "<p class='meta'>no score stage has recorded its reward functions yet</p>"
+    body = "".join(
+        f"<tr><td>{r['iteration']}</td><td>{escape(r['function'])}</td><td class='num'>{r['calls']}</td>"
+        f"<td class='num'>{_num(r['mean'])}</td><td class='num'>{r['errors']} ({_pct(r['error_frac'])})</td>"
+        f"<td>{escape(r['first_error'] or '')}</td></tr>"
+        for r in rows
+    )
+    return ("<table class='reward-functions'><thead><tr><th>iteration</th><th>function</th><th>calls</th>"
+            f"<th>mean</th><th>failed calls</th><th>first error</th></tr></thead><tbody>{body}</tbody></table>")
+
+
+def reward_failure_notes(rows: list[dict[str, Any]]) -> list[str]:
+    """One warning per reward function that failed on some call: the iterations, the share, the first error."""
+    notes = []
+    for name in sorted({r["function"] for r in rows if r["errors"]}):
+        failed = [r for r in rows if r["function"] == name and r["errors"]]
+        errors, calls = sum(r["errors"] for r in failed), sum(r["calls"] for r in failed)
+        notes.append(f"reward function {name} failed on {errors} of {calls} calls in iteration"
+                     f"{'s' if len(failed) > 1 else ''} {', '.join(str(r['iteration']) for r in failed)}; "
+                     f"first: {failed[0]['first_error']}")
+    return notes
+
+
 def _devices_table(rows: list[dict[str, Any]]) -> str:
     if not rows:
         return "<p class='meta'>no model stage has recorded its device yet</p>"
@@ -412,7 +455,8 @@ def render(data: ReportData) -> str:
         + f"<th>greedy</th><th>prompts</th></tr></thead><tbody>{evaluation_rows}</tbody></table>"
         if data.evaluation else "<p class='meta'>no evaluation yet</p>"
     )
-    notes = "".join(f"<p class='note'>not read: {escape(n)}</p>" for n in data.notes)
+    notes = "".join(f"<p class='note'>{escape(n)}</p>" for n in reward_failure_notes(data.reward_functions))
+    notes += "".join(f"<p class='note'>not read: {escape(n)}</p>" for n in data.notes)
     last = "–" if data.last_iteration is None else str(data.last_iteration)
     generated = datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")
     return f"""<!DOCTYPE html>
@@ -424,6 +468,7 @@ def render(data: ReportData) -> str:
 {_summary(data)}{notes}
 <h2>Plots</h2><div class="grid">{charts}</div>
 <h2>Held-out evaluation</h2>{evaluation_table}
+<h2>Reward functions: mean value and failed calls per iteration</h2>{_reward_functions_table(data.reward_functions)}
 <h2>Model stages: device, memory, speed</h2>{_devices_table(data.devices)}
 <h2>Best and worst samples of the last iteration ({last})</h2>
 {_samples_table("best", data.best, "best")}

@@ -30,8 +30,8 @@ from stages.generation.models import load_tokenizer
 from stages.generation.sampling import GenerationResult, encode_prompts, generate_with_progress
 from stages.harness import StageContext, exit_with
 from stages.sandbox import ScoreJob
-from stages.sandbox.rewards import RewardInput
-from stages.score import score_with_progress
+from stages.sandbox.rewards import RewardInput, account_for
+from stages.score import say, score_with_progress
 
 
 def run(ctx: StageContext) -> None:
@@ -104,6 +104,7 @@ def run(ctx: StageContext) -> None:
     ]
     inputs = [RewardInput.of_prompt(by_id[pid]) for pid, _, _ in plan]
     results = score_with_progress(ctx, jobs, f"{ctx.spec.name} score", inputs)
+    reward_functions = account_for(ctx.config.score, results, say)  # as the score stage: printed, bounded
     rows = [
         {
             "run_id": ctx.run_id, "iteration": ctx.iteration, "policy_version": ctx.inputs["policy"].sha256,
@@ -132,6 +133,7 @@ def run(ctx: StageContext) -> None:
         "tokens_per_second": round(generated_tokens / generation_seconds, 2) if generation_seconds > 0 else 0.0,
         "prompts_skipped_overlong": encoded.skipped,
         "prompts_truncated": encoded.truncated,
+        "reward_functions": reward_functions,
     }
     clusters = clusters_of(prompts)  # the intervals resample whole problem families where prompts name one
     if multi_turn:

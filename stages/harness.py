@@ -30,6 +30,7 @@ from typing import Any
 import fsspec
 import pyarrow as pa
 from rich.console import Console
+from rich.markup import escape
 
 from schemas.config import ConfigError, InvalidRunId, RunConfig
 from schemas.contracts import ContractViolation, rejected_path, validate_table, validation_path
@@ -446,7 +447,8 @@ def main(stage: str, work: Callable[[StageContext], None], argv: list[str] | Non
                 return 0
             run_stage(run, target, work)
     except (ConfigError, InputError, MissingInput, SchemaMismatch, TableVersionError, InvalidRunId) as error:
-        console.print(f"[red]✗ {stage}: {error}[/]")
+        # one line however long (the user's paths), its text never read as markup (a message may hold brackets)
+        console.print(f"[red]✗ {stage}: {escape(str(error))}[/]", soft_wrap=True)
         return 2
     except ContractViolation as error:  # the stage's own output is wrong: not a bad-input exit
         console.print(f"[red]✗ {stage}: {error}[/]")

@@ -37,6 +37,11 @@ def score_with_progress(
             raise InputError(str(error)) from None
 
 
+def say(line: str) -> None:
+    """A line of the stage's output, as it is (a user's message may hold brackets), never wrapped."""
+    console.print(f"  {line}", markup=False, highlight=False, soft_wrap=True)
+
+
 def graded_text(row: dict) -> str:
     """What a rollout is graded on: the response, or in a multi-turn rollout its final answer (the last assistant
     message of `conversation`), not the tool outputs or the earlier attempts."""
@@ -61,10 +66,8 @@ def run(ctx: StageContext) -> None:
     started = time.monotonic()
     results = score_with_progress(ctx, jobs, ctx.instance.label, inputs)
     seconds = time.monotonic() - started
-    functions = rewards.summarize(ctx.config.score, results)
-    for function in functions:  # one line per reward function: its mean and the share of its calls that failed
-        console.print(f"  {function.line()}", markup=False, highlight=False, soft_wrap=True)
-    rewards.check_failures(ctx.config.score, functions)  # a broken reward: exit code 2, before any output
+    # one line per reward function (its mean, its failed share); a broken one stops the stage here (exit code 2)
+    reward_functions = rewards.account_for(ctx.config.score, results, say)
 
     key_columns = ("run_id", "iteration", "round", "prompt_id", "sample_idx")
     rows = [
@@ -84,7 +87,7 @@ def run(ctx: StageContext) -> None:
         "mean_reward": sum(sampled) / max(len(sampled), 1),
         "programs_per_second": round(len(results) / seconds, 2) if seconds > 0 else None,
         "sandbox_wall_seconds": round(seconds, 3),
-        "rewards": {function.name: function.metrics() for function in functions},
+        "reward_functions": reward_functions,
         # `sandbox_seconds` is measured wall time, so a rerun never reproduces the table byte for byte (the
         # rewards do reproduce, unless a program's outcome depends on time, e.g. a test near its timeout).
         "deterministic": False,

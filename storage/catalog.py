@@ -3,6 +3,9 @@
     prompts, rollouts, scores, batch, train_metrics, eval    one view per table, all runs and iterations
     samples       a rollout joined with its score, its batch row (advantage) and its checkpoints
     manifests     every manifest the catalog found;  checkpoints   the checkpoint manifests
+    reward_functions  one row per score.rewards term per score / evaluate stage instance (its manifest's
+                  `reward_functions`): function, fn, weight, calls, errors, error_frac, values (calls with
+                  a value), mean (over those), first_error
 
 Views carry the table's columns plus `iter`, the Hive partition of the file's directory (`iter=0003` -> 3;
 `base/` -> -1); the run-level prompts view adds `run_id` from the directory. Only files whose manifest exists
@@ -270,6 +273,26 @@ def _table_view_sql(name: str, entries: list[CatalogEntry], empty_relation: str 
     return "\nUNION ALL BY NAME\n".join(parts)
 
 
+REWARD_FUNCTION_SCHEMA = pa.schema([
+    ("run_id", pa.string()), ("iter", pa.int32()), ("round", pa.int32()), ("stage", pa.string()),
+    ("function", pa.string()), ("fn", pa.string()), ("weight", pa.float64()), ("calls", pa.int64()),
+    ("errors", pa.int64()), ("error_frac", pa.float64()), ("values", pa.int64()), ("mean", pa.float64()),
+    ("first_error", pa.string()),
+])
+
+
+def _reward_function_rows(entries: list[CatalogEntry]) -> pa.Table:
+    """The reward_functions view: each term of score.rewards in each scores / eval table's manifest, a row a
+    SQL user groups by `function` (`SELECT function, avg(mean), sum(errors) / sum(calls) ... GROUP BY 1`)."""
+    rows = [
+        {"run_id": entry.run_id, "iter": entry.iteration, "round": entry.round_idx, "stage": entry.manifest.stage,
+         "function": name, **{key: figures.get(key) for key in REWARD_FUNCTION_SCHEMA.names[5:]}}
+        for entry in entries if entry.name in ("scores", "eval")
+        for name, figures in (entry.manifest.metrics.get("reward_functions") or {}).items()
+    ]
+    return pa.Table.from_pylist(rows, schema=REWARD_FUNCTION_SCHEMA)
+
+
 def _manifest_rows(entries: list[CatalogEntry]) -> pa.Table:
     rows = []
     for entry in entries:
@@ -380,6 +403,8 @@ class Catalog:
         self.con.register("_manifests", manifests)
         self.con.execute("CREATE OR REPLACE VIEW manifests AS SELECT * FROM _manifests")
         self.con.execute("CREATE OR REPLACE VIEW checkpoints AS SELECT * FROM _manifests WHERE name = 'checkpoint'")
+        self.con.register("_reward_functions", _reward_function_rows(self.listing.all_entries()))
+        self.con.execute("CREATE OR REPLACE VIEW reward_functions AS SELECT * FROM _reward_functions")
         self.con.execute(f"CREATE OR REPLACE VIEW samples AS {_SAMPLES_SQL}")
 
     def sql(self, query: str, params: list[Any] | dict[str, Any] | None = None) -> duckdb.DuckDBPyRelation:

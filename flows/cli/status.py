@@ -9,6 +9,7 @@ from __future__ import annotations
 import itertools
 
 from rich.console import Group
+from rich.markup import escape
 from rich.table import Table
 
 from schemas.tables import BASELINE_SAMPLE_IDX, TABLES
@@ -45,7 +46,9 @@ def status_table(run: Run) -> Group:
             table.add_row(f"{k}.{r}", *[_cell(run, s, k, r) if STAGES[s].per_round else ""
                                          for s in ITERATION_STAGES])
     devices = device_table(run)
-    return Group(run_table, table, *([devices] if devices.row_count else []), training_table(run), held_out_table(run))
+    functions = reward_function_table(run)
+    return Group(run_table, table, *([devices] if devices.row_count else []), training_table(run),
+                 *([functions] if functions.row_count else []), held_out_table(run))
 
 
 MODEL_STAGES = ("generate", "train", "evaluate")
@@ -98,6 +101,26 @@ def training_table(run: Run) -> Table:
         solved = sum(row["status"] == "ok" for row in rows) / len(rows)
         table.add_row(str(k), str(len(rows)), f"{sum(row['reward'] for row in rows) / len(rows):.3f}", f"{solved:.3f}",
                       kept)
+    return table
+
+
+def reward_function_table(run: Run) -> Table:
+    """Each score.rewards term by iteration (and generation round), from the score stages' manifests
+    (`reward_functions`, stages/sandbox/rewards.py): calls, mean value, and the calls that failed (raised, ran
+    past score.timeout_s, returned NaN or not a number) with the first message and the user's file:line."""
+    table = Table(title="reward functions by iteration")
+    for column in ["iteration", "function", "calls", "mean", "failed", "first error"]:
+        table.add_column(column, justify="right" if column in ("calls", "mean", "failed") else "left",
+                         no_wrap=column != "first error")
+    for k in range(run.config.iterations):
+        for round_idx in [0, *extra_rounds(run, k)]:
+            state = stage_state(run, instance("score", k, round_idx))
+            functions = state.manifests[-1].metrics.get("reward_functions") if state.done else None
+            for name, figures in (functions or {}).items():
+                mean = figures["mean"]
+                failed = f"[red]{figures['errors']} ({figures['error_frac']:.0%})[/]" if figures["errors"] else "0"
+                table.add_row(f"{k}.{round_idx}" if round_idx else str(k), name, str(figures["calls"]),
+                              "-" if mean is None else f"{mean:.3f}", failed, escape(figures["first_error"]))
     return table
 
 

@@ -473,7 +473,8 @@ class RewardSummary:
     def metrics(self) -> dict[str, Any]:
         """The term in the stage manifest's `rewards` metrics."""
         return {"fn": self.fn, "weight": self.weight, "calls": self.calls, "errors": self.errors,
-                "error_frac": self.error_frac, "mean": self.mean, "first_error": self.first_error}
+                "error_frac": self.error_frac, "values": self.values, "mean": self.mean,
+                "first_error": self.first_error}
 
     def line(self) -> str:
         """One line of the stage's output."""
@@ -498,6 +499,19 @@ def summarize(cfg: ScoreConfig, results: list[ScoreResult]) -> list[RewardSummar
         for term in result.terms:
             summaries[term["name"]].add(term)
     return list(summaries.values())
+
+
+def account_for(
+    cfg: ScoreConfig, results: list[ScoreResult], say: Callable[[str], None]
+) -> dict[str, dict[str, Any]]:
+    """What a stage that scored `results` does with them: `say` one line per term, stop the stage when a function
+    failed too often (check_failures), and return the manifest's `reward_functions` metrics (short name ->
+    RewardSummary.metrics)."""
+    summaries = summarize(cfg, results)
+    for summary in summaries:
+        say(summary.line())
+    check_failures(cfg, summaries)
+    return {summary.name: summary.metrics() for summary in summaries}
 
 
 def check_failures(cfg: ScoreConfig, summaries: list[RewardSummary]) -> None:

@@ -57,9 +57,16 @@ def test_iteration_scalars_by_hand() -> None:
             {"iteration": 1, "step": 2, "skipped": True, "loss": nan, "lr": 2e-5, "tokens": 0, "seconds": 0.0},
         ],
         stage_seconds={"run": {"prompts": 1.5}, "0": {"generate": 10.0, "train": 4.0}, "1": {"train": 0.5}},
+        reward_functions=[
+            {"iteration": 0, "function": "code_tests", "mean": 0.25, "error_frac": 0.0},
+            {"iteration": 0, "function": "concise.compute_score", "mean": None, "error_frac": 1.0},  # every call failed
+            {"iteration": 1, "function": "code_tests", "mean": 0.75, "error_frac": 0.0},
+        ],
     )
     assert iteration_scalars(data, 0) == {
         "train/reward_mean": 0.5, "train/solve_rate": 0.25, "train/samples": 8.0,
+        "reward/code_tests/mean": 0.25, "reward/code_tests/error_frac": 0.0,
+        "reward/concise.compute_score/error_frac": 1.0,  # no mean: not one value
         "length/mean": 40.0, "length/p50": 38.0, "length/p90": 90.0, "length/truncated_frac": 0.125,
         "eval/human_eval/greedy_accuracy": 0.25, "eval/human_eval/prompts": 4.0, "eval/human_eval/pass_at_1": 0.375,
         "eval_base/human_eval/greedy_accuracy": 0.0, "eval_base/human_eval/prompts": 4.0,
@@ -73,7 +80,7 @@ def test_iteration_scalars_by_hand() -> None:
     # A skipped step trains nothing: no update statistics, 0 steps.
     assert iteration_scalars(data, 1) == {
         "eval/human_eval/greedy_accuracy": 1.0, "eval/human_eval/prompts": 4.0, "eval/human_eval/pass_at_1": 1.0,
-        "update/steps": 0.0, "time/train": 0.5}
+        "reward/code_tests/mean": 0.75, "reward/code_tests/error_frac": 0.0, "update/steps": 0.0, "time/train": 0.5}
 
 
 def test_critic_scalars_are_logged_only_for_a_run_with_a_critic() -> None:

@@ -295,8 +295,8 @@ def test_summary_and_the_failure_bound_by_hand() -> None:
     assert g.first_error == "RuntimeError: no more (m.py:3)"  # the first, on one line
     assert f.line() == "reward f: mean 0.500 over 3 calls, 1 failed (33%), first: TypeError: x (m.py:1)"
     assert math_.line() == "reward math: mean 0.500 over 3 calls, none failed"
-    assert g.metrics() == {"fn": "m.py:g", "weight": 1.0, "calls": 3, "errors": 3, "error_frac": 1.0, "mean": None,
-                           "first_error": "RuntimeError: no more (m.py:3)"}
+    assert g.metrics() == {"fn": "m.py:g", "weight": 1.0, "calls": 3, "errors": 3, "error_frac": 1.0, "values": 0,
+                           "mean": None, "first_error": "RuntimeError: no more (m.py:3)"}
     # the default 1.0 stops g (every call failed), not f; 0.3 stops f too, f first in config order; null never
     from schemas.errors import InputError
 
