@@ -4,7 +4,9 @@ One table (`NAMES`) serves two purposes: docs/names.md is generated from it (`py
 docs/names.md`; tests/schemas/test_names.py fails when they disagree), and a config or `--set` key that rlpipe
 does not know but a peer does gets a hint naming rlpipe's field (`num_generations` -> "did you mean
 generate.n_samples"). rlpipe does not accept the peer's key as an alias: one name per setting, and some peer
-keys differ in units or meaning (the `note` says how), which a silent alias would hide.
+keys differ in units or meaning (the `note` says how), which a silent alias would hide. A second table
+(`METRICS`) puts the trackers' metric names (flows/trackers.py) beside the names TRL and verl log for the same
+number; it only documents, nothing is looked up in it.
 """
 
 from __future__ import annotations
@@ -102,6 +104,19 @@ NAMES: tuple[Name, ...] = (
 )
 
 
+# Tracker metric names: the rlpipe name, TRL's GRPOTrainer log key, verl's metric key, a note.
+METRICS: tuple[Name, ...] = (
+    Name("train/reward_mean", "reward", "critic/score/mean", "the policy's samples' mean reward, all terms summed"),
+    Name("reward/<function>/mean", "rewards/<name>/mean", "",
+         "one score.rewards term's mean value before its weight; `<function>` is the function's name (with its file's "
+         "stem where two share one) or a built-in's"),
+    Name("reward/<function>/error_frac", "", "",
+         "the share of the function's calls that failed (raised, timed out, NaN, not a number); TRL stops at the "
+         "first, verl logs it: see `score.max_reward_error_fraction`"),
+    Name("length/mean", "completions/mean_length", "response_length/mean", "tokens per response"),
+)
+
+
 def _keys(text: str) -> list[str]:
     """The keys a table cell names: `a / b` alternatives, without `(...)` remarks or `+ .more` parts."""
     return [part.split(" (")[0].split(" + ")[0].strip() for part in text.split(" / ") if part.strip()]
@@ -155,6 +170,18 @@ def names_markdown() -> str:
         "|---|---|---|---|",
     ]
     for name in NAMES:
+        rows.append("| " + " | ".join([f"`{name.rlpipe}`", _cell(name.trl), _cell(name.verl), name.note]) + " |")
+    rows += [
+        "",
+        "## Metric names",
+        "",
+        "What the trackers (`log.trackers`) log, beside the name TRL's GRPOTrainer and verl log the same number",
+        "under. The catalog has the per-function figures too: the `reward_functions` view (docs/usage.md).",
+        "",
+        "| rlpipe | TRL (GRPOTrainer) | verl | note |",
+        "|---|---|---|---|",
+    ]
+    for name in METRICS:
         rows.append("| " + " | ".join([f"`{name.rlpipe}`", _cell(name.trl), _cell(name.verl), name.note]) + " |")
     return "\n".join(rows) + "\n"
 
