@@ -53,6 +53,10 @@ def test_generate_and_evaluate_record_the_cpu_and_their_speed(tmp_path: Path) ->
         assert metrics["device"] == CPU_RECORD, stage
         assert metrics["engine"] == {"dtype": "float32"} and metrics["deterministic"] is True
         assert metrics["tokens_per_second"] > 0
+    # evaluate scores as the score stage does: one greedy and one sampled answer, by the one default verifier
+    functions = stage_state(run, instance("evaluate_base", BASE)).manifests[-1].metrics["reward_functions"]
+    assert list(functions) == ["code_tests"]
+    assert (functions["code_tests"]["calls"], functions["code_tests"]["errors"]) == (2, 0)
     generate_metrics = stage_state(run, instance("generate", 0)).manifests[-1].metrics
     # the sampler (HF fp32) and the trainer's forward (fp32) are the same computation: only batch rounding differs
     assert generate_metrics["logprob_mismatch"]["max_abs"] < 1e-3
