@@ -31,7 +31,7 @@ from stages.generation.sampling import GenerationResult, encode_prompts, generat
 from stages.harness import StageContext, exit_with
 from stages.sandbox import ScoreJob
 from stages.sandbox.rewards import RewardInput, account_for
-from stages.score import say, score_with_progress
+from stages.score import score_with_progress
 
 
 def run(ctx: StageContext) -> None:
@@ -104,7 +104,7 @@ def run(ctx: StageContext) -> None:
     ]
     inputs = [RewardInput.of_prompt(by_id[pid]) for pid, _, _ in plan]
     results = score_with_progress(ctx, jobs, f"{ctx.spec.name} score", inputs)
-    reward_functions = account_for(ctx.config.score, results, say)  # as the score stage: printed, bounded
+    reward_functions = account_for(ctx.config.score, results)  # as the score stage: printed, bounded
     rows = [
         {
             "run_id": ctx.run_id, "iteration": ctx.iteration, "policy_version": ctx.inputs["policy"].sha256,

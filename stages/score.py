@@ -18,7 +18,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from schemas.errors import InputError
 from schemas.tables import BASELINE_SAMPLE_IDX
 from stages.generation.agent_loop import final_answer
-from stages.harness import StageContext, console, exit_with
+from stages.harness import StageContext, exit_with
 from stages.sandbox import Sandbox, ScoreJob, ScoreResult, rewards
 
 
@@ -35,11 +35,6 @@ def score_with_progress(
             return rewards.score(sandbox, cfg, jobs, rows, progress=lambda done: progress.update(task, advance=done))
         except rewards.RewardSetupError as error:
             raise InputError(str(error)) from None
-
-
-def say(line: str) -> None:
-    """A line of the stage's output, as it is (a user's message may hold brackets), never wrapped."""
-    console.print(f"  {line}", markup=False, highlight=False, soft_wrap=True)
 
 
 def graded_text(row: dict) -> str:
@@ -67,7 +62,7 @@ def run(ctx: StageContext) -> None:
     results = score_with_progress(ctx, jobs, ctx.instance.label, inputs)
     seconds = time.monotonic() - started
     # one line per reward function (its mean, its failed share); a broken one stops the stage here (exit code 2)
-    reward_functions = rewards.account_for(ctx.config.score, results, say)
+    reward_functions = rewards.account_for(ctx.config.score, results)
 
     key_columns = ("run_id", "iteration", "round", "prompt_id", "sample_idx")
     rows = [

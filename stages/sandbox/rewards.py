@@ -501,15 +501,13 @@ def summarize(cfg: ScoreConfig, results: list[ScoreResult]) -> list[RewardSummar
     return list(summaries.values())
 
 
-def account_for(
-    cfg: ScoreConfig, results: list[ScoreResult], say: Callable[[str], None]
-) -> dict[str, dict[str, Any]]:
-    """What a stage that scored `results` does with them: `say` one line per term, stop the stage when a function
-    failed too often (check_failures), and return the manifest's `reward_functions` metrics (short name ->
-    RewardSummary.metrics)."""
+def account_for(cfg: ScoreConfig, results: list[ScoreResult]) -> dict[str, dict[str, Any]]:
+    """What a stage that scored `results` does with them: print one line per term to stderr (the stage's output;
+    plain text, unwrapped, as a user's message may hold brackets), stop the stage when a function failed too often
+    (check_failures), and return the manifest's `reward_functions` metrics (short name -> RewardSummary.metrics)."""
     summaries = summarize(cfg, results)
     for summary in summaries:
-        say(summary.line())
+        print(f"  {summary.line()}", file=sys.stderr, flush=True)
     check_failures(cfg, summaries)
     return {summary.name: summary.metrics() for summary in summaries}
 
