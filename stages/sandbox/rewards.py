@@ -12,9 +12,10 @@ score.timeout_s (the process is then replaced), returns a non-finite value or no
 `stages.sandbox.run_code`, never an exec here. A row's reward is the sum of weight x value over the terms that
 apply (a TRL None does not); a `no_code` row keeps exactly score.no_code_penalty; status, passed/total and tests
 are the verifier's plus one test entry per other term, and a row without a verifier (kind `custom`) is `ok` when
-its reward is > 0. Each result also lists its terms by short name (`reward_names`); `summarize` turns them into
-each term's mean and failed share, and `check_failures` stops a stage whose function failed too often
-(score.max_reward_error_fraction), so a broken reward is an error and not a silent 0.
+its reward is > 0. Each result also lists its terms by short name (`reward_names`); a stage's `account_for`
+prints each term's mean and failed share (`summarize`), stops the stage when a function failed too often
+(`check_failures`, score.max_reward_error_fraction: a broken reward is an error, not a silent 0), and gives
+the manifest's `reward_functions`.
 """
 
 from __future__ import annotations
@@ -122,6 +123,7 @@ def reward_names(entries: list[RewardEntry]) -> list[str]:
 
 
 def _qualified(fn: str) -> str:
+    """`path/concise.py:compute_score` -> `concise.compute_score`; `pkg.grading:score` -> `grading.score`."""
     target, _, name = fn.rpartition(":")
     owner = Path(target).stem if target.endswith(".py") else target.rpartition(".")[2]
     return f"{owner}.{name}"
