@@ -3,7 +3,8 @@
 The way runs are compared in an experiment tracker: one colour per run, the same charts for every run:
 training reward (solve rate dashed) per iteration; held-out pass@k per dataset and k with its 95% bootstrap
 band (the base model's evaluation at `base`); mean response length; KL per optimizer step; time per stage.
-A table below puts each run's configuration, last training reward and last evaluation side by side.
+A table below puts each run's configuration, last training reward, last evaluation and optimizer steps (taken,
+skipped) side by side, and marks a run that failed with its stage and reason (its failure record).
 
 The numbers are `reports.html.collect`'s, run by run, from one catalog over all the runs: a run shows here
 exactly what its own report shows. The page reuses the single-run report's style and its render check
@@ -27,11 +28,12 @@ from reports.html import (
     _pct,
     collect,
     describe_config,
+    describe_steps,
     interval_band,
     iteration_labels,
     read_config,
 )
-from reports.svg import PALETTE, Series, line_chart, stacked_bar_chart
+from reports.svg import PALETTE, Series, duration_unit, line_chart, stacked_bar_chart
 from storage.catalog import Catalog
 from storage.fs import atomic_write_bytes, filesystem, join, normalize_root
 from storage.layout import RunLayout
@@ -101,10 +103,12 @@ def comparison_charts(runs: list[ReportData]) -> list[str]:
     charts.append(line_chart("chart-kl", "Approx. KL to the sampling policy per optimizer step", kl, "step",
                              "nats per token", y_range=(0.0, None)))
     stages = [s for s in (*RUN_STAGES, *STAGES) if any(s in c for run in runs for c in run.stage_seconds.values())]
+    per_unit, unit = duration_unit(max((_total_seconds(run) for run in runs), default=0.0))
     charts.append(stacked_bar_chart(
         "chart-stage-time", "Time per stage, whole run", [run.run_id for run in runs],
-        {s: [sum(float(c.get(s) or 0.0) for c in run.stage_seconds.values()) for run in runs] for s in stages},
-        "run", "seconds",
+        {s: [sum(float(c.get(s) or 0.0) for c in run.stage_seconds.values()) / per_unit for run in runs]
+         for s in stages},
+        "run", unit,
     ))
     return charts
 
@@ -120,7 +124,7 @@ def comparison_table(runs: list[ReportData]) -> str:
     datasets = sorted({r["dataset"] for run in runs for r in run.evaluation})
     head = ("<tr><th>run</th><th>configuration</th><th>last mean reward</th>"
             + "".join(f"<th>{escape(d)} pass@k: base → last [95% CI]</th>" for d in datasets)
-            + "<th>stage seconds</th></tr>")
+            + "<th>optimizer steps</th><th>stage seconds</th></tr>")
     body = []
     for run in runs:
         k = run.ks[0]
@@ -134,9 +138,11 @@ def comparison_table(runs: list[ReportData]) -> str:
             cells.append(f"<td class='num'>pass@{k} {_pct(first.get(f'pass@{k}'))} → {_pct(last.get(f'pass@{k}'))}"
                          f"{_interval(last.get(f'pass@{k}_ci'))}</td>")
         last_reward = run.reward[-1]["mean_reward"] if run.reward else None
+        failed = f"<p class='failed'>{escape(run.failure.describe())}</p>" if run.failure else ""
         body.append(f"<tr data-run='{escape(run.run_id)}'><td><b style='color:{colours[run.run_id]}'>"
-                    f"{escape(run.run_id)}</b></td><td class='meta'>{describe_config(run.config)}</td>"
+                    f"{escape(run.run_id)}</b>{failed}</td><td class='meta'>{describe_config(run.config)}</td>"
                     f"<td class='num'>{_num(last_reward)}</td>{''.join(cells)}"
+                    f"<td>{escape(describe_steps(run.train)) if run.train else '–'}</td>"
                     f"<td class='num'>{_total_seconds(run):.0f}</td></tr>")
     return f"<table class='runs'><thead>{head}</thead><tbody>{''.join(body)}</tbody></table>"
 

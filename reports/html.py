@@ -1,10 +1,12 @@
 """`rlpipe report RUN`: one self-contained HTML page about a run, read through the catalog.
 
-Sections: reward and solve rate per iteration; held-out pass@k and greedy accuracy per iteration (base
-model included, as iteration -1); response length and truncation; clip fractions, KL and entropy per
-optimizer step; the sandbox's status mix; time per stage; each reward function's mean and failed share per
-iteration (a chart, a table, and a warning at the top when one failed); the best and worst samples of the last
-iteration. Plots are inline SVG (reports/svg.py); there are no external assets, so the file renders
+At the top: a red banner when the run's failure record says it stopped at a stage (stage, exit code, reason),
+and the optimizer steps taken, skipped (an iteration with no kept sample with a nonzero advantage) and not
+applied (a non-finite gradient). Sections: reward and solve rate per iteration; held-out pass@k and greedy
+accuracy per iteration (base model included, as iteration -1); response length and truncation; clip fractions,
+KL and entropy per optimizer step; the sandbox's status mix; time per stage; each reward function's mean and
+failed share per iteration (a chart, a table, and a warning at the top when one failed); the best and worst
+samples of the last iteration. Plots are inline SVG (reports/svg.py); there are no external assets, so the file renders
 offline, from S3, or as a CI artifact, and one inline script only marks each chart as laid out (for tests).
 
 `collect` gathers the numbers (testable on their own); `render` turns them into HTML; `write_report`
@@ -20,10 +22,11 @@ from datetime import UTC, datetime
 from html import escape
 from typing import Any
 
-from reports.svg import STATUS_COLOURS, Series, line_chart, stacked_bar_chart
+from reports.svg import STATUS_COLOURS, Series, _finite, duration_unit, line_chart, stacked_bar_chart
 from schemas.config import ConfigError, RunConfig
 from schemas.tables import BASELINE_SAMPLE_IDX
 from storage.catalog import Catalog
+from storage.failure import StageFailure, read_failure
 from storage.fs import atomic_write_bytes, join
 from storage.layout import RunLayout
 from storage.manifest import code_version
@@ -65,6 +68,7 @@ class ReportData:
     devices: list[dict[str, Any]] = field(default_factory=list)  # stage, iteration, round, device record, tokens/s
     # iteration, function, calls, errors, error_frac, mean, first_error: the score stages' reward_functions
     reward_functions: list[dict[str, Any]] = field(default_factory=list)
+    failure: StageFailure | None = None  # the run's failure record: it stopped at this stage (storage/failure.py)
 
 
 def read_config(layout: RunLayout) -> RunConfig | None:
@@ -194,7 +198,29 @@ def collect(catalog: Catalog, run_id: str, config: RunConfig | None) -> ReportDa
            FROM reward_functions WHERE run_id = $run AND stage = 'score' AND calls > 0
            GROUP BY ALL ORDER BY iteration, function""", run)
     data.notes = [f"{s.path}: {s.reason}" for s in catalog.skipped]
+    data.failure = read_failure(RunLayout.create(catalog.root, run_id))
     return data
+
+
+def optimizer_steps(train: list[dict[str, Any]]) -> tuple[int, list[int], int]:
+    """(steps taken, iterations whose train step was skipped, steps whose update was not applied) from the
+    train_metrics rows: a skipped iteration (no kept sample with a nonzero advantage: the checkpoint is a copy)
+    has one row with skipped = True; a step whose gradient was not finite is computed but not applied."""
+    skipped = sorted({r["iteration"] for r in train if r.get("skipped")})
+    not_applied = sum(1 for r in train if not r.get("skipped") and not _finite(r.get("grad_norm")))
+    return sum(1 for r in train if not r.get("skipped")) - not_applied, skipped, not_applied
+
+
+def describe_steps(train: list[dict[str, Any]]) -> str:
+    """`3 taken, 2 skipped (iterations 0, 1: no kept sample with a nonzero advantage)`, as plain text."""
+    taken, skipped, not_applied = optimizer_steps(train)
+    parts = [f"{taken} taken"]
+    if skipped:
+        parts.append(f"{len(skipped)} skipped (iteration{'s' if len(skipped) > 1 else ''} "
+                     f"{', '.join(map(str, skipped))}: no kept sample with a nonzero advantage)")
+    if not_applied:
+        parts.append(f"{not_applied} not applied (gradient not finite)")
+    return ", ".join(parts)
 
 
 # --- rendering ---------------------------------------------------------------------------------------------
@@ -212,6 +238,7 @@ pre { white-space: pre-wrap; background: #f7f7f7; padding: 6px; margin: 4px 0; m
       font-size: 12px; }
 .kpi { display: inline-block; margin-right: 28px; } .kpi b { font-size: 20px; display: block; }
 .note { color: #a15c00; font-size: 13px; }
+.failed { color: #fff; background: #b3261e; padding: 6px 10px; border-radius: 4px; font-weight: 600; }
 """
 
 # Marks each chart with its laid-out size once the page has rendered (headless tests read the attribute).
@@ -325,10 +352,12 @@ def _charts(data: ReportData) -> list[str]:
         ))
     columns = sorted(data.stage_seconds, key=lambda c: (c != "run", int(c) if c.isdigit() else -1))
     stages = [s for s in (*RUN_STAGES, *STAGES) if any(s in data.stage_seconds[c] for c in columns)]
+    per_unit, unit = duration_unit(max((sum(float(v or 0.0) for v in data.stage_seconds[c].values()) for c in columns),
+                                       default=0.0))
     charts.append(stacked_bar_chart(
         "chart-stage-time", "Time per stage", columns,
-        {s: [float(data.stage_seconds[c].get(s) or 0.0) for c in columns] for s in stages},
-        "iteration (run = run-level stages)", "seconds",
+        {s: [float(data.stage_seconds[c].get(s) or 0.0) / per_unit for c in columns] for s in stages},
+        "iteration (run = run-level stages)", unit,
     ))
     return charts
 
@@ -383,8 +412,12 @@ def _summary(data: ReportData) -> str:
                      "</b></span>")
         parts.append(f"<span class='kpi'>iterations with data<b>{len(data.iterations)}</b></span>")
     if data.train:
-        parts.append(f"<span class='kpi'>optimizer steps<b>{len(data.train)}</b></span>")
-    return "<div>" + "".join(parts) + "</div>"
+        taken, skipped, not_applied = optimizer_steps(data.train)
+        parts.append(f"<span class='kpi'>optimizer steps taken<b>{taken}</b></span>")
+        parts.append(f"<span class='kpi'>skipped or not applied<b>{len(skipped) + not_applied}</b></span>")
+    status = "<p class='failed'>" + escape(f"Run failed: {data.failure.describe()}") + "</p>" if data.failure else ""
+    steps = f"<p class='meta'>optimizer steps: {escape(describe_steps(data.train))}</p>" if data.train else ""
+    return status + "<div>" + "".join(parts) + "</div>" + steps
 
 
 def describe_config(config: RunConfig | None) -> str:

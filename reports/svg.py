@@ -5,7 +5,9 @@ browser, and rlpipe should not pull a plotting stack into every machine that run
 SVG is text, small, exact, and testable (every series is a `<polyline class="series">`, every bar a
 `<rect class="bar">`, each with a `<title>` tooltip holding its value; a series' interval band, e.g. pass@k's
 95% bootstrap interval, is a translucent `<polygon class="band">` under its line, or a whisker `<line
-class="band">` at a point with no neighbour).
+class="band">` at a point with no neighbour). The legend sits below the axes in as many rows as its names need,
+so a long name (`humaneval pass@4`) is shown whole; the left margin grows with the widest y tick label, so
+the rotated axis label never covers a tick, and ticks read `1,500` or `12k`, never `1e+03`.
 """
 
 from __future__ import annotations
@@ -20,8 +22,13 @@ PALETTE = ("#0072B2", "#E69F00", "#009E73", "#D55E00", "#CC79A7", "#56B4E9", "#F
 STATUS_COLOURS = {"ok": "#009E73", "fail": "#D55E00", "timeout": "#E69F00", "error": "#CC79A7", "no_code": "#999999"}
 
 Scale = Callable[[float], float]
-WIDTH, HEIGHT = 560, 280
-LEFT, RIGHT, TOP, BOTTOM = 56, 132, 30, 44  # plot margins; the legend sits in the right margin
+WIDTH, HEIGHT = 560, 280  # HEIGHT holds the title, the plot and its axes; the legend adds rows below it
+RIGHT, TOP, BOTTOM = 16, 30, 44  # plot margins; the left one is sized to the y tick labels (`left_margin`)
+# An 11px sans-serif character's width, rounded up (digits and lower case are ~6 px): sizes the left margin
+# and the legend's rows without a browser to measure text. The headless-browser test checks the result fits.
+CHAR_WIDTH = 6.6
+Y_LABEL_BAND = 22  # the rotated y-axis label, left of the tick labels
+LEGEND_ROW, LEGEND_GAP, LEGEND_SWATCH = 16, 18, 24
 
 
 @dataclass
@@ -70,61 +77,110 @@ def nice_ticks(low: float, high: float, count: int = 5) -> list[float]:
 
 
 def _fmt(value: float) -> str:
+    """A tick value as short text: `1,500`, `12k`, `2.5M`, `0.25`, `0.005` (never `1e+03`)."""
+    magnitude = abs(value)
     if value == 0:
         return "0"
-    if abs(value) >= 1000 or abs(value) < 0.01:
-        return f"{value:.2g}"
-    return f"{value:.3g}"
+    if magnitude >= 1e6:
+        return f"{value / 1e6:.3g}M"
+    if magnitude >= 1e4:
+        return f"{value / 1e3:.3g}k"
+    if magnitude >= 1000:
+        return f"{value:,.0f}"
+    return f"{value:.2g}" if magnitude < 0.01 else f"{value:.3g}"
 
 
-def _frame(chart_id: str, title: str, body: list[str], width: int = WIDTH, height: int = HEIGHT) -> str:
+def duration_unit(longest_seconds: float) -> tuple[float, str]:
+    """(seconds per unit, unit name) for a time axis whose longest value is `longest_seconds`."""
+    if longest_seconds >= 2 * 3600:
+        return 3600.0, "hours"
+    if longest_seconds >= 2 * 60:
+        return 60.0, "minutes"
+    return 1.0, "seconds"
+
+
+def text_width(text: str) -> float:
+    return len(text) * CHAR_WIDTH
+
+
+def left_margin(tick_labels: list[str]) -> int:
+    """Room for the rotated y-axis label, the widest y tick label and a gap before the axis."""
+    return math.ceil(Y_LABEL_BAND + max((text_width(t) for t in tick_labels), default=0.0) + 8)
+
+
+def thin_ticks(ticks: list[tuple[float, str]], positions: list[float]) -> list[tuple[float, str]]:
+    """Every n-th x tick, n the smallest that keeps neighbouring labels (at pixel `positions`) apart."""
+    if len(ticks) < 2:
+        return ticks
+    spacing = min(b - a for a, b in zip(positions, positions[1:], strict=False)) or 1.0
+    widest = max(text_width(label) for _, label in ticks) + 8
+    step = max(1, math.ceil(widest / spacing))
+    return ticks[::step]
+
+
+def _frame(chart_id: str, title: str, body: list[str], height: int = HEIGHT) -> str:
     return (
         f'<svg xmlns="http://www.w3.org/2000/svg" class="chart" id="{escape(chart_id)}" '
-        f'viewBox="0 0 {width} {height}" width="{width}" height="{height}" role="img" '
+        f'viewBox="0 0 {WIDTH} {height}" width="{WIDTH}" height="{height}" role="img" '
         f'aria-label="{escape(title)}">'
         f"<title>{escape(title)}</title>"
-        f'<rect x="0" y="0" width="{width}" height="{height}" fill="#ffffff"/>'
-        f'<text x="{LEFT}" y="18" font-size="13" font-weight="600" fill="#222">{escape(title)}</text>'
+        f'<rect x="0" y="0" width="{WIDTH}" height="{height}" fill="#ffffff"/>'
+        f'<text class="chart-title" x="12" y="18" font-size="13" font-weight="600" fill="#222">{escape(title)}</text>'
         + "".join(body)
         + "</svg>"
     )
 
 
 def _axes(
-    xticks: list[tuple[float, str]], yticks: list[float], sx: Scale, sy: Scale, x_label: str, y_label: str
+    xticks: list[tuple[float, str]], yticks: list[float], sx: Scale, sy: Scale, x_label: str, y_label: str,
+    left: int,
 ) -> list[str]:
+    """Grid lines and y tick labels right of the y label's band, x tick labels, the two axis labels."""
     plot_bottom, plot_right = HEIGHT - BOTTOM, WIDTH - RIGHT
     parts = ['<g class="axes" font-size="11" fill="#444" stroke="none">']
     for value in yticks:
         y = sy(value)
-        parts.append(f'<line x1="{LEFT}" x2="{plot_right}" y1="{y:.1f}" y2="{y:.1f}" stroke="#e4e4e4"/>')
-        parts.append(f'<text x="{LEFT - 6}" y="{y + 4:.1f}" text-anchor="end">{_fmt(value)}</text>')
+        parts.append(f'<line x1="{left}" x2="{plot_right}" y1="{y:.1f}" y2="{y:.1f}" stroke="#e4e4e4"/>')
+        parts.append(f'<text class="tick" x="{left - 6}" y="{y + 4:.1f}" text-anchor="end">{_fmt(value)}</text>')
     for value, label in xticks:
         x = sx(value)
         parts.append(f'<line x1="{x:.1f}" x2="{x:.1f}" y1="{plot_bottom}" y2="{plot_bottom + 4}" stroke="#888"/>')
-        parts.append(f'<text x="{x:.1f}" y="{plot_bottom + 16}" text-anchor="middle">{escape(label)}</text>')
-    parts.append(f'<line x1="{LEFT}" x2="{plot_right}" y1="{plot_bottom}" y2="{plot_bottom}" stroke="#888"/>')
-    parts.append(f'<line x1="{LEFT}" x2="{LEFT}" y1="{TOP}" y2="{plot_bottom}" stroke="#888"/>')
-    middle = (LEFT + plot_right) / 2
-    parts.append(f'<text x="{middle:.1f}" y="{HEIGHT - 8}" text-anchor="middle">{escape(x_label)}</text>')
-    parts.append(
-        f'<text x="14" y="{(TOP + plot_bottom) / 2:.1f}" text-anchor="middle" '
-        f'transform="rotate(-90 14 {(TOP + plot_bottom) / 2:.1f})">{escape(y_label)}</text>'
-    )
+        parts.append(f'<text class="tick" x="{x:.1f}" y="{plot_bottom + 16}" text-anchor="middle">'
+                     f"{escape(label)}</text>")
+    parts.append(f'<line x1="{left}" x2="{plot_right}" y1="{plot_bottom}" y2="{plot_bottom}" stroke="#888"/>')
+    parts.append(f'<line x1="{left}" x2="{left}" y1="{TOP}" y2="{plot_bottom}" stroke="#888"/>')
+    middle = (left + plot_right) / 2
+    parts.append(f'<text class="axis-label" x="{middle:.1f}" y="{HEIGHT - 8}" text-anchor="middle">'
+                 f"{escape(x_label)}</text>")
+    y_middle, y_x = (TOP + plot_bottom) / 2, Y_LABEL_BAND / 2 + 2
+    parts.append(f'<text class="axis-label" x="{y_x}" y="{y_middle:.1f}" text-anchor="middle" '
+                 f'transform="rotate(-90 {y_x} {y_middle:.1f})">{escape(y_label)}</text>')
     parts.append("</g>")
     return parts
 
 
-def _legend(items: list[tuple[str, str, bool]]) -> list[str]:
-    x = WIDTH - RIGHT + 12
+def _legend(items: list[tuple[str, str, bool]]) -> tuple[list[str], int]:
+    """The legend below the axes, items flowing left to right in rows (a name too long for a row is cut, its
+    full text in a tooltip): its SVG elements and the chart's height with it."""
+    usable = WIDTH - 24
     parts = ['<g class="legend" font-size="11" fill="#333">']
-    for i, (name, colour, dashed) in enumerate(items):
-        y = TOP + 8 + 16 * i
+    x, row = 12.0, 0
+    for name, colour, dashed in items:
+        shown = name
+        while len(shown) > 1 and LEGEND_SWATCH + text_width(shown) > usable:
+            shown = shown[:-2] + "…"
+        width = LEGEND_SWATCH + text_width(shown)
+        if x > 12 and x + width > 12 + usable:
+            x, row = 12.0, row + 1
+        y = HEIGHT + 8 + LEGEND_ROW * row
         dash = ' stroke-dasharray="4 3"' if dashed else ""
-        parts.append(f'<line x1="{x}" x2="{x + 18}" y1="{y}" y2="{y}" stroke="{colour}" stroke-width="3"{dash}/>')
-        parts.append(f'<text x="{x + 24}" y="{y + 4}">{escape(name)}</text>')
+        parts.append(f'<line x1="{x:.1f}" x2="{x + 18:.1f}" y1="{y}" y2="{y}" stroke="{colour}" stroke-width="3"'
+                     f"{dash}/>")
+        tip = f"<title>{escape(name)}</title>" if shown != name else ""
+        parts.append(f'<text x="{x + LEGEND_SWATCH:.1f}" y="{y + 4}">{escape(shown)}{tip}</text>')
+        x += width + LEGEND_GAP
     parts.append("</g>")
-    return parts
+    return parts, (HEIGHT + LEGEND_ROW * (row + 1) + 4 if items else HEIGHT)
 
 
 def _empty(chart_id: str, title: str, message: str = "no data yet") -> str:
@@ -152,10 +208,11 @@ def line_chart(
     x_low, x_high = min(xs), max(xs)
     if x_high == x_low:
         x_low, x_high = x_low - 1, x_high + 1
+    left = left_margin([_fmt(v) for v in yticks])
     plot_bottom, plot_right = HEIGHT - BOTTOM, WIDTH - RIGHT
 
     def sx(x: float) -> float:
-        return LEFT + 10 + (x - x_low) / (x_high - x_low) * (plot_right - LEFT - 20)
+        return left + 10 + (x - x_low) / (x_high - x_low) * (plot_right - left - 20)
 
     def sy(y: float) -> float:
         return plot_bottom - (y - yticks[0]) / (yticks[-1] - yticks[0]) * (plot_bottom - TOP)
@@ -166,8 +223,7 @@ def line_chart(
         xticks = [(v, _fmt(v)) for v in xtick_values if x_low <= v <= x_high]
     else:
         xticks = [(v, (x_labels or {}).get(v, _fmt(v))) for v in distinct_x]
-    body = _axes(xticks, yticks, sx, sy, x_label, y_label)
-    legend = []
+    body = _axes(thin_ticks(xticks, [sx(v) for v, _ in xticks]), yticks, sx, sy, x_label, y_label, left)
     colours = [s.colour or PALETTE[i % len(PALETTE)] for i, s in enumerate(series)]
     for s, colour in zip(series, colours, strict=True):  # bands first, under every line
         for segment in _segments(s.xs, *s.band) if s.band else []:
@@ -183,7 +239,6 @@ def line_chart(
             body.append(f'<polygon class="band" data-series="{escape(s.name)}" points="{coords}" fill="{colour}" '
                         f'fill-opacity="0.18" stroke="none">{tip}</polygon>')
     for s, colour in zip(series, colours, strict=True):
-        legend.append((s.name, colour, s.dashed))
         dash = ' stroke-dasharray="5 4"' if s.dashed else ""
         for segment in _segments(s.xs, s.ys):  # gaps (None) split the line
             if len(segment) > 1:
@@ -192,10 +247,11 @@ def line_chart(
                             f'fill="none" stroke="{colour}" stroke-width="2"{dash}/>')
         for x, y in zip(s.xs, s.ys, strict=True):
             if y is not None and math.isfinite(y):
-                label = (x_labels or {}).get(x, _fmt(x))
+                label = (x_labels or {}).get(x, f"{x:g}")
                 body.append(f'<circle class="point" cx="{sx(x):.1f}" cy="{sy(y):.1f}" r="3" fill="{colour}">'
                             f"<title>{escape(s.name)} at {escape(label)}: {y:.4g}</title></circle>")
-    return _frame(chart_id, title, body + _legend(legend))
+    legend, height = _legend([(s.name, colour, s.dashed) for s, colour in zip(series, colours, strict=True)])
+    return _frame(chart_id, title, body + legend, height)
 
 
 def stacked_bar_chart(
@@ -211,32 +267,30 @@ def stacked_bar_chart(
         values = {name: [v / totals[i] for i, v in enumerate(vals)] for name, vals in values.items()}
     heights = [sum(values[name][i] for name in values) for i in range(len(categories))]
     yticks = nice_ticks(0.0, max(max(heights), 1e-9))
+    left = left_margin([_fmt(v) for v in yticks])
     plot_bottom, plot_right = HEIGHT - BOTTOM, WIDTH - RIGHT
-    slot = (plot_right - LEFT) / len(categories)
+    slot = (plot_right - left) / len(categories)
     bar = max(min(slot * 0.7, 48), 2)
 
     def sx(i: float) -> float:
-        return LEFT + slot * (i + 0.5)
+        return left + slot * (i + 0.5)
 
     def sy(y: float) -> float:
         return plot_bottom - (y - yticks[0]) / (yticks[-1] - yticks[0]) * (plot_bottom - TOP)
 
-    step = max(1, math.ceil(len(categories) / 12))
-    xticks = [(i, c) for i, c in enumerate(categories) if i % step == 0]
-    body = _axes(xticks, yticks, sx, sy, x_label, y_label)
-    legend = []
-    for k, name in enumerate(values):
-        colour = (colours or {}).get(name) or PALETTE[k % len(PALETTE)]
-        legend.append((name, colour, False))
+    xticks = [(float(i), c) for i, c in enumerate(categories)]
+    body = _axes(thin_ticks(xticks, [sx(i) for i, _ in xticks]), yticks, sx, sy, x_label, y_label, left)
+    legend = [(name, (colours or {}).get(name) or PALETTE[k % len(PALETTE)], False) for k, name in enumerate(values)]
     bottoms = [0.0] * len(categories)
     for (name, colour, _), vals in zip(legend, values.values(), strict=True):
         for i, v in enumerate(vals):
             if v <= 0:
                 continue
             y0, y1 = sy(bottoms[i]), sy(bottoms[i] + v)
-            shown = f"{v:.1%}" if normalise else _fmt(v)
+            shown = f"{v:.1%}" if normalise else f"{v:.4g}"
             body.append(f'<rect class="bar" data-series="{escape(name)}" x="{sx(i) - bar / 2:.1f}" y="{y1:.1f}" '
                         f'width="{bar:.1f}" height="{max(y0 - y1, 0.5):.1f}" fill="{colour}">'
                         f"<title>{escape(name)} at {escape(categories[i])}: {shown}</title></rect>")
             bottoms[i] += v
-    return _frame(chart_id, title, body + _legend(legend))
+    legend_parts, height = _legend(legend)
+    return _frame(chart_id, title, body + legend_parts, height)

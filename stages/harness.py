@@ -7,7 +7,9 @@ A stage is plain Python (no Prefect): `python -m stages.<name> --run R --iter K 
 3. removes the manifests of the stage's own outputs *before* writing anything, so an output that is being
    rewritten is never mistaken for a finished one if the process dies half-way,
 4. calls the stage's `run(ctx)`, which writes its outputs through `ctx.write_table` / `ctx.write_checkpoint`,
-5. writes each output's manifest last and prints one timing line.
+5. writes each output's manifest last and prints one timing line,
+6. on failure writes the run's failure record (stage, exit code, one-line reason; storage/failure.py), which
+   the same stage instance's next success removes.
 
 Exit codes: 0 done, 2 bad input or config (message names the file/row/field), 1 anything else.
 """
@@ -15,6 +17,7 @@ Exit codes: 0 done, 2 bad input or config (message names the file/row/field), 1 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import shutil
 import sys
@@ -51,6 +54,7 @@ from stages.registry import (
     resolve_inputs,
 )
 from storage.checkpoints import checkpoint_digest, fetch_checkpoint, publish_checkpoint
+from storage.failure import clear_failure, record_failure
 from storage.fs import atomic_write_bytes, describe_os_error, is_remote, temporary_prefix
 from storage.layout import BASE, RunLayout, StageInstance
 from storage.manifest import Manifest, config_hash, output_damage, read_manifest, write_manifest
@@ -402,6 +406,7 @@ def run_stage(run: Run, target: StageInstance, work: Callable[[StageContext], No
         for directory in ctx.scratch:  # published ones were moved or uploaded already
             shutil.rmtree(directory, ignore_errors=True)
     manifests = finish(ctx)
+    clear_failure(run.layout, target)  # an earlier attempt's failure record, now fixed
     rows = ", ".join(f"{m.rows} rows" if m.rows is not None else f"{m.bytes / 1e6:.0f} MB" for m in manifests)
     console.print(f"[green]✓ {target.label}[/] {rows} in {ctx.seconds():.1f}s")
     return manifests
@@ -435,6 +440,8 @@ def main(stage: str, work: Callable[[StageContext], None], argv: list[str] | Non
     from storage.lock import RunLocked, stage_lock
 
     args = parse_args(stage, argv)
+    layout: RunLayout | None = None
+    target: StageInstance | None = None
     try:
         layout = RunLayout.create(resolve_root(args.root), args.run)
         target = instance(stage, args.iter, args.round)
@@ -449,19 +456,31 @@ def main(stage: str, work: Callable[[StageContext], None], argv: list[str] | Non
     except (ConfigError, InputError, MissingInput, SchemaMismatch, TableVersionError, InvalidRunId) as error:
         # one line however long (the user's paths), its text never read as markup (a message may hold brackets)
         console.print(f"[red]✗ {stage}: {escape(str(error))}[/]", soft_wrap=True)
-        return 2
+        return recorded(layout, target, 2, str(error))
     except ContractViolation as error:  # the stage's own output is wrong: not a bad-input exit
         console.print(f"[red]✗ {stage}: {error}[/]")
-        return 1
-    except RunLocked as error:
+        return recorded(layout, target, 1, str(error))
+    except RunLocked as error:  # another process runs it: not a failure of the stage
         console.print(f"[red]✗ {stage}: {error}[/]")
         return 3
     except OSError as error:
         # Disk full, read-only or unwritable root, storage unreachable after retries: one line naming the
         # path. Nothing is lost: outputs are written under temporary names and manifests come last.
         console.print(f"[red]✗ {stage}: storage error: {describe_os_error(error)}[/]")
-        return 1
+        return recorded(layout, target, 1, f"storage error: {describe_os_error(error)}")
+    except Exception as error:  # a crash: its traceback goes to the terminal as before, its last line on record
+        recorded(layout, target, 1, f"{type(error).__name__}: {error}")
+        raise
     return 0
+
+
+def recorded(layout: RunLayout | None, target: StageInstance | None, exit_code: int, reason: str) -> int:
+    """Write the run's failure record (storage/failure.py) if the stage instance is known; return `exit_code`.
+    A record that cannot be written (the storage error being reported, say) is left out, never raised."""
+    if layout is not None and target is not None:
+        with contextlib.suppress(OSError):
+            record_failure(layout, target, exit_code, reason)
+    return exit_code
 
 
 def exit_with(stage: str, run: Callable[[StageContext], None]) -> None:

@@ -5,21 +5,25 @@ exits, and a crash (even SIGKILL) in a stage cannot take the flow down. Inside `
 (local runs) the process is forked from a server that has imported torch, Great Expectations and vLLM
 already (flows/runner/forkserver.py); elsewhere it is a fresh interpreter. The child inherits the terminal, so
 its progress bars and timing lines show as they happen; it never imports Prefect, so it never starts a
-Prefect server of its own.
+Prefect server of its own. A failing stage writes the run's failure record itself (storage/failure.py); for
+one that died without writing it (a signal) the driver writes what it knows.
 """
 
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import datetime
 
 from flows.runner import forkserver
 from schemas import settings
 from schemas.config import ConfigError, RunConfig
 from stages.registry import RUN_STAGES, instance, iteration_stages, stage_state
+from storage.failure import read_failure, record_failure
 from storage.layout import BASE, RunLayout, StageInstance, manifest_path_for
 from storage.manifest import read_manifest
 from storage.run import Run
@@ -74,11 +78,22 @@ def stage_command(layout: RunLayout, target: StageInstance, lock_wait_s: float |
 
 
 def run_stage_process(run: Run, target: StageInstance, lock_wait_s: float | None = None) -> float:
-    started = time.monotonic()
+    started, started_at = time.monotonic(), time.time()
     returncode = forkserver.run(stage_command(run.layout, target, lock_wait_s), stage_environment(run.config))
     if returncode != 0:
+        if returncode != 3 and not recorded_since(run.layout, target, started_at):
+            # the stage died before it could say why (a signal: killed, out of memory): record what is known
+            why = f"ended by signal {signal.Signals(-returncode).name}" if returncode < 0 else "no reason recorded"
+            record_failure(run.layout, target, returncode, why)
         raise StageFailed(target, returncode)
     return time.monotonic() - started
+
+
+def recorded_since(layout: RunLayout, target: StageInstance, since: float) -> bool:
+    """Whether the stage instance wrote its failure record at or after `since` (seconds since the epoch)."""
+    failure = read_failure(layout)
+    return (failure is not None and failure.label == target.label
+            and datetime.fromisoformat(failure.at).timestamp() >= since - 1.0)
 
 
 def run_plan(config: RunConfig) -> list[StageInstance]:

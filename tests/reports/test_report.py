@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import html
 import json
 import re
 import shutil
@@ -15,9 +16,10 @@ import pyarrow.parquet as pq
 import pytest
 
 from flows.cli.inspect import main as inspect_main
-from reports.html import collect, pass_at_k, read_config, write_report
+from reports.html import collect, describe_steps, optimizer_steps, pass_at_k, read_config, write_report
 from storage.catalog import Catalog
-from storage.layout import RunLayout
+from storage.failure import record_failure
+from storage.layout import RunLayout, StageInstance
 from tests.support.synthetic_runs import SyntheticSpec, write_synthetic_run
 
 CHART_IDS = ("chart-reward", "chart-pass-at-k", "chart-length", "chart-truncated", "chart-clip", "chart-kl",
@@ -37,6 +39,20 @@ def test_pass_at_k_matches_the_unbiased_estimator() -> None:
     assert pass_at_k(4, 1, 1) == pytest.approx(0.25)
     assert pass_at_k(5, 2, 2) == pytest.approx(1 - 3 / 10)
     assert pass_at_k(4, 1, 4) == 1.0 and pass_at_k(4, 0, 2) == 0.0
+
+
+def test_optimizer_steps_are_told_apart_taken_skipped_and_not_applied() -> None:
+    """The issue's case: two iterations whose steps were both skipped took no optimizer step, not 2."""
+    nan = float("nan")
+    both_skipped = [{"iteration": 0, "skipped": True, "grad_norm": nan}, {"iteration": 1, "skipped": True,
+                                                                          "grad_norm": nan}]
+    assert optimizer_steps(both_skipped) == (0, [0, 1], 0)
+    assert describe_steps(both_skipped) == ("0 taken, 2 skipped (iterations 0, 1: no kept sample with a nonzero "
+                                            "advantage)")
+    mixed = [{"iteration": 0, "skipped": False, "grad_norm": 0.7}, {"iteration": 0, "skipped": False, "grad_norm": nan},
+             {"iteration": 1, "skipped": True, "grad_norm": nan}, {"iteration": 2, "skipped": False, "grad_norm": 1.1}]
+    assert describe_steps(mixed) == ("2 taken, 1 skipped (iteration 1: no kept sample with a nonzero advantage), "
+                                     "1 not applied (gradient not finite)")
 
 
 def test_collect_numbers_match_the_tables(run_root: Path) -> None:
@@ -115,6 +131,51 @@ def chromium(args: list[str], profile: Path) -> subprocess.CompletedProcess[str]
     return subprocess.run(command, capture_output=True, text=True, timeout=180, check=True)
 
 
+# Added to a copy of a page by the tests only: once laid out, the page's text as rendered (`innerText`) and each
+# chart's size and text boxes (relative to the chart), as JSON in a <pre id="layout">.
+LAYOUT_SCRIPT = """<script>
+window.addEventListener('load', function () {
+  var charts = Array.from(document.querySelectorAll('svg.chart')).map(function (svg) {
+    var box = svg.getBoundingClientRect();
+    var texts = Array.from(svg.querySelectorAll('text')).map(function (t) {
+      var r = t.getBoundingClientRect();
+      return {text: t.childNodes[0] ? t.childNodes[0].nodeValue : '',
+              kind: t.getAttribute('class') || t.parentNode.getAttribute('class'),
+              left: r.left - box.left, top: r.top - box.top, right: r.right - box.left, bottom: r.bottom - box.top};
+    });
+    return {id: svg.id, width: box.width, height: box.height, texts: texts};
+  });
+  var out = document.createElement('pre');
+  out.id = 'layout';
+  out.textContent = JSON.stringify({text: document.body.innerText, charts: charts});
+  document.body.appendChild(out);
+});
+</script>"""
+
+
+def rendered_layout(html_path: str, tmp_path: Path) -> dict:
+    """Render a copy of the page in headless Chromium: {"text": the page as rendered, "charts": [{id, width,
+    height, texts: [{text, kind, left, top, right, bottom}]}]}."""
+    page = tmp_path / "layout.html"
+    page.write_text(Path(html_path).read_text().replace("</body>", LAYOUT_SCRIPT + "</body>"))
+    dom = chromium(["--dump-dom", page.as_uri()], tmp_path / "profile-layout").stdout
+    return json.loads(html.unescape(re.search(r'<pre id="layout">(.*?)</pre>', dom, re.S).group(1)))
+
+
+def assert_chart_text_fits(chart: dict) -> None:
+    """Every text of a chart lies inside it, and no two overlap (a legend name cut or over a neighbour, a tick
+    label under the axis label)."""
+    texts = [t for t in chart["texts"] if t["text"].strip()]
+    for t in texts:
+        assert -0.5 <= t["left"] and t["right"] <= chart["width"] + 0.5, (chart["id"], t)
+        assert -0.5 <= t["top"] and t["bottom"] <= chart["height"] + 0.5, (chart["id"], t)
+    for i, a in enumerate(texts):
+        for b in texts[i + 1:]:
+            overlap_x = min(a["right"], b["right"]) - max(a["left"], b["left"])
+            overlap_y = min(a["bottom"], b["bottom"]) - max(a["top"], b["top"])
+            assert overlap_x <= 1 or overlap_y <= 3, (chart["id"], a, b)
+
+
 @pytest.mark.skipif(CHROMIUM is None, reason="needs Debian `chromium` (make system-deps installs it)")
 def test_charts_render_in_headless_chromium(run_root: Path, tmp_path: Path) -> None:
     url = Path(write_report(RunLayout.create(str(run_root), "rep"))).as_uri()
@@ -124,7 +185,8 @@ def test_charts_render_in_headless_chromium(run_root: Path, tmp_path: Path) -> N
     assert sorted(rendered) == sorted(CHART_IDS)
     for chart, value in rendered.items():
         width, height, marks = map(int, re.fullmatch(r"(\d+)x(\d+):(\d+)", value).groups())
-        assert width == 560 and height == 280 and marks > 0, (chart, value)
+        declared = re.search(rf'<svg[^>]*id="{chart}"[^>]*height="(\d+)"', dom).group(1)
+        assert width == 560 and height == int(declared) >= 280 and marks > 0, (chart, value)
     assert 'data-charts-rendered="9"' in dom
 
     image_module = pytest.importorskip("PIL.Image", reason="pillow (installed with vllm) reads the screenshot")
@@ -180,3 +242,23 @@ def test_evaluation_shows_each_datasets_recorded_bootstrap_intervals(tmp_path: P
         low, high = row["pass@1_ci"]
         cell = f"{row['pass@1']:.1%} <span class='meta'>[{low:.1%}, {high:.1%}]"
         assert f"<td>{row['dataset']}</td><td class='num'>{cell}" in html
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="needs Debian `chromium` (make system-deps installs it)")
+def test_rendered_report_says_the_run_failed_and_its_steps_were_skipped(tmp_path: Path) -> None:
+    """As a reader sees it in a browser: a run whose both train steps were skipped (no kept group) and that then
+    failed says so at the top, with the stage and the reason; its charts' text fits and nothing overlaps."""
+    layout = write_synthetic_run(str(tmp_path), SyntheticSpec(run_id="stuck", iterations=2, skipped_iterations=(0, 1),
+                                                              seed=5))
+    record_failure(layout, StageInstance("evaluate", 1), 1, "RuntimeError: CUDA out of memory")
+    page = rendered_layout(write_report(layout), tmp_path)
+    text = page["text"]
+    assert "Run failed: failed at evaluate iter=1 (exit code 1): RuntimeError: CUDA out of memory" in text
+    assert re.search(r"optimizer steps taken\s+0\s+skipped or not applied\s+2\s", text), text[:800]
+    assert "optimizer steps: 0 taken, 2 skipped (iterations 0, 1: no kept sample with a nonzero advantage)" in text
+    charts = {chart["id"]: chart for chart in page["charts"]}
+    assert [t["text"] for t in charts["chart-kl"]["texts"]][-1] == "no data yet"  # nothing was trained
+    for chart in charts.values():
+        assert_chart_text_fits(chart)
+    legend = [t["text"] for t in charts["chart-pass-at-k"]["texts"] if t["kind"] == "legend"]
+    assert legend == ["pass@1", "pass@4", "greedy accuracy"]

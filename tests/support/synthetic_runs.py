@@ -54,6 +54,7 @@ class SyntheticSpec:
     base_model_dir: str | None = None
     with_eval: bool = True
     with_checkpoints: bool = True
+    skipped_iterations: tuple[int, ...] = ()  # iterations whose train step was skipped (no kept group)
     extra_config: dict[str, Any] = field(default_factory=dict)
 
     def config(self, root: str) -> RunConfig:
@@ -354,6 +355,11 @@ class SyntheticRun:
             "padding_frac": rng.uniform(0.1, 0.3, steps), "sequences": np.full(steps, 16, dtype=np.int32),
             "seconds": rng.uniform(20, 40, steps),
         }
+        if iteration in self.spec.skipped_iterations:  # as stages/train.py's skipped_row: one row, no step taken
+            self.step -= steps
+            columns = {k: v[:1] for k, v in columns.items()} | {"skipped": [True], "grad_norm": [np.nan],
+                                                                  "approx_kl": [np.nan], "entropy": [np.nan]}
+            steps = 1
         return build_table("train_metrics", {k: pa.array(v) for k, v in columns.items()}, steps)
 
     def eval_table(self, iteration: int, policy_version: str) -> pa.Table:
