@@ -20,8 +20,10 @@ from flows.cli.inspect import main as inspect_main
 from reports.compare import build_comparison, write_comparison
 from reports.html import write_report
 from reports.svg import BOTTOM, HEIGHT, TOP
-from storage.layout import RunLayout
-from tests.reports.test_report import CHROMIUM, chromium
+from storage.failure import record_failure
+from storage.layout import RunLayout, StageInstance
+from storage.run import Run
+from tests.reports.test_report import CHROMIUM, assert_chart_text_fits, chromium, rendered_layout
 from tests.support.synthetic_runs import SyntheticSpec, write_synthetic_run
 
 SVG = "{http://www.w3.org/2000/svg}"
@@ -138,4 +140,24 @@ def test_comparison_renders_in_headless_chromium(root: Path, tmp_path: Path) -> 
                                        "chart-length", "chart-kl", "chart-stage-time"])
     for chart_id, value in rendered.items():
         width, height, marks = map(int, re.fullmatch(r"(\d+)x(\d+):(\d+)", value).groups())
-        assert (width, height) == (560, 280) and marks > 0, (chart_id, value)
+        declared = re.search(rf'<svg[^>]*id="{chart_id}"[^>]*height="(\d+)"', dom).group(1)
+        assert (width, height) == (560, int(declared)) and height >= 280 and marks > 0, (chart_id, value)
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="needs Debian `chromium` (make system-deps installs it)")
+def test_comparison_marks_a_run_that_failed_at_its_first_stage(tmp_path: Path) -> None:
+    """The issue's `rlpipe report A B C`: a run that failed at its first stage reads, as rendered, as failed, at
+    which stage and why, beside a run that finished (its steps counted); legends show every run's name whole."""
+    write_synthetic_run(str(tmp_path), SyntheticSpec(run_id="mine-360m", iterations=2, seed=3, skipped_iterations=(1,)))
+    failed = Run.start(SyntheticSpec(run_id="mine-360m-broken").config(str(tmp_path)), str(tmp_path)).layout
+    record_failure(failed, StageInstance("prompts"), 2, "data/train.jsonl row 3: field `prompt` is missing")
+    page = rendered_layout(write_comparison(str(tmp_path), ["mine-360m", "mine-360m-broken"]), tmp_path)
+    rows = {line.split("\t")[0]: line for line in page["text"].splitlines()
+            if "\t" in line and line.startswith("mine-360m")}  # the table's rows, one line each
+    assert "failed" not in rows["mine-360m"] and "2 taken, 1 skipped (iteration 1:" in rows["mine-360m"]
+    assert "failed at prompts (exit code 2): data/train.jsonl row 3: field `prompt` is missing" in page["text"]
+    for chart in page["charts"]:
+        assert_chart_text_fits(chart)
+    reward = next(chart for chart in page["charts"] if chart["id"] == "chart-reward")
+    assert [t["text"] for t in reward["texts"] if t["kind"] == "legend"] == [
+        "mine-360m", "mine-360m solve rate", "mine-360m-broken", "mine-360m-broken solve rate"]
