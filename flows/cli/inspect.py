@@ -20,6 +20,7 @@ from collections.abc import Callable
 from typing import Any
 
 from rich.console import Console, Group
+from rich.markup import escape
 from rich.panel import Panel
 from rich.syntax import Syntax
 from rich.table import Table
@@ -150,7 +151,36 @@ def sample_story(root: str, run_id: str, iteration: int, prompt: str, sample_idx
     if not rows:
         raise SampleNotFound(f"run {run_id} iteration {iteration} prompt {ids[0]} has no sample {sample_idx}"
                              + (f" in round {round_}" if round_ is not None else ""))
-    return rows
+    filter_metric = run_filter_metric(RunLayout.create(root, run_id))
+    return [row | {"filter_metric": filter_metric} for row in rows]
+
+
+def run_filter_metric(layout: RunLayout) -> str | None:
+    """What the run's group filters judged (advantage.filter_metric), or None when its config does not parse."""
+    from schemas.config import ConfigError
+    from storage.run import read_run_config
+
+    try:
+        return read_run_config(layout).advantage.filter_metric
+    except ConfigError:
+        return None
+
+
+# advantage.filter_metric's values, as `show` names them beside a dropped group
+FILTER_METRICS = {"acc": "correctness (acc: 1 when every test passed)", "seq_reward": "scored reward (seq_reward)",
+                  "reward": "shaped reward (reward)"}
+
+
+def drop_explanation(reason: str | None, filter_metric: str | None) -> str:
+    """Why a sample's group was left out of the loss, naming what the filter judged: the display's group std is
+    the shaped reward's, which can vary where correctness (the default filter metric) did not."""
+    judged = FILTER_METRICS.get(filter_metric or "", "advantage.filter_metric")
+    if reason == "zero_variance":
+        return f"dropped, zero_variance: every sample of the group had the same {judged}"
+    if reason == "success_rate_out_of_range":
+        return (f"dropped, success_rate_out_of_range: the group's mean {judged} is outside "
+                "advantage.min_group_mean..max_group_mean")
+    return f"dropped, {reason}"
 
 
 def _messages(text: str | None) -> Text:
@@ -214,8 +244,8 @@ def render_story(row: dict[str, Any]) -> Group:
     sha = (row.get("policy_version") or "")[:12]
     generated = f"{row.get('generated_by') or 'unknown checkpoint'} (sha {sha})"
     if row.get("trained_into"):
-        used = ("in the loss (kept)" if row.get("kept") else
-                f"[yellow]not in the loss: dropped, {row.get('drop_reason')}[/]")
+        dropped = drop_explanation(row.get("drop_reason"), row.get("filter_metric"))
+        used = "in the loss (kept)" if row.get("kept") else f"[yellow]not in the loss: {escape(dropped)}[/]"
         trained = f"{row['trained_into']} (sha {(row.get('trained_into_sha256') or '')[:12]}), {used}"
     else:
         trained = "[dim]not trained on yet (no checkpoint of this iteration names this batch as its input)[/]"
@@ -244,8 +274,9 @@ def render_story(row: dict[str, Any]) -> Group:
                             f"tests passed · status {row.get('status')} · sandbox {sandbox} s")
     if row.get("advantage") is not None:
         score.add_row("advantage", f"{format_cell(row.get('advantage'))} (shaped reward "
-                                   f"{format_cell(row.get('shaped_reward'))}; group of {row.get('group_size')}: mean "
-                                   f"{format_cell(row.get('group_mean'))}, std {format_cell(row.get('group_std'))})")
+                                   f"{format_cell(row.get('shaped_reward'))}; group of {row.get('group_size')}, its "
+                                   f"shaped rewards' mean {format_cell(row.get('group_mean'))}, std "
+                                   f"{format_cell(row.get('group_std'))})")
     else:
         score.add_row("advantage", "[dim]no batch row yet (advantage stage not run)[/]")
     code = row.get("code")

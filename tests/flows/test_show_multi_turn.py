@@ -1,13 +1,17 @@
 """`rlpipe show` renders a multi-turn rollout turn by turn: roles, each model turn's tokens and reward, the
-tool calls, errors and seconds; a single-turn row keeps its plain response panel."""
+tool calls, errors and seconds; a single-turn row keeps its plain response panel. A dropped group says what its
+filter judged, apart from the shaped reward whose std it shows."""
 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 from rich.console import Console
 
-from flows.cli.inspect import render_story
+from flows.cli.inspect import render_story, run_filter_metric
+from schemas.config import load_config
+from storage.run import Run
 
 BASE_ROW = {"run_id": "r", "iteration": 0, "round": 0, "prompt_id": "p1", "sample_idx": 0, "policy_version": "ab",
             "num_tokens": 30, "finish_reason": "max_turns", "seed": 1, "backend": "hf", "reward": 0.0,
@@ -15,8 +19,8 @@ BASE_ROW = {"run_id": "r", "iteration": 0, "round": 0, "prompt_id": "p1", "sampl
             "response_text": "WHOLE RESPONSE"}
 
 
-def rendered(row: dict) -> str:
-    console = Console(record=True, width=120)
+def rendered(row: dict, width: int = 120) -> str:
+    console = Console(record=True, width=width)
     console.print(render_story(row))
     return console.export_text()
 
@@ -42,3 +46,18 @@ def test_tool_outputs_and_a_single_turn_row() -> None:
     assert "1 tool calls, 1 errors, 0.25 s in the tool" in text
     assert text.index("assistant, turn 1 (9 tokens)") < text.index("tool output:") < text.index("assistant, turn 2")
     assert "WHOLE RESPONSE" in rendered({**BASE_ROW, "conversation": None})
+
+
+def test_a_dropped_group_says_what_its_filter_judged(tmp_path: Path) -> None:
+    """The issue's case: "dropped, zero_variance" beside a group whose shaped rewards have std 0.05: the filter
+    judged correctness (acc), which was the same for every sample; the std shown is the shaped reward's."""
+    row = {**BASE_ROW, "trained_into": "iter=0000", "kept": False, "drop_reason": "zero_variance", "advantage": 0.0,
+           "shaped_reward": 0.9, "group_size": 4, "group_mean": 0.85, "group_std": 0.05}
+    text = rendered({**row, "filter_metric": "acc"}, width=300)
+    assert ("not in the loss: dropped, zero_variance: every sample of the group had the same correctness (acc: 1 "
+            "when every test passed)") in text
+    assert "group of 4, its shaped rewards' mean 0.85, std 0.05" in text
+    text = rendered({**row, "filter_metric": "reward", "drop_reason": "success_rate_out_of_range"}, width=300)
+    assert "success_rate_out_of_range: the group's mean shaped reward (reward) is outside" in text
+    layout = Run.start(load_config(None, ["run_id=f", "advantage.filter_metric=seq_reward"]), str(tmp_path)).layout
+    assert run_filter_metric(layout) == "seq_reward"
