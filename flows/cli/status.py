@@ -1,7 +1,8 @@
 """`rlpipe status RUN`: a table of iteration × stage with done/missing, rows and seconds.
 
 Extra dynamic-sampling rounds of an iteration (generate and score, `iter=k/round=RR/`) get a row of their
-own under it, `k.r`, for every round that left any output, finished or not.
+own under it, `k.r`, for every round that left any output, finished or not. A stage instance the run's failure
+record names reads "failed (exit code N)", and a last line gives the stage and the reason (storage/failure.py).
 """
 
 from __future__ import annotations
@@ -11,19 +12,24 @@ import itertools
 from rich.console import Group
 from rich.markup import escape
 from rich.table import Table
+from rich.text import Text
 
 from schemas.tables import BASELINE_SAMPLE_IDX, TABLES
 from stages.evaluation.metrics import clusters_of, paired_gains
 from stages.registry import ITERATION_STAGES, RUN_STAGES, STAGES, instance, is_scheduled, iteration_stages, stage_state
+from storage.failure import StageFailure, read_failure
 from storage.layout import BASE
 from storage.run import Run
 from storage.tables import read_table
 
 
-def _cell(run: Run, stage: str, iteration: int, round_idx: int = 0) -> str:
+def _cell(run: Run, stage: str, iteration: int, round_idx: int = 0, failure: StageFailure | None = None) -> str:
     if iteration != BASE and not is_scheduled(run.config, stage, iteration):
         return "[dim]not scheduled[/]"
-    state = stage_state(run, instance(stage, iteration, round_idx))
+    target = instance(stage, iteration, round_idx)
+    state = stage_state(run, target)
+    if not state.done and failure is not None and failure.label == target.label:
+        return f"[red]failed (exit code {failure.exit_code})[/]"
     if not state.done:
         return f"[yellow]{state.reason}[/]"
     main = state.manifests[-1]
@@ -35,20 +41,22 @@ def status_table(run: Run) -> Group:
     run_table = Table(title=f"run {run.run_id} ({run.layout.run_dir})")
     for stage in RUN_STAGES:
         run_table.add_column(stage)
-    run_table.add_row(*[_cell(run, stage, BASE) for stage in RUN_STAGES])
+    failure = read_failure(run.layout)
+    run_table.add_row(*[_cell(run, stage, BASE, failure=failure) for stage in RUN_STAGES])
     table = Table()
     table.add_column("iteration")
     for stage in ITERATION_STAGES:
         table.add_column(stage)
     for k in range(run.config.iterations):
-        table.add_row(str(k), *[_cell(run, stage, k) for stage in ITERATION_STAGES])
+        table.add_row(str(k), *[_cell(run, stage, k, failure=failure) for stage in ITERATION_STAGES])
         for r in extra_rounds(run, k):
-            table.add_row(f"{k}.{r}", *[_cell(run, s, k, r) if STAGES[s].per_round else ""
+            table.add_row(f"{k}.{r}", *[_cell(run, s, k, r, failure) if STAGES[s].per_round else ""
                                          for s in ITERATION_STAGES])
     devices = device_table(run)
     functions = reward_function_table(run)
+    failed = [Text(f"✗ {failure.describe()}", style="red")] if failure else []  # the run's failure record
     return Group(run_table, table, *([devices] if devices.row_count else []), training_table(run),
-                 *([functions] if functions.row_count else []), held_out_table(run))
+                 *([functions] if functions.row_count else []), held_out_table(run), *failed)
 
 
 MODEL_STAGES = ("generate", "train", "evaluate")

@@ -9,6 +9,8 @@ from rich.console import Console
 
 from flows.cli.status import stage_states, status_table
 from schemas.config import load_config
+from storage.failure import record_failure
+from storage.layout import StageInstance
 from storage.run import Run
 from tests.support.stages import start_run
 
@@ -25,6 +27,19 @@ def test_unscheduled_evaluations_read_not_scheduled(tmp_path: Path) -> None:
     assert rows["2"].split("│")[-2].strip() == "missing"  # the last iteration is always evaluated
     states = stage_states(Run(layout, config))
     assert ("evaluate", 0) not in states and ("evaluate", 1) in states and ("train", 0) in states
+
+
+def test_the_failed_stage_reads_failed_with_its_reason(tmp_path: Path) -> None:
+    config = load_config(None, ["run_id=t", "iterations=2"])
+    layout = start_run(config, str(tmp_path))
+    record_failure(layout, StageInstance("generate", 1), 1, "RuntimeError: CUDA out of memory")
+    console = Console(width=250, record=True)
+    console.print(status_table(Run(layout, config)))
+    text = console.export_text()
+    rows = {line.split("│")[1].strip(): line.split("│")[2:-1] for line in text.splitlines()
+            if line.count("│") > 5 and line.split("│")[1].strip() in {"0", "1"}}
+    assert rows["1"][0].strip() == "failed (exit code 1)" and rows["0"][0].strip() == "missing"
+    assert "✗ failed at generate iter=1 (exit code 1): RuntimeError: CUDA out of memory" in text
 
 
 def _eval_rows(dataset: str, solved: dict[str, int], samples: int = 4) -> list[dict]:

@@ -9,8 +9,11 @@ import pytest
 
 from flows.runner.process import pending_stages
 from schemas.config import load_config
+from schemas.errors import InputError
 from stages.harness import StageContext
+from stages.harness import main as stage_main
 from stages.registry import ITERATION_STAGES, STAGES, instance, is_scheduled, iteration_stages, stage_state
+from storage.failure import read_failure
 from storage.layout import BASE, RunLayout
 from storage.run import Run
 from tests.support.stages import run_stage_at, start_run
@@ -77,6 +80,56 @@ def test_stage_that_forgets_an_output_fails(layout: RunLayout) -> None:
     with pytest.raises(RuntimeError, match="expected"):
         run_stage_at("prompts", layout, BASE, lambda ctx: None)
     assert state(layout) == "missing"
+
+
+def test_a_failed_stage_leaves_the_runs_failure_record_until_it_succeeds(layout: RunLayout) -> None:
+    """Bad input (exit 2) and a crash (its exception re-raised, as before) are recorded with the stage and a
+    one-line reason; the stage's next success removes the record."""
+    argv = ["--run", "t", "--root", layout.root]
+
+    def bad_input(ctx: StageContext) -> None:
+        raise InputError("data/train.jsonl row 3: field `prompt` is missing")
+
+    def crash(ctx: StageContext) -> None:
+        raise RuntimeError("CUDA out of memory\n(traceback text)")
+
+    assert stage_main("prompts", bad_input, argv) == 2
+    failure = read_failure(layout)
+    assert (failure.label, failure.exit_code, failure.reason) == (
+        "prompts", 2, "data/train.jsonl row 3: field `prompt` is missing")
+    with pytest.raises(RuntimeError):
+        stage_main("prompts", crash, argv)
+    failure = read_failure(layout)
+    assert (failure.exit_code, failure.reason) == (1, "RuntimeError: CUDA out of memory (traceback text)")
+    assert stage_main("prompts", write_prompts, argv) == 0 and read_failure(layout) is None
+
+
+def test_a_stage_killed_before_it_could_say_why_is_recorded_by_the_driver(
+    layout: RunLayout, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A stage ended by a signal (the kernel's OOM killer) writes no record; the driver records the signal. A
+    record the stage wrote itself in this attempt is kept, and a lease held elsewhere (exit 3) is no failure."""
+    from flows.runner import forkserver, process
+
+    run = Run.open(layout.root, "t")
+    target = instance("prompts", BASE)
+    monkeypatch.setattr(forkserver, "run", lambda command, env: -9)
+    with pytest.raises(process.StageFailed):
+        process.run_stage_process(run, target)
+    failure = read_failure(layout)
+    assert (failure.label, failure.exit_code, failure.reason) == ("prompts", -9, "ended by signal SIGKILL")
+
+    def fails_saying_why(command: list[str], env: dict[str, str]) -> int:
+        return stage_main("prompts", lambda ctx: (_ for _ in ()).throw(InputError("bad row 3")), command[3:])
+
+    monkeypatch.setattr(forkserver, "run", fails_saying_why)
+    with pytest.raises(process.StageFailed):
+        process.run_stage_process(run, target)
+    assert read_failure(layout).reason == "bad row 3"
+    monkeypatch.setattr(forkserver, "run", lambda command, env: 3)
+    with pytest.raises(process.StageFailed):
+        process.run_stage_process(run, target)
+    assert read_failure(layout).reason == "bad row 3"
 
 
 def test_downstream_needs_upstream(layout: RunLayout) -> None:
