@@ -70,7 +70,7 @@ def _drive(run: Run) -> int:
         return 3
     except StageFailed as error:
         console.print(f"[red]{error}[/]; fix it and run `rlpipe resume {run.run_id}` to go on from there")
-        return 1
+        return 2 if error.returncode == 2 else 1  # a stage's bad input is the run's bad input
     console.print(status_table(run))
     return 0
 

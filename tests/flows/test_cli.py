@@ -74,3 +74,22 @@ def test_stage_command_uses_the_default_root_like_run_and_status(tmp_path: Path)
                             cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     assert (tmp_path / "rlpipe-data" / "runs" / "here" / "prompts.parquet.manifest.json").exists()
+
+
+@pytest.mark.parametrize(("stage_exit", "run_exit"), [(2, 2), (1, 1), (-9, 1)])
+def test_run_exits_2_when_a_stage_refused_its_input(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                    stage_exit: int, run_exit: int) -> None:
+    """A stage that failed on bad input (its exit code 2) makes `rlpipe run` exit 2 too; other failures 1."""
+    import flows.pipeline
+    from flows.cli.commands import _drive
+    from flows.runner.process import StageFailed
+    from schemas.config import load_config
+    from storage.layout import StageInstance
+    from storage.run import Run
+
+    def loop_flow(root: str, run_id: str) -> None:
+        raise StageFailed(StageInstance("score", 0), stage_exit)
+
+    monkeypatch.setenv("RLPIPE_DISPATCH", "deployments")  # no stage server: the flow is replaced
+    monkeypatch.setattr(flows.pipeline, "loop_flow", loop_flow)
+    assert _drive(Run.start(load_config(None, ["run_id=t"]), str(tmp_path))) == run_exit
