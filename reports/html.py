@@ -415,7 +415,7 @@ def _summary(data: ReportData) -> str:
         taken, skipped, not_applied = optimizer_steps(data.train)
         parts.append(f"<span class='kpi'>optimizer steps taken<b>{taken}</b></span>")
         parts.append(f"<span class='kpi'>skipped or not applied<b>{len(skipped) + not_applied}</b></span>")
-    status = "<p class='failed'>" + escape(f"Run failed: {data.failure.describe()}") + "</p>" if data.failure else ""
+    status = "<p class='failed'>" + escape(f"Run {data.failure.describe()}") + "</p>" if data.failure else ""
     steps = f"<p class='meta'>optimizer steps: {escape(describe_steps(data.train))}</p>" if data.train else ""
     return status + "<div>" + "".join(parts) + "</div>" + steps
 

@@ -253,7 +253,7 @@ def test_rendered_report_says_the_run_failed_and_its_steps_were_skipped(tmp_path
     record_failure(layout, StageInstance("evaluate", 1), 1, "RuntimeError: CUDA out of memory")
     page = rendered_layout(write_report(layout), tmp_path)
     text = page["text"]
-    assert "Run failed: failed at evaluate iter=1 (exit code 1): RuntimeError: CUDA out of memory" in text
+    assert "Run failed at evaluate iter=1 (exit code 1): RuntimeError: CUDA out of memory" in text
     assert re.search(r"optimizer steps taken\s+0\s+skipped or not applied\s+2\s", text), text[:800]
     assert "optimizer steps: 0 taken, 2 skipped (iterations 0, 1: no kept sample with a nonzero advantage)" in text
     charts = {chart["id"]: chart for chart in page["charts"]}
