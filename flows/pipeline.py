@@ -18,6 +18,7 @@ import contextlib
 import os
 import tempfile
 import time
+from collections.abc import Iterator
 from typing import Any
 
 from flows.prefect_env import configure_prefect
@@ -29,7 +30,7 @@ from prefect.cache_policies import NO_CACHE  # noqa: E402
 from prefect.runtime import flow_run as current_flow_run  # noqa: E402
 from prefect.states import Completed, State  # noqa: E402
 
-from flows.artifacts import publish_iteration_artifacts  # noqa: E402
+from flows.artifacts import publish_iteration_artifacts, report_link  # noqa: E402
 from flows.runner.forkserver import stage_server  # noqa: E402
 from flows.runner.generation_server import generation_server  # noqa: E402
 from flows.runner.overlap import drive, overlap_plan  # noqa: E402
@@ -165,6 +166,17 @@ def _run_overlapped(run: Run, count: int, mode: str) -> list[StageOutcome]:
                  iteration_done=lambda k: _finish_iteration(run, k))
 
 
+@contextlib.contextmanager
+def report_on_failure(run: Run) -> Iterator[None]:
+    """When a stage fails, rewrite the run's report before the failure goes on up, so that it opens with where the
+    run stopped and why (its failure record, storage/failure.py), not with the last finished iteration."""
+    try:
+        yield
+    except StageFailed:
+        report_link(run)  # never raises: a report that cannot be written is only logged, and here not even that
+        raise
+
+
 def _local_stage_server(run: Run, mode: str) -> contextlib.AbstractContextManager:
     """Stages run here fork from one warm server (flows/runner/forkserver.py) while a flow runs several of
     them; a stage dispatched to a worker runs in that worker's own flow-run process instead."""
@@ -187,7 +199,7 @@ def iteration_flow(
     try:
         with run_lock(layout):
             run = Run.at(layout)  # read once, by the run's one driver
-            with _local_stage_server(run, mode):
+            with _local_stage_server(run, mode), report_on_failure(run):
                 return _run_iteration(run, iteration, mode)
     except RunLocked as error:
         if iteration is not None:
@@ -220,7 +232,7 @@ def loop_flow(
             raise ConfigError(f"run {run.run_id} has {run.config.iterations} iterations; raise it with "
                               f"`rlpipe resume {run.run_id} --set iterations={count}`")
         # The run's warm generation engine, if a stage started one, ends with the run (generation_server.py).
-        with _local_stage_server(run, mode), generation_server(run):
+        with _local_stage_server(run, mode), generation_server(run), report_on_failure(run):
             outcomes = [stage_task(run, instance(stage), mode) for stage in RUN_STAGES]
             # Iterations run inline, their stages as tasks of this flow run (named `generate iter=3`): a
             # subflow per iteration costs ~1.3 s of Prefect bookkeeping each (most of it joining its

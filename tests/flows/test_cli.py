@@ -93,3 +93,22 @@ def test_run_exits_2_when_a_stage_refused_its_input(tmp_path: Path, monkeypatch:
     monkeypatch.setenv("RLPIPE_DISPATCH", "deployments")  # no stage server: the flow is replaced
     monkeypatch.setattr(flows.pipeline, "loop_flow", loop_flow)
     assert _drive(Run.start(load_config(None, ["run_id=t"]), str(tmp_path))) == run_exit
+
+
+def test_a_failed_stage_rewrites_the_report_to_say_so(tmp_path: Path) -> None:
+    """The run's report, last written after its last finished iteration, is rewritten when a stage fails: it
+    opens with the stage and the reason."""
+    from flows.pipeline import report_on_failure
+    from flows.runner.process import StageFailed
+    from storage.failure import record_failure
+    from storage.layout import StageInstance
+    from storage.run import Run
+    from tests.support.synthetic_runs import SyntheticSpec, write_synthetic_run
+
+    layout = write_synthetic_run(str(tmp_path), SyntheticSpec(run_id="s", iterations=1))
+    target = StageInstance("train", 0)
+    record_failure(layout, target, 1, "RuntimeError: CUDA out of memory")
+    with pytest.raises(StageFailed), report_on_failure(Run.at(layout)):
+        raise StageFailed(target, 1)
+    report = (tmp_path / "runs/s/report.html").read_text()
+    assert "Run failed at train iter=0 (exit code 1): RuntimeError: CUDA out of memory" in report
