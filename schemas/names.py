@@ -28,9 +28,7 @@ NAMES: tuple[Name, ...] = (
          "an rlpipe iteration is one generate-score-train round, which may take several optimizer steps"),
     Name("run_id", "run_name", "trainer.experiment_name"),
     Name("seed", "seed", "data.seed"),
-    Name("generate.n_samples", "num_generations", "actor_rollout_ref.rollout.n",
-         "1 is refused for an estimator that compares a group's samples, as TRL's GRPOTrainer refuses "
-         "num_generations < 2; gae, remax, reinforce_pp and turn_gae train with 1 (verl's default rollout.n is 1)"),
+    Name("generate.n_samples", "num_generations", "actor_rollout_ref.rollout.n"),
     Name("generate.prompts_per_iteration", "", "data.train_batch_size",
          "TRL's batch is per_device_train_batch_size x devices x steps_per_generation completions, not prompts"),
     Name("generate.temperature", "temperature", "actor_rollout_ref.rollout.temperature"),
@@ -48,9 +46,8 @@ NAMES: tuple[Name, ...] = (
          "rlpipe names the estimator (grpo, dr_grpo, rloo, ...); TRL's dr_grpo is scale_rewards=false"),
     Name("advantage.drop_zero_variance_groups", "", "algorithm.filter_groups.enable",
          "defaults: rlpipe null, as the estimator needs (on for the outcome estimators that compare a group's "
-         "samples, off for gae, turn_gae, remax, reinforce_pp and turn_rloo); verl false for every estimator (DAPO's "
-         "recipe sets it true); TRL's GRPOTrainer has no filter: it trains every group, an all-equal one with "
-         "advantage 0 (logged as frac_reward_zero_std)"),
+         "samples, off for gae, turn_gae, remax, reinforce_pp, turn_rloo); verl false (DAPO's recipe: true); TRL has "
+         "no filter and trains every group, an all-equal one with advantage 0"),
     Name("advantage.max_generation_rounds", "", "algorithm.filter_groups.max_num_gen_batches"),
     Name("advantage.filter_metric", "", "algorithm.filter_groups.metric",
          "acc, seq_reward; rlpipe's reward is the shaped reward (verl's seq_final_reward, near enough)"),

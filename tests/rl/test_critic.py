@@ -84,10 +84,12 @@ def gae_sample(prompt: str, idx: int, reward: float, tokens: int, kl: list[float
 def test_gae_batch_by_hand():
     # group [1, 0] with 2 and 1 response tokens, no critic yet (V = 0), gamma = lambda = 1: A = [1, 1], [0];
     # whitened over the 3 tokens: mean 2/3, Bessel variance (2 * 1/9 + 4/9) / 2 = 1/3 -> (A - 2/3) / sqrt(1/3)
-    # = [0.57735, 0.57735], [-1.154701]; a sample's advantage is its tokens' mean. A dropped group gets nulls.
+    # = [0.57735, 0.57735], [-1.154701]; a sample's advantage is its tokens' mean. A dropped group gets nulls (the
+    # zero-variance filter, off by default for gae, turned on to drop the all-equal group b).
     samples = [gae_sample("a", 0, 1.0, 2), gae_sample("a", 1, 0.0, 1), gae_sample("b", 0, 1.0, 3),
                gae_sample("b", 1, 1.0, 1)]
-    batch, _ = build_batch(pa.Table.from_pylist(samples), AdvantageConfig(estimator="gae"), 96)
+    cfg = AdvantageConfig(estimator="gae", drop_zero_variance_groups=True)
+    batch, _ = build_batch(pa.Table.from_pylist(samples), cfg, 96)
     rows = {(r["prompt_id"], r["sample_idx"]): r for r in conform(batch, BATCH, "batch").to_pylist()}
     np.testing.assert_allclose(rows[("a", 0)]["token_advantages"], [0.57735, 0.57735], rtol=1e-5)
     np.testing.assert_allclose(rows[("a", 1)]["token_advantages"], [-1.154701], rtol=1e-5)
