@@ -192,7 +192,11 @@ class GenerateConfig(Section):
     prompts_per_iteration: int = Field(
         4, ge=1, description="Training prompts per iteration (and per extra dynamic-sampling round); small for a CPU."
     )
-    n_samples: int = Field(4, ge=1, description="Samples per prompt: the group size the advantage is computed over.")
+    n_samples: int = Field(
+        4, ge=1, description="Samples per prompt: the group size the advantage is computed over. 1 suits the "
+        "estimators that compare no samples within a group (gae, remax, reinforce_pp, turn_gae); the others refuse "
+        "it unless a sample alone trains on its raw reward (`advantage.singleton_advantage: reward`, filter off)."
+    )
     temperature: float = Field(1.0, ge=0.0, description="Sampling temperature (1.0: the policy's own distribution).")
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling: keep the smallest token set of this "
                          "probability mass (1.0: off).")
