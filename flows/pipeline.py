@@ -47,6 +47,7 @@ from flows.trackers import log_iterations  # noqa: E402
 from schemas import settings  # noqa: E402
 from schemas.config import ConfigError, load_config, parse_config  # noqa: E402
 from stages.registry import RUN_STAGES, instance, is_done_now, iteration_stages  # noqa: E402
+from stages.rl.advantages import check_estimator_fits  # noqa: E402
 from storage.fs import filesystem, is_remote  # noqa: E402
 from storage.layout import BASE, RunLayout, StageInstance, iteration_name  # noqa: E402
 from storage.lock import RunLocked, run_lock  # noqa: E402
@@ -107,7 +108,9 @@ def start_from_config(config_path: str, root: str | None, run_id: str | None, it
         config = load_config(config_path)
     overrides = {"run_id": run_id, "iterations": iterations}
     values = config.model_dump(mode="json") | {k: v for k, v in overrides.items() if v is not None}
-    return Run.start(parse_config(values, config_path), root)
+    config = parse_config(values, config_path)
+    check_estimator_fits(config)  # what the config's own validators cannot ask (stages/rl/advantages.py)
+    return Run.start(config, root)
 
 
 def _run_name(kind: str) -> str:

@@ -192,7 +192,11 @@ class GenerateConfig(Section):
     prompts_per_iteration: int = Field(
         4, ge=1, description="Training prompts per iteration (and per extra dynamic-sampling round); small for a CPU."
     )
-    n_samples: int = Field(4, ge=1, description="Samples per prompt: the group size the advantage is computed over.")
+    n_samples: int = Field(
+        4, ge=1, description="Samples per prompt: the group size the advantage is computed over. 1 suits the "
+        "estimators that compare no samples within a group (gae, remax, reinforce_pp, turn_gae); the others refuse "
+        "it unless a sample alone trains on its raw reward (`advantage.singleton_advantage: reward`, filter off)."
+    )
     temperature: float = Field(1.0, ge=0.0, description="Sampling temperature (1.0: the policy's own distribution).")
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling: keep the smallest token set of this "
                          "probability mass (1.0: off).")
@@ -483,9 +487,13 @@ class AdvantageConfig(Section):
         "sample", description="reinforce_pp_baseline whitens over samples, or over response tokens as verl does "
         "(a sample weighted by its length, Bessel-corrected variance)."
     )
-    drop_zero_variance_groups: bool = Field(
-        True, description="DAPO dynamic sampling: drop groups whose `filter_metric` values are all equal (no "
-        "signal)."
+    drop_zero_variance_groups: bool | None = Field(
+        None, description="DAPO dynamic sampling: drop groups whose `filter_metric` values are all equal (no "
+        "signal for an estimator that compares a group's samples). null: as the estimator needs, on for the outcome "
+        "estimators that compare a group's samples (grpo, rloo, ...: an all-equal group gets advantage 0), off for "
+        "the others (gae, turn_gae, remax, reinforce_pp, whose all-equal groups still carry a signal, and "
+        "turn_rloo, whose signal can be in turn rewards). For an estimator without a group a one-sample group is "
+        "never zero variance. Table: docs/algorithms.md."
     )
     filter_metric: Literal["acc", "seq_reward", "reward"] = Field(
         "acc", description="What the group filters (zero variance, min/max_group_mean) and dynamic sampling's "
@@ -527,16 +535,6 @@ class AdvantageConfig(Section):
     def round_cap(self) -> int | None:
         """The most generation rounds of an iteration; None when unlimited (`max_generation_rounds: 0`)."""
         return self.max_generation_rounds or None
-
-    @property
-    def uses_critic(self) -> bool:
-        """Whether the estimator needs the critic: its values in the advantage stage, its update in train."""
-        return self.estimator in ("gae", "turn_gae")
-
-    @property
-    def greedy_baseline(self) -> bool:
-        """Whether each generation group has one more rollout, greedy, as its baseline (`remax`): sample_idx -1."""
-        return self.estimator == "remax"
 
 
 def _positive(text: str, rule: str, spec: str) -> float:
@@ -866,26 +864,6 @@ class RunConfig(Section):
         if not DEVICE_PATTERN.match(device):
             raise ValueError("must be auto, cpu, cuda or cuda:N (N: a GPU index, e.g. cuda:1)")
         return device
-
-    @model_validator(mode="after")
-    def _critic_needs_the_torch_backend(self) -> RunConfig:
-        if self.advantage.uses_critic and self.train.backend != "torch":
-            raise ValueError(
-                f"advantage.estimator={self.advantage.estimator} trains a critic, which the torch backend does "
-                "(train.backend=torch); the "
-                f"DeepSpeed backend (train.backend={self.train.backend}) has no critic yet"
-            )
-        return self
-
-    @model_validator(mode="after")
-    def _remax_is_single_turn(self) -> RunConfig:
-        if self.advantage.greedy_baseline and self.generate.multi_turn.mode != "off":
-            raise ValueError(
-                "advantage.estimator=remax takes its baseline from one greedy response per prompt, which the "
-                f"generate stage makes for single-turn rollouts only (generate.multi_turn.mode="
-                f"{self.generate.multi_turn.mode}); use turn_rloo or grpo for multi-turn"
-            )
-        return self
 
     @model_validator(mode="after")
     def _truncated_sampling_needs_on_policy_training(self) -> RunConfig:

@@ -181,15 +181,17 @@ def derived_columns(table_name: str, config: RunConfig) -> list[str]:
     return ["_schema_mismatch", *(["_out_of_range"] if folded else []), *DERIVED.get(table_name, ())]
 
 
-def checks_for(table_name: str, config: RunConfig) -> list[Check]:
-    """The suite of table `table_name` under `config`, as data (no GX needed to list it)."""
+def checks_for(table_name: str, config: RunConfig, greedy_baselines: bool = False) -> list[Check]:
+    """The suite of table `table_name` under `config`, as data (no GX needed to list it). `greedy_baselines`:
+    the estimator adds one greedy rollout per generation group (remax; the stage harness asks
+    stages/rl/advantages.ESTIMATORS, which this module, below the libraries, cannot import)."""
     spec = TABLES[table_name]
     names = set(spec.schema.names)
     derived = derived_columns(table_name, config)
     gen, score, ev = config.generate, config.score, config.evaluate
     # remax: each (round, prompt) group of rollouts and scores has one more row, its greedy baseline (sample_idx
     # -1); with the key unique, n_samples + 1 rows within -1..n_samples-1 means exactly one of them per group.
-    baselines = int(config.advantage.greedy_baseline)
+    baselines = int(greedy_baselines)
     group_rows = gen.n_samples + baselines
     group_rule = (f"every (round, prompt) group has n_samples = {gen.n_samples} rows" if not baselines else
                   f"every (round, prompt) group has n_samples = {gen.n_samples} rows and 1 greedy baseline (remax)")
@@ -594,13 +596,13 @@ def _page_view() -> Any:
     return _GX["page_view"]
 
 
-def suite_for(table_name: str, config: RunConfig) -> Any:
+def suite_for(table_name: str, config: RunConfig, greedy_baselines: bool = False) -> Any:
     """The GX ExpectationSuite of a table (named `<table>/v<version>`), built from `checks_for`."""
     _context()
     gx, gxe = _GX["gx"], _GX["gxe"]
     expectations = [
         getattr(gxe, check.expectation)(**check.kwargs, meta={"rule": check.rule, "check": number})
-        for number, check in enumerate(checks_for(table_name, config))
+        for number, check in enumerate(checks_for(table_name, config, greedy_baselines))
     ]
     # All at once: `add_expectation` on a suite whose name the context already holds saves the whole suite
     # to the context's store at every addition.
@@ -676,16 +678,19 @@ def _sample_rows(
     return rows
 
 
-def validate_table(table_name: str, table: pa.Table, config: RunConfig) -> ContractResult:
-    """Run the table's GX suite over `table`; never raises for bad data (see ContractResult.success)."""
+def validate_table(
+    table_name: str, table: pa.Table, config: RunConfig, greedy_baselines: bool = False
+) -> ContractResult:
+    """Run the table's GX suite over `table` (`greedy_baselines`: as checks_for); never raises for bad data (see
+    ContractResult.success)."""
     if table_name not in TABLES:
         raise KeyError(f"no contract for table {table_name!r}; tables are {', '.join(TABLES)}")
     started = time.perf_counter()
     context = _context()
     spec = TABLES[table_name]
-    checks = checks_for(table_name, config)
+    checks = checks_for(table_name, config, greedy_baselines)
     frame = to_frame(table_name, table, config)
-    suite = suite_for(table_name, config)
+    suite = suite_for(table_name, config, greedy_baselines)
     # An ephemeral context keeps suites by name: replace the previous one of this table (config may differ).
     try:
         context.suites.delete(suite.name)

@@ -46,7 +46,10 @@ NAMES: tuple[Name, ...] = (
          "a list of {fn, weight}; fn takes either peer's signature"),
     Name("advantage.estimator", "scale_rewards / loss_type", "algorithm.adv_estimator",
          "rlpipe names the estimator (grpo, dr_grpo, rloo, ...); TRL's dr_grpo is scale_rewards=false"),
-    Name("advantage.drop_zero_variance_groups", "", "algorithm.filter_groups.enable"),
+    Name("advantage.drop_zero_variance_groups", "", "algorithm.filter_groups.enable",
+         "defaults: rlpipe null, as the estimator needs (on for the outcome estimators that compare a group's "
+         "samples, off for gae, turn_gae, remax, reinforce_pp, turn_rloo); verl false (DAPO's recipe: true); TRL has "
+         "no filter and trains every group, an all-equal one with advantage 0"),
     Name("advantage.max_generation_rounds", "", "algorithm.filter_groups.max_num_gen_batches"),
     Name("advantage.filter_metric", "", "algorithm.filter_groups.metric",
          "acc, seq_reward; rlpipe's reward is the shaped reward (verl's seq_final_reward, near enough)"),

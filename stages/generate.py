@@ -50,6 +50,7 @@ from stages.generation.models import load_tokenizer
 from stages.generation.sampling import GenerationResult, encode_prompts, generate_with_progress
 from stages.harness import StageContext, exit_with
 from stages.registry import policy_step
+from stages.rl.advantages import ESTIMATORS
 from stages.sandbox import Sandbox, rewards
 from stages.sandbox.rewards import RewardInput
 
@@ -137,7 +138,7 @@ def run(ctx: StageContext) -> None:
             keys.append((prompt_id, sample_idx, seed))
     # remax: one greedy rollout per prompt (sample_idx -1), the group's baseline; scored, never trained on
     baseline_requests, baseline_keys = [], []
-    if ctx.config.advantage.greedy_baseline:
+    if ESTIMATORS[ctx.config.advantage.estimator].needs_greedy_baseline:
         for prompt_id, token_ids in zip(encoded.prompt_ids, encoded.token_ids, strict=True):
             seed = sample_seed(ctx.config.seed, ctx.iteration, prompt_id, BASELINE_SAMPLE_IDX, round_idx)
             baseline_requests.append(GenerationRequest(token_ids, seed))

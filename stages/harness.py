@@ -53,6 +53,7 @@ from stages.registry import (
     outputs_of,
     resolve_inputs,
 )
+from stages.rl.advantages import ESTIMATORS, check_estimator_fits
 from storage.checkpoints import checkpoint_digest, fetch_checkpoint, publish_checkpoint
 from storage.failure import clear_failure, record_failure
 from storage.fs import atomic_write_bytes, describe_os_error, is_remote, temporary_prefix
@@ -219,7 +220,8 @@ class StageContext:
         path = output.path(self.layout)
         with self.harness_time("validate"):
             table = conform(table, spec, path)
-            contract = validate_table(name, table, self.config)
+            greedy_baselines = ESTIMATORS[self.config.advantage.estimator].needs_greedy_baseline
+            contract = validate_table(name, table, self.config, greedy_baselines)
             self.claim_outputs()
             atomic_write_bytes(self.fs, validation_path(path), contract.to_json())
             if (html := contract.to_html()) is not None:
@@ -325,8 +327,9 @@ def remove_stale_temporaries(ctx: StageContext) -> list[str]:
 
 
 def prepare_context(run: Run, target: StageInstance) -> StageContext:
-    """Check the instance against the run's config and resolve its inputs, once; raises ConfigError or
-    MissingInput."""
+    """Check the instance against the run's config (and the config's estimator against the rest of it, as the CLI
+    does where it loads a config) and resolve its inputs, once; raises ConfigError or MissingInput."""
+    check_estimator_fits(run.config)
     if not STAGES[target.stage].run_level and not 0 <= target.iteration < run.config.iterations:
         raise ConfigError(
             f"iteration {target.iteration} is outside 0..{run.config.iterations - 1} for run {run.run_id}"

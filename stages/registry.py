@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from schemas.config import RunConfig
+from stages.rl.advantages import ESTIMATORS
 from storage.layout import BASE, RunLayout, StageInstance, manifest_path_for, round_name
 from storage.manifest import Manifest, output_damage, output_intact, read_manifest, stage_key
 from storage.run import Run
@@ -126,7 +127,7 @@ def advantage_model_inputs(config: RunConfig, iteration: int) -> dict[str, Outpu
     advantage = config.advantage
     inputs: dict[str, Output] = {}
     sampler = sampler_output(config, iteration)
-    if advantage.uses_critic and sampler.iteration != BASE:  # the critic's values
+    if ESTIMATORS[advantage.estimator].needs_critic and sampler.iteration != BASE:  # the critic's values
         inputs["policy"] = sampler
     if advantage.use_kl_in_reward:
         inputs["reference"] = Output("checkpoint", BASE)

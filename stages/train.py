@@ -33,7 +33,7 @@ from schemas.errors import InputError
 from schemas.tables import ROLLOUT_KEY
 from stages.generation.device import claim_device, device_record, release_memory, resolve_dtype
 from stages.harness import StageContext, exit_with
-from stages.rl.advantages import TOKEN_COLUMNS
+from stages.rl.advantages import ESTIMATORS, TOKEN_COLUMNS
 from stages.rl.checkpoint import TrainerState, copy_policy, read_state
 from stages.rl.critic import copy_value_model
 from stages.rl.filters import is_skip_step
@@ -229,7 +229,7 @@ def run(ctx: StageContext) -> None:
             samples=samples,
             # The ranks take their own GPUs (local rank) on CUDA; one process trains on the stage's device.
             device=device.type if deepspeed else device.torch,
-            critic=ctx.config.advantage.uses_critic,
+            critic=ESTIMATORS[ctx.config.advantage.estimator].needs_critic,
         )
         with step_progress(optimizer_steps(cfg, len(samples)), ctx.instance.label) as on_step:
             if deepspeed:

@@ -30,11 +30,15 @@ console = Console()
 
 
 def _validate_data(config: RunConfig) -> None:
+    """The checks of a loaded config that need the libraries (a ConfigError, exit 2): the estimator against the
+    rest of the config, the data sources, their reward kinds, the trackers."""
     import json
 
     from stages.data.sources import DataError, validate_sources
+    from stages.rl.advantages import check_estimator_fits
     from stages.sandbox.rewards import RewardSetupError, check_rewards
 
+    check_estimator_fits(config)
     try:
         train, test = validate_sources(config.data)
         specs = train.column("reward_spec").to_pylist() + test.column("reward_spec").to_pylist()

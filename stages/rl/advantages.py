@@ -10,15 +10,21 @@ gets advantage 0 by default (verl falls back to the raw reward, a biased uncentr
 reward`). A group of equal rewards gets exactly 0 (the std-normalised estimators compute 0 / (0 + eps)). Each
 formula cites the verl function (verl/trainer/ppo/core_algos.py) it matches; docs/algorithms.md lists them.
 Below them: token-level GAE with a critic, and the turn-level estimators of multi-turn rollouts (`turn_rloo`,
-`turn_gae`: one advantage per model turn, spread over the turn's model tokens by the advantage stage).
+`turn_gae`: one advantage per model turn, spread over the turn's model tokens by the batch builder). Last,
+`ESTIMATORS`: one record per `advantage.estimator` (its function, level, and whether it needs a critic, a greedy
+baseline, a group), which every stage and check asks, and `check_estimator_fits`, the load-time refusals that
+depend on it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any, Literal
 
 import numpy as np
+
+from schemas.config import AdvantageConfig, ConfigError, RunConfig
 
 
 @dataclass(frozen=True)
@@ -264,21 +270,6 @@ def remax_advantages(rewards_N: np.ndarray, baselines_N: np.ndarray) -> np.ndarr
     return rewards_N - baselines_N
 
 
-# Every estimator by name, each name written here once: `advantage.estimator` in schemas/config.py lists the
-# same names (tests/rl/test_advantages.py checks the two agree). A new estimator is one entry.
-ESTIMATORS: dict[str, BatchEstimator] = {
-    "grpo": per_group(lambda rewards_G, lengths_G, o: grpo_advantages(rewards_G, o.eps, o.ddof)),
-    "grpo_passk": per_group(lambda rewards_G, lengths_G, o: grpo_passk_advantages(rewards_G, o.eps, o.ddof)),
-    "dr_grpo": per_group(lambda rewards_G, lengths_G, o: dr_grpo_advantages(rewards_G)),
-    "rloo": per_group(lambda rewards_G, lengths_G, o: rloo_advantages(rewards_G)),
-    "opo": per_group(lambda rewards_G, lengths_G, o: opo_advantages(rewards_G, lengths_G)),
-    "mean_centered": per_group(lambda rewards_G, lengths_G, o: mean_centered_advantages(rewards_G)),
-    "gpg": gpg_advantages,
-    "reinforce_pp": reinforce_pp_advantages,
-    "reinforce_pp_baseline": reinforce_pp_baseline_advantages,
-}
-
-
 def compute_advantages(
     estimator: str,
     rewards_N: np.ndarray,
@@ -286,19 +277,22 @@ def compute_advantages(
     lengths_N: np.ndarray | None = None,
     options: EstimatorOptions | None = None,
 ) -> np.ndarray:
-    """Advantages of a flat batch by the estimator named `estimator` (a key of ESTIMATORS); samples that
-    share a group id are one group. `lengths_N` (response token counts) is needed by opo and token
-    whitening."""
-    estimate = ESTIMATORS.get(estimator)
-    if estimate is None:
+    """Advantages of a flat batch by the outcome estimator named `estimator` (a key of ESTIMATORS whose advantages
+    come from the rewards alone: `from_rewards`); samples that share a group id are one group. `lengths_N`
+    (response token counts) is needed by opo and token whitening."""
+    record = ESTIMATORS.get(estimator)
+    if record is None:
         raise ValueError(f"unknown advantage estimator {estimator!r}; expected one of {sorted(ESTIMATORS)}")
+    if not record.from_rewards:
+        raise ValueError(f"advantage estimator {estimator!r} needs more than the rewards (its level is "
+                         f"{record.level}; the batch builder, stages/rl/batch.py, computes it)")
     rewards_N = check_finite(rewards_N)
     group_ids_N = np.asarray(group_ids_N)
     if group_ids_N.shape != rewards_N.shape:
         raise ValueError(f"group_ids shape {group_ids_N.shape} != rewards shape {rewards_N.shape}")
     if lengths_N is not None:
         lengths_N = np.asarray(lengths_N, dtype=np.float64)
-    return estimate(rewards_N, group_ids_N, lengths_N, options or EstimatorOptions())
+    return record.function(rewards_N, group_ids_N, lengths_N, options or EstimatorOptions())
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -306,15 +300,6 @@ def compute_advantages(
 
 # The batch table's per-token columns (GAE's), null for outcome estimators and in dropped groups.
 TOKEN_COLUMNS = ("values", "returns", "token_advantages")
-# The estimators that are not outcome (ESTIMATORS) ones: `advantage.estimator` lists these, ESTIMATORS and
-# BASELINE_ESTIMATORS. Token-level GAE and the multi-turn turn-level estimators (below) write per-token
-# advantages into the batch.
-TOKEN_ESTIMATORS = ("gae", "turn_rloo", "turn_gae")
-TURN_ESTIMATORS = ("turn_rloo", "turn_gae")
-# The estimators whose baseline is a rollout of its own: `remax`'s greedy response per prompt (the generate stage
-# writes it as sample_idx BASELINE_SAMPLE_IDX, schemas/tables.py; the advantage stage calls remax_advantages).
-BASELINE_ESTIMATORS = ("remax",)
-# The estimators that need the critic: AdvantageConfig.uses_critic (schemas/config.py).
 
 
 def token_rewards(reward: float, kl_T: np.ndarray | None, beta: float) -> np.ndarray:
@@ -424,3 +409,116 @@ def spread_over_turns(per_turn_K: np.ndarray, spans_K2: list[list[int]], loss_ma
     for value, (start, end) in zip(per_turn_K, spans_K2, strict=True):
         out_T[start:end] = value
     return out_T * (np.asarray(loss_mask_T) > 0)
+
+
+# --------------------------------------------------------------------------------------------------------
+# The estimators by name: what each `advantage.estimator` is, asked by every stage and check that depends on it.
+
+Level = Literal["outcome", "token", "turn"]
+
+
+@dataclass(frozen=True)
+class Estimator:
+    """One `advantage.estimator`: its function and what it needs.
+
+    `level`: one advantage per sample (`outcome`), per response token (`token`: GAE) or per model turn (`turn`);
+    token and turn estimators write the batch's per-token columns (TOKEN_COLUMNS). `needs_critic`: the critic's
+    values in the advantage stage, its update in train. `needs_greedy_baseline`: one more greedy rollout per
+    (round, prompt) group, sample_idx BASELINE_SAMPLE_IDX (schemas/tables.py), made by generate and never trained
+    on. `needs_group`: the estimator compares the samples of a group (a group of one has no signal), so a
+    one-sample group counts as zero variance and `drop_zero_variance_groups` defaults to on for outcome
+    estimators (`drops_zero_variance_by_default`).
+    """
+
+    name: str
+    # outcome: a BatchEstimator, or remax_advantages(rewards_N, baselines_N); token: gae; turn: turn_rloo_advantages
+    # or turn_gae (stages/rl/batch.py calls each with its inputs)
+    function: Callable[..., Any]
+    level: Level
+    needs_critic: bool = False
+    needs_greedy_baseline: bool = False
+    needs_group: bool = True
+
+    @property
+    def from_rewards(self) -> bool:
+        """Whether `compute_advantages` computes it from the rewards and groups alone (a BatchEstimator)."""
+        return self.level == "outcome" and not self.needs_greedy_baseline
+
+    @property
+    def drops_zero_variance_by_default(self) -> bool:
+        """`drop_zero_variance_groups: null`: on for an outcome estimator that compares the samples of a group (an
+        all-equal group gets exactly 0). Off for the estimators without a group, whose all-equal groups still
+        carry a signal (the critic's values, the greedy baseline, the batch mean), and for turn_rloo, whose signal
+        can be in turn rewards that `filter_metric` (the outcome) does not see."""
+        return self.needs_group and self.level == "outcome"
+
+
+# Every estimator, each name written here once: `advantage.estimator` in schemas/config.py lists the same names
+# (tests/rl/test_advantages.py checks the two agree). A new estimator is one entry.
+ESTIMATORS: dict[str, Estimator] = {
+    record.name: record
+    for record in [
+        Estimator("grpo", per_group(lambda rewards_G, lengths_G, o: grpo_advantages(rewards_G, o.eps, o.ddof)),
+                  "outcome"),
+        Estimator("grpo_passk",
+                  per_group(lambda rewards_G, lengths_G, o: grpo_passk_advantages(rewards_G, o.eps, o.ddof)),
+                  "outcome"),
+        Estimator("dr_grpo", per_group(lambda rewards_G, lengths_G, o: dr_grpo_advantages(rewards_G)), "outcome"),
+        Estimator("rloo", per_group(lambda rewards_G, lengths_G, o: rloo_advantages(rewards_G)), "outcome"),
+        Estimator("reinforce_pp", reinforce_pp_advantages, "outcome", needs_group=False),
+        Estimator("reinforce_pp_baseline", reinforce_pp_baseline_advantages, "outcome"),
+        Estimator("opo", per_group(lambda rewards_G, lengths_G, o: opo_advantages(rewards_G, lengths_G)), "outcome"),
+        Estimator("gpg", gpg_advantages, "outcome"),
+        Estimator("mean_centered", per_group(lambda rewards_G, lengths_G, o: mean_centered_advantages(rewards_G)),
+                  "outcome"),
+        Estimator("gae", gae, "token", needs_critic=True, needs_group=False),
+        Estimator("turn_rloo", turn_rloo_advantages, "turn"),
+        Estimator("turn_gae", turn_gae, "turn", needs_critic=True, needs_group=False),
+        Estimator("remax", remax_advantages, "outcome", needs_greedy_baseline=True, needs_group=False),
+    ]
+}
+
+
+def drops_zero_variance_groups(cfg: AdvantageConfig) -> bool:
+    """Whether the zero-variance group filter is on: `advantage.drop_zero_variance_groups`, or when that is null
+    the estimator's default (`Estimator.drops_zero_variance_by_default`)."""
+    if cfg.drop_zero_variance_groups is not None:
+        return cfg.drop_zero_variance_groups
+    return ESTIMATORS[cfg.estimator].drops_zero_variance_by_default
+
+
+def check_estimator_fits(config: RunConfig) -> None:
+    """Refuse, naming the fields, a run whose estimator the rest of its config cannot serve: a critic on a backend
+    without one, a greedy baseline in multi-turn rollouts, a group estimator with one-sample groups (every group
+    dropped as zero variance, or every advantage 0). The config's own validators cannot ask ESTIMATORS (schemas
+    import no library): the CLI calls this where it loads a config, the stage harness before a stage runs."""
+    advantage, record = config.advantage, ESTIMATORS[config.advantage.estimator]
+    name = f"advantage.estimator={record.name}"
+    if record.needs_critic and config.train.backend != "torch":
+        raise ConfigError(
+            f"{name} trains a critic, which the torch backend does (train.backend=torch); the DeepSpeed backend "
+            f"(train.backend={config.train.backend}) has no critic yet"
+        )
+    if record.needs_greedy_baseline and config.generate.multi_turn.mode != "off":
+        raise ConfigError(
+            f"{name} takes its baseline from one greedy response per prompt, which the generate stage makes for "
+            f"single-turn rollouts only (generate.multi_turn.mode={config.generate.multi_turn.mode}); use "
+            "turn_rloo or grpo for multi-turn"
+        )
+    if record.needs_group and config.generate.n_samples == 1:
+        without_group = ", ".join(r.name for r in ESTIMATORS.values() if not r.needs_group)
+        if drops_zero_variance_groups(advantage):
+            setting = "null: on for this estimator" if advantage.drop_zero_variance_groups is None else "true"
+            raise ConfigError(
+                f"{name} compares the samples of a prompt's group, and generate.n_samples=1 makes every group one "
+                f"sample, which advantage.drop_zero_variance_groups ({setting}) drops as zero variance: every "
+                f"sample of every iteration. Set generate.n_samples >= 2, or use an estimator without a group "
+                f"({without_group})"
+            )
+        if not (record.level == "outcome" and advantage.singleton_advantage == "reward"):
+            raise ConfigError(
+                f"{name} compares the samples of a prompt's group, and generate.n_samples=1 makes every group one "
+                f"sample, whose advantage is 0 (advantage.singleton_advantage={advantage.singleton_advantage}): "
+                f"every step would be skipped. Set generate.n_samples >= 2, or use an estimator without a group "
+                f"({without_group})"
+            )

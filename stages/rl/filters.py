@@ -39,13 +39,17 @@ def overlong_penalty(
     return np.minimum(-exceed_N / buffer_length * factor, 0.0)
 
 
-def has_variance(rewards_G: np.ndarray) -> bool:
+def has_variance(rewards_G: np.ndarray, one_sample_varies: bool = False) -> bool:
     """DAPO filter_groups: keep a group only if its rewards are not all equal (std > 0).
 
-    A group with one sample has no variance. Exact equality is the test: rewards are computed from pass
-    counts, so equal outcomes give bit-equal floats, and any real difference carries signal.
+    A group with one sample has no variance, unless `one_sample_varies`: for an estimator that does not compare
+    a group's samples (gae, remax, reinforce_pp, turn_gae) a sample alone is not a degenerate group, and they
+    train with n_samples 1. Exact equality is the test: rewards are computed from pass counts, so equal outcomes
+    give bit-equal floats, and any real difference carries signal.
     """
     rewards_G = np.asarray(rewards_G, dtype=np.float64)
+    if rewards_G.size == 1:
+        return one_sample_varies
     return rewards_G.size > 1 and bool(np.any(rewards_G != rewards_G[0]))
 
 

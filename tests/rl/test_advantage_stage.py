@@ -11,8 +11,8 @@ import pytest
 from schemas.config import AdvantageConfig
 from schemas.errors import InputError
 from schemas.tables import BATCH, conform
-from stages import advantage
-from stages.advantage import check_group_sizes, join_scores
+from stages.rl import batch
+from stages.rl.batch import check_group_sizes, join_scores
 
 
 def sample(
@@ -32,9 +32,9 @@ def sample(
 
 
 def build_batch(samples: list[dict], cfg: AdvantageConfig, max_new_tokens: int) -> tuple[list[dict], dict]:
-    """`advantage.build_batch` on rows given as dicts; its table (checked against BATCH) back as dicts."""
-    batch, metrics = advantage.build_batch(pa.Table.from_pylist(samples), cfg, max_new_tokens)
-    return conform(batch, BATCH, "batch").to_pylist(), metrics
+    """`batch.build_batch` on rows given as dicts; its table (checked against BATCH) back as dicts."""
+    table, metrics = batch.build_batch(pa.Table.from_pylist(samples), cfg, max_new_tokens)
+    return conform(table, BATCH, "batch").to_pylist(), metrics
 
 
 def by_key(rows):

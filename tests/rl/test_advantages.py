@@ -10,9 +10,7 @@ import pytest
 
 from schemas.config import AdvantageConfig
 from stages.rl.advantages import (
-    BASELINE_ESTIMATORS,
     ESTIMATORS,
-    TOKEN_ESTIMATORS,
     EstimatorOptions,
     compute_advantages,
     dr_grpo_advantages,
@@ -115,13 +113,31 @@ def test_compute_advantages_dispatches_per_group():
         compute_advantages("opo", rewards, ids)
 
 
+# The estimators compute_advantages computes from rewards and groups alone
+FROM_REWARDS = [name for name, record in ESTIMATORS.items() if record.from_rewards]
+
+
 def test_the_config_allows_exactly_the_estimators_of_the_table():
-    assert set(get_args(AdvantageConfig.model_fields["estimator"].annotation)) == {
-        *ESTIMATORS, *TOKEN_ESTIMATORS, *BASELINE_ESTIMATORS
-    }
+    assert list(get_args(AdvantageConfig.model_fields["estimator"].annotation)) == list(ESTIMATORS)
+    assert all(name == record.name for name, record in ESTIMATORS.items())
 
 
-@pytest.mark.parametrize("estimator", list(ESTIMATORS))
+def test_what_each_estimator_needs():
+    # by the papers: GAE and turn-level GAE learn a critic; remax's baseline is a greedy rollout; the group-free
+    # ones (no sample compared with another of its prompt) are GAE, ReMax, REINFORCE++ (batch whitening only) and
+    # turn-level GAE; the 9 others compare a group's samples
+    needs = {name: (r.level, r.needs_critic, r.needs_greedy_baseline, r.needs_group) for name, r in ESTIMATORS.items()}
+    assert {name for name, (_, critic, _, _) in needs.items() if critic} == {"gae", "turn_gae"}
+    assert {name for name, (_, _, greedy, _) in needs.items() if greedy} == {"remax"}
+    assert {name for name, (*_, group) in needs.items() if not group} == {"gae", "remax", "reinforce_pp", "turn_gae"}
+    assert {name: level for name, (level, *_) in needs.items() if level != "outcome"} == {
+        "gae": "token", "turn_rloo": "turn", "turn_gae": "turn"}
+    assert len(FROM_REWARDS) == 9 and "remax" not in FROM_REWARDS
+    with pytest.raises(ValueError, match="'gae' needs more than the rewards"):
+        compute_advantages("gae", np.array([1.0, 0.0]), np.array([0, 0]))
+
+
+@pytest.mark.parametrize("estimator", FROM_REWARDS)
 def test_nan_reward_is_an_error(estimator):
     rewards = np.array([1.0, float("nan"), 0.0])
     with pytest.raises(ValueError, match="position 1 is nan"):

@@ -14,8 +14,8 @@ import torch
 
 from schemas.config import AdvantageConfig, TrainConfig
 from schemas.tables import BATCH, conform
-from stages import advantage
 from stages.rl.advantages import adaptive_kl_coef, gae, token_rewards, whiten_token_values
+from stages.rl.batch import build_batch
 from stages.rl.critic import (
     HEAD_FILE,
     STATE_FILE,
@@ -84,10 +84,12 @@ def gae_sample(prompt: str, idx: int, reward: float, tokens: int, kl: list[float
 def test_gae_batch_by_hand():
     # group [1, 0] with 2 and 1 response tokens, no critic yet (V = 0), gamma = lambda = 1: A = [1, 1], [0];
     # whitened over the 3 tokens: mean 2/3, Bessel variance (2 * 1/9 + 4/9) / 2 = 1/3 -> (A - 2/3) / sqrt(1/3)
-    # = [0.57735, 0.57735], [-1.154701]; a sample's advantage is its tokens' mean. A dropped group gets nulls.
+    # = [0.57735, 0.57735], [-1.154701]; a sample's advantage is its tokens' mean. A dropped group gets nulls (the
+    # zero-variance filter, off by default for gae, turned on to drop the all-equal group b).
     samples = [gae_sample("a", 0, 1.0, 2), gae_sample("a", 1, 0.0, 1), gae_sample("b", 0, 1.0, 3),
                gae_sample("b", 1, 1.0, 1)]
-    batch, _ = advantage.build_batch(pa.Table.from_pylist(samples), AdvantageConfig(estimator="gae"), 96)
+    cfg = AdvantageConfig(estimator="gae", drop_zero_variance_groups=True)
+    batch, _ = build_batch(pa.Table.from_pylist(samples), cfg, 96)
     rows = {(r["prompt_id"], r["sample_idx"]): r for r in conform(batch, BATCH, "batch").to_pylist()}
     np.testing.assert_allclose(rows[("a", 0)]["token_advantages"], [0.57735, 0.57735], rtol=1e-5)
     np.testing.assert_allclose(rows[("a", 1)]["token_advantages"], [-1.154701], rtol=1e-5)
@@ -102,7 +104,7 @@ def test_kl_in_the_reward_by_hand():
     # GAE token rewards [-0.1, 1 - 0.2] and [-0.1]: A (gamma = lambda = 1, V = 0) = [0.7, 0.8], [-0.1]
     samples = [gae_sample("a", 0, 1.0, 2, [0.2, 0.4]), gae_sample("a", 1, 0.0, 1, [0.2])]
     cfg = AdvantageConfig(estimator="gae", use_kl_in_reward=True, kl_coef=0.5)
-    batch, metrics = advantage.build_batch(pa.Table.from_pylist(samples), cfg, 96, kl_coef=0.5)
+    batch, metrics = build_batch(pa.Table.from_pylist(samples), cfg, 96, kl_coef=0.5)
     rows = conform(batch, BATCH, "batch").to_pylist()
     assert [r["kl_in_reward"] for r in rows] == pytest.approx([0.3, 0.1])
     assert [r["shaped_reward"] for r in rows] == pytest.approx([0.7, -0.1])
@@ -111,10 +113,10 @@ def test_kl_in_the_reward_by_hand():
     # the batch KL: mean over samples of each one's token mean, (0.3 + 0.2) / 2 = 0.25; fixed: the same beta next
     assert metrics["kl_in_reward_mean"] == pytest.approx(0.25) and metrics["kl_in_reward_next_coef"] == 0.5
     # an outcome estimator takes the KL from the sequence's reward: grpo of [0.7, -0.1]
-    outcome, _ = advantage.build_batch(pa.Table.from_pylist(samples), AdvantageConfig(use_kl_in_reward=True), 96, 0.5)
+    outcome, _ = build_batch(pa.Table.from_pylist(samples), AdvantageConfig(use_kl_in_reward=True), 96, 0.5)
     assert outcome["advantage"].to_pylist() == pytest.approx([0.4 / 0.400001, -0.4 / 0.400001])
     adaptive = cfg.model_copy(update={"kl_ctrl": "adaptive", "kl_target": 0.1, "kl_horizon": 20})
-    _, metrics = advantage.build_batch(pa.Table.from_pylist(samples), adaptive, 96, kl_coef=0.5)
+    _, metrics = build_batch(pa.Table.from_pylist(samples), adaptive, 96, kl_coef=0.5)
     # error clip(0.25 / 0.1 - 1) = 0.2, n = 2 samples: 0.5 * (1 + 0.2 * 2 / 20) = 0.51
     assert metrics["kl_in_reward_next_coef"] == pytest.approx(0.51)
 
@@ -167,9 +169,10 @@ def test_ppo_with_a_critic_through_the_stages(run_layout):
 
 def test_a_critic_needs_the_torch_backend():
     from schemas.config import ConfigError, load_config
+    from stages.rl.advantages import check_estimator_fits
 
     with pytest.raises(ConfigError, match="has no critic yet"):
-        load_config(None, ["advantage.estimator=gae", "train.backend=deepspeed"])
+        check_estimator_fits(load_config(None, ["advantage.estimator=gae", "train.backend=deepspeed"]))
 
 
 @pytest.mark.slow

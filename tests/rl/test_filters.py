@@ -28,6 +28,9 @@ def test_has_variance():
     assert has_variance(np.array([0.0, 1.0, 1.0]))
     assert not has_variance(np.array([0.5, 0.5, 0.5]))
     assert not has_variance(np.array([1.0]))  # a singleton has no variance
+    # ... unless the estimator has no group (gae, remax, ...): a sample alone is not a degenerate group there
+    assert has_variance(np.array([1.0]), one_sample_varies=True)
+    assert not has_variance(np.array([0.5, 0.5]), one_sample_varies=True)
 
 
 def test_success_rate_range():

@@ -24,9 +24,9 @@ from schemas.contracts import checks_for
 from schemas.errors import InputError
 from schemas.tables import BASELINE_SAMPLE_IDX, BATCH, SINGLE_TURN_ROLLOUT, conform
 from stages import advantage, train
-from stages.advantage import split_baselines
 from stages.harness import StageContext
-from stages.rl.advantages import remax_advantages
+from stages.rl.advantages import ESTIMATORS, check_estimator_fits, remax_advantages
+from stages.rl.batch import build_batch, split_baselines
 from tests.support.stages import run_stage_at
 
 from .pipeline_helpers import N_PROMPTS, N_SAMPLES
@@ -38,7 +38,7 @@ def row(prompt: str, idx: int, reward: float, num_tokens: int = 10, round_: int 
 
 
 def remax_batch(samples: list[dict], greedy: list[dict], cfg: AdvantageConfig, max_new_tokens: int = 100):
-    batch, metrics = advantage.build_batch(
+    batch, metrics = build_batch(
         pa.Table.from_pylist(samples), cfg, max_new_tokens, baselines=pa.Table.from_pylist(greedy)
     )
     rows = conform(batch, BATCH, "batch").to_pylist()
@@ -72,14 +72,15 @@ def test_build_batch_takes_each_group_its_own_greedy_reward() -> None:
 
 def test_the_baseline_is_overlong_shaped_and_an_equal_group_still_learns() -> None:
     # max 100, buffer 20: greedy length 90 -> 1 - 0.5 = 0.5; sample lengths 50 (no penalty) and 100 (-1)
-    # all-correct group, zero-variance filter off: [1 - 0.5, (1 - 1) - 0.5] = [0.5, -0.5]
-    cfg = AdvantageConfig(estimator="remax", overlong_buffer=20, drop_zero_variance_groups=False)
+    # all-correct group, kept: remax has no group, so its zero-variance filter is off by default:
+    # [1 - 0.5, (1 - 1) - 0.5] = [0.5, -0.5]
+    cfg = AdvantageConfig(estimator="remax", overlong_buffer=20)
     got, metrics = remax_batch([row("a", 0, 1.0, 50), row("a", 1, 1.0, 100)], [row("a", -1, 1.0, 90)], cfg)
     assert got[(0, "a", 0)]["advantage"] == pytest.approx(0.5)
     assert got[(0, "a", 1)]["advantage"] == pytest.approx(-0.5)
-    # the same group under the default acc filter (all correct) is dropped: advantage 0, nothing trained
+    # the same group with DAPO's acc filter turned on (all correct) is dropped: advantage 0, nothing trained
     got, metrics = remax_batch([row("a", 0, 1.0, 50), row("a", 1, 1.0, 100)], [row("a", -1, 1.0, 90)],
-                               AdvantageConfig(estimator="remax", overlong_buffer=20))
+                               AdvantageConfig(estimator="remax", overlong_buffer=20, drop_zero_variance_groups=True))
     assert [got[(0, "a", i)]["drop_reason"] for i in (0, 1)] == ["zero_variance"] * 2
     assert metrics["skipped"] is True
 
@@ -103,8 +104,9 @@ def test_baseline_rows_are_checked() -> None:
 
 def test_contracts_expect_one_greedy_row_per_group_only_under_remax() -> None:
     def rules(config: RunConfig, table: str) -> dict[str, tuple]:
+        greedy = ESTIMATORS[config.advantage.estimator].needs_greedy_baseline  # as the stage harness asks
         return {c.kwargs["column"]: (c.kwargs.get("min_value"), c.kwargs.get("max_value"))
-                for c in checks_for(table, config) if c.kwargs.get("column") in ("sample_idx", "_group_size")}
+                for c in checks_for(table, config, greedy) if c.kwargs.get("column") in ("sample_idx", "_group_size")}
 
     plain = load_config(None, ["generate.n_samples=4"])
     remax = load_config(None, ["generate.n_samples=4", "advantage.estimator=remax"])
@@ -116,7 +118,7 @@ def test_contracts_expect_one_greedy_row_per_group_only_under_remax() -> None:
 
 def test_remax_refuses_multi_turn() -> None:
     with pytest.raises(ConfigError, match="remax takes its baseline from one greedy response"):
-        load_config(None, ["advantage.estimator=remax", "generate.multi_turn.mode=feedback"])
+        check_estimator_fits(load_config(None, ["advantage.estimator=remax", "generate.multi_turn.mode=feedback"]))
 
 
 # --- through the real harness: the advantage and train stages on hand-made rollouts ------------------------
@@ -302,6 +304,7 @@ def test_dynamic_sampling_rounds_each_bring_their_own_greedy_rows(tmp_path: Path
         "threads=1", f"generate.prompts_per_iteration={ds.PER_ROUND}", f"generate.n_samples={ds.N_SAMPLES}",
         "score.workers=2", "score.timeout_s=5", "evaluate.n_samples=2", "evaluate.k=[1,2]",
         f"advantage.target_groups={ds.TARGET}", "advantage.estimator=remax",
+        "advantage.drop_zero_variance_groups=true",  # DAPO's filter, off by default for remax (it has no group)
     ]
     layout = start_run(load_config(None, overrides), str(tmp_path / "root"))
     for stage in ("prompts", "base_model", "evaluate_base"):

@@ -31,6 +31,7 @@ from stages.rl.advantages import (
     turn_returns,
     turn_rloo_advantages,
 )
+from stages.rl.batch import build_batch
 from tests.support.stages import run_stage_at
 
 FEEDBACK = [np.array([1.0]), np.array([0.2, 1.0]), np.array([0.0, 0.5, 0.5])]
@@ -224,10 +225,10 @@ def test_bad_turns_are_an_input_error() -> None:
             {**base, "sample_idx": 1, "reward": 0.0, "status": "fail", "turn_spans": [[0, 1]], "turn_rewards": None}]
     cfg = AdvantageConfig(estimator="turn_rloo")
     with pytest.raises(InputError, match="'sample_idx': 0.*turn span \\[2, 4\\] is not"):
-        advantage.build_batch(pa.Table.from_pylist(rows), cfg, 16)
+        build_batch(pa.Table.from_pylist(rows), cfg, 16)
     rows[0].update(turn_spans=[[0, 1], [2, 3]], turn_rewards=[0.5])
     with pytest.raises(InputError, match="1 turn_rewards for 2 turns"):
-        advantage.build_batch(pa.Table.from_pylist(rows), cfg, 16)
+        build_batch(pa.Table.from_pylist(rows), cfg, 16)
 
 
 def test_kl_in_the_reward_counts_model_tokens_only() -> None:
@@ -239,7 +240,7 @@ def test_kl_in_the_reward_counts_model_tokens_only() -> None:
              "loss_mask": [1, 0, 1]},
             {**base, "sample_idx": 1, "reward": 0.0, "status": "fail", "num_tokens": 1, "kl": [0.2], "loss_mask": None}]
     cfg = AdvantageConfig(use_kl_in_reward=True, kl_coef=0.5)
-    batch, metrics = advantage.build_batch(pa.Table.from_pylist(rows), cfg, 16, kl_coef=0.5)
+    batch, metrics = build_batch(pa.Table.from_pylist(rows), cfg, 16, kl_coef=0.5)
     got = conform(batch, BATCH, "batch").to_pylist()
     assert [r["kl_in_reward"] for r in got] == pytest.approx([0.3, 0.1])
     assert metrics["kl_in_reward_mean"] == pytest.approx(0.25)
@@ -285,7 +286,7 @@ def test_token_level_gae_skips_observation_tokens() -> None:
             {**base, "sample_idx": 1, "reward": 0.0, "status": "fail", "num_tokens": 1, "loss_mask": None,
              "values": [0.1]}]
     cfg = AdvantageConfig(estimator="gae", gamma=0.9, lam=0.8)
-    batch, _ = advantage.build_batch(pa.Table.from_pylist(rows), cfg, 16)
+    batch, _ = build_batch(pa.Table.from_pylist(rows), cfg, 16)
     got = conform(batch, BATCH, "batch").to_pylist()
     np.testing.assert_allclose(got[0]["returns"], [0.756, 0.0, 0.0, 1.0], atol=1e-6)
     np.testing.assert_allclose(got[1]["returns"], [0.0], atol=1e-6)
