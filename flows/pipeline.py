@@ -149,7 +149,7 @@ def stage_task(run: Run, target: StageInstance, dispatch: str = "local") -> Stag
 def stage_flow(run: RunRef, stage: str, iteration: int = BASE, round_idx: int = 0) -> StageOutcome:
     """One stage on this machine (a worker of the stage's pool), unless its outputs are valid already. No run
     lease: the dispatching flow holds it; the stage's own lease is taken by its process."""
-    return run_stage_here(Run.open(run.root, run.run_id), instance(stage, iteration, round_idx))
+    return run_stage_here(Run.at(run.layout), instance(stage, iteration, round_idx))
 
 
 def _run_iteration(run: Run, iteration: int | None, mode: str) -> list[StageOutcome]:

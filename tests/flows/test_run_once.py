@@ -88,3 +88,24 @@ def test_a_stage_process_reads_the_config_once_and_takes_its_own_lease_once(
 
     assert reads == [layout.config_path]
     assert leases == [f"{layout.run_dir}/locks/advantage@iter=0000.lock"]
+
+
+def test_a_flow_run_elsewhere_opens_the_run_from_json_and_one_handed_over_is_not_reopened(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from flows.pipeline import _driven_run
+    from storage.run import Run, RunRef
+
+    SyntheticRun(str(tmp_path), SyntheticSpec(run_id="once", iterations=1)).write()
+    layout = RunLayout.create(str(tmp_path), "once")
+    driving = RunRef.driving(Run.open(str(tmp_path), "once"))
+    reads, leases = count_config_reads(monkeypatch), count_leases(monkeypatch)
+    # What a deployment's flow run receives: the JSON, without the Run this process holds.
+    parameter = json.loads(json.dumps(driving.model_dump(mode="json")))
+    assert parameter == {"root": str(tmp_path), "run_id": "once"}
+    with _driven_run(RunRef.model_validate(parameter)) as run:
+        assert run.config.iterations == 1
+    assert (reads, leases) == ([layout.config_path], [layout.lock_path()])
+    with _driven_run(driving) as run:  # handed over: no second read, no second lease
+        assert run is driving.driven
+    assert (reads, leases) == ([layout.config_path], [layout.lock_path()])
