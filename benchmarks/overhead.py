@@ -126,6 +126,7 @@ def main() -> None:
     from prefect import flow
 
     from flows import pipeline
+    from storage.run import RunRef
 
     @flow(name="overhead-warm-up")
     def warm_up() -> None:
@@ -149,7 +150,7 @@ def main() -> None:
 
     pipeline._run_iteration = timed_iteration
     started = time.monotonic()
-    outcomes = pipeline.loop_flow(root=layout.root, run_id=layout.run_id)
+    outcomes = pipeline.loop_flow(RunRef(root=layout.root, run_id=layout.run_id))
     flow_wall = time.monotonic() - started
     load_after = os.getloadavg()[0]
     if len(iteration_clock) != 1:

@@ -119,7 +119,7 @@ def report_link(run: Run) -> tuple[str | None, str]:
     except ImportError as error:
         return None, f"report skipped: reports.html.write_report is not available ({error})"
     try:
-        location = write_report(run.layout)
+        location = write_report(run.layout, run.config)
     except Exception as error:  # noqa: BLE001 - the report is a view of the run; its failure must not fail it
         return None, f"report skipped: write_report failed: {type(error).__name__}: {error}"
     if not is_remote(location) and not location.startswith(("http://", "https://", "file://")):

@@ -90,7 +90,7 @@ def render_spec(spec: dict[str, Any], run_id: str | None, root: str | None, ever
     if not root:
         raise ConfigError("--run-id needs --root (the storage root the run lives in, e.g. s3://bucket/prefix)")
     (scheduled,) = [d for d in rendered["deployments"] if d["name"] == SCHEDULED_DEPLOYMENT]
-    scheduled["parameters"] = {**scheduled.get("parameters", {}), "root": root, "run_id": run_id}
+    scheduled["parameters"] = {**scheduled.get("parameters", {}), "run": {"root": root, "run_id": run_id}}
     if every_s is not None:
         scheduled["schedules"] = [{"interval": every_s, "active": True}]
     return rendered

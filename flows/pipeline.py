@@ -5,11 +5,13 @@ skipped when its manifests say it is done for the current config and inputs (not
 which cannot see a deleted file or a changed upstream table). Where stages run is the dispatch mode (the
 `dispatch` parameter, else `$RLPIPE_DISPATCH`, else local): `local` forks each stage from the stage server the
 flow keeps while it runs (flows/runner/forkserver.py); `deployments` runs each as a flow run of `stage/<name>`
-on a worker of its pool, sharing only the storage root, with parameters root, run id, stage, iteration.
+on a worker of its pool, sharing only the storage root, with parameters run (a `RunRef`), stage, iteration.
 
-Two leases make overlapping triggers safe (storage/lock.py): the run lease (a scheduled trigger that finds it
-held ends as `Skipped`), and one per stage instance, taken where the stage runs, with the done-check repeated
-under it, so a stage never runs twice at once and a finished stage is never redone.
+A flow run is where a process enters a run: it opens the `Run` from its `RunRef` once, under the run lease,
+and passes it down (`_driven_run`); called by `rlpipe run`, which holds both already, it takes the `Run` the
+ref hands over. Two leases make overlapping triggers safe (storage/lock.py): the run lease (a scheduled
+trigger that finds it held ends as `Skipped`), and one per stage instance, taken where the stage runs, with
+the done-check repeated under it, so a stage never runs twice at once and a finished stage is never redone.
 """
 
 from __future__ import annotations
@@ -49,9 +51,9 @@ from schemas.config import ConfigError, load_config, parse_config  # noqa: E402
 from stages.registry import RUN_STAGES, instance, is_done_now, iteration_stages  # noqa: E402
 from stages.rl.advantages import check_estimator_fits  # noqa: E402
 from storage.fs import filesystem, is_remote  # noqa: E402
-from storage.layout import BASE, RunLayout, StageInstance, iteration_name  # noqa: E402
+from storage.layout import BASE, StageInstance, iteration_name  # noqa: E402
 from storage.lock import RunLocked, run_lock  # noqa: E402
-from storage.run import Run, resolve_root  # noqa: E402
+from storage.run import Run, RunRef  # noqa: E402
 
 STAGE_FLOW = "stage"
 
@@ -87,7 +89,8 @@ def dispatch_stage(run: Run, target: StageInstance) -> StageOutcome:
     if is_done_now(run, target):
         return StageOutcome(target, ran=False, seconds=0.0)
     started = time.monotonic()
-    parameters = {"root": run.root, "run_id": run.run_id, "stage": target.stage, "iteration": target.iteration}
+    parameters: dict[str, Any] = {"run": RunRef(root=run.root, run_id=run.run_id), "stage": target.stage,
+                                  "iteration": target.iteration}
     if target.round_idx:
         parameters["round_idx"] = target.round_idx
     flow_run = run_deployment(stage_deployment(target.stage), parameters=parameters, timeout=None,
@@ -113,9 +116,22 @@ def start_from_config(config_path: str, root: str | None, run_id: str | None, it
     return Run.start(config, root)
 
 
+@contextlib.contextmanager
+def _driven_run(ref: RunRef) -> Iterator[Run]:
+    """The run a flow drives, under the run lease, each taken once per process: the `Run` that `rlpipe run`
+    hands over (it holds the lease already), else opened here under a lease taken here (a flow run on a
+    worker, or a scheduled trigger: a process of its own). Raises RunLocked when another process drives it."""
+    if ref.driven is not None:
+        yield ref.driven
+        return
+    with run_lock(ref.layout):
+        yield Run.at(ref.layout)  # read once, by the run's one driver
+
+
 def _run_name(kind: str) -> str:
     parameters: dict[str, Any] = current_flow_run.parameters
-    run_id = parameters.get("run_id") or os.path.basename(str(parameters.get("config") or "run")).split(".")[0]
+    ref: RunRef | None = parameters.get("run")
+    run_id = ref.run_id if ref else os.path.basename(str(parameters.get("config") or "run")).split(".")[0]
     if kind == "loop":
         return run_id
     if kind == "stage":
@@ -133,9 +149,10 @@ def stage_task(run: Run, target: StageInstance, dispatch: str = "local") -> Stag
 
 
 @flow(name=STAGE_FLOW, flow_run_name=lambda: _run_name("stage"))
-def stage_flow(root: str, run_id: str, stage: str, iteration: int = BASE, round_idx: int = 0) -> StageOutcome:
-    """One stage on this machine (a worker of the stage's pool), unless its outputs are valid already."""
-    return run_stage_here(Run.open(root, run_id), instance(stage, iteration, round_idx))
+def stage_flow(run: RunRef, stage: str, iteration: int = BASE, round_idx: int = 0) -> StageOutcome:
+    """One stage on this machine (a worker of the stage's pool), unless its outputs are valid already. No run
+    lease: the dispatching flow holds it; the stage's own lease is taken by its process."""
+    return run_stage_here(Run.at(run.layout), instance(stage, iteration, round_idx))
 
 
 def _run_iteration(run: Run, iteration: int | None, mode: str) -> list[StageOutcome]:
@@ -190,20 +207,17 @@ def _local_stage_server(run: Run, mode: str) -> contextlib.AbstractContextManage
 
 @flow(name="iteration", flow_run_name=lambda: _run_name("iteration"))
 def iteration_flow(
-    root: str, run_id: str, iteration: int | None = None, dispatch: str | None = None
+    run: RunRef, iteration: int | None = None, dispatch: str | None = None
 ) -> list[StageOutcome] | State:
     """The five stages of `iteration`; with no iteration (a scheduled trigger): the next unfinished one.
     Always in strict order, whatever pipeline.max_staleness: one iteration per trigger has nothing to overlap.
 
     A trigger that finds the run driven by another flow ends at once in state `Skipped`.
     """
-    layout = RunLayout.create(resolve_root(root), run_id)
     mode = resolve_dispatch(dispatch)
     try:
-        with run_lock(layout):
-            run = Run.at(layout)  # read once, by the run's one driver
-            with _local_stage_server(run, mode), report_on_failure(run):
-                return _run_iteration(run, iteration, mode)
+        with _driven_run(run) as opened, _local_stage_server(opened, mode), report_on_failure(opened):
+            return _run_iteration(opened, iteration, mode)
     except RunLocked as error:
         if iteration is not None:
             raise
@@ -213,36 +227,39 @@ def iteration_flow(
 
 @flow(name="loop", flow_run_name=lambda: _run_name("loop"))
 def loop_flow(
-    root: str | None = None, run_id: str | None = None, iterations: int | None = None, config: str | None = None,
-    dispatch: str | None = None,
+    run: RunRef | None = None, iterations: int | None = None, config: str | None = None, dispatch: str | None = None,
 ) -> list[StageOutcome]:
     """A whole run: run-level stages, then iterations 0..N-1 (overlapped with pipeline.max_staleness > 0).
 
-    With `config` (a YAML path or URL) the run is started from it (`run_id`, `iterations` override the file);
-    without, the run must exist and `iterations` (at most the configured number) caps how far to go.
+    With `config` (a YAML path or URL) the run is started from it, as `run` if given (else under the config's
+    run id in `$RLPIPE_ROOT`; `iterations` overrides the file); without, `run` must exist and `iterations` (at
+    most the configured number) caps how far to go.
     """
-    if config is not None:
-        layout = start_from_config(config, root, run_id, iterations).layout
-    elif run_id is None:
-        raise ConfigError("loop needs a run id, or a config to start a run from")
-    else:
-        layout = RunLayout.create(resolve_root(root), run_id)
     mode = resolve_dispatch(dispatch)
-    with run_lock(layout):
-        run = Run.at(layout)  # read once, by the run's one driver
-        count = iterations if iterations is not None else run.config.iterations
-        if count > run.config.iterations:
-            raise ConfigError(f"run {run.run_id} has {run.config.iterations} iterations; raise it with "
-                              f"`rlpipe resume {run.run_id} --set iterations={count}`")
-        # The run's warm generation engine, if a stage started one, ends with the run (generation_server.py).
-        with _local_stage_server(run, mode), generation_server(run), report_on_failure(run):
-            outcomes = [stage_task(run, instance(stage), mode) for stage in RUN_STAGES]
-            # Iterations run inline, their stages as tasks of this flow run (named `generate iter=3`): a
-            # subflow per iteration costs ~1.3 s of Prefect bookkeeping each (most of it joining its
-            # heartbeat thread), more than all of an iteration's stage launches. A trigger runs `iteration`.
-            if run.config.pipeline.max_staleness > 0:
-                outcomes += _run_overlapped(run, count, mode)
-            else:
-                for k in range(count):
-                    outcomes += _run_iteration(run, k, mode)
+    if config is not None:  # the run is the one just written from `config`, driven from here
+        started = start_from_config(config, run.root if run else None, run.run_id if run else None, iterations)
+        with run_lock(started.layout):
+            return _run_loop(started, iterations, mode)
+    if run is None:
+        raise ConfigError("loop needs a run (root and run_id), or a config to start a run from")
+    with _driven_run(run) as opened:
+        return _run_loop(opened, iterations, mode)
+
+
+def _run_loop(run: Run, iterations: int | None, mode: str) -> list[StageOutcome]:
+    count = iterations if iterations is not None else run.config.iterations
+    if count > run.config.iterations:
+        raise ConfigError(f"run {run.run_id} has {run.config.iterations} iterations; raise it with "
+                          f"`rlpipe resume {run.run_id} --set iterations={count}`")
+    # The run's warm generation engine, if a stage started one, ends with the run (generation_server.py).
+    with _local_stage_server(run, mode), generation_server(run), report_on_failure(run):
+        outcomes = [stage_task(run, instance(stage), mode) for stage in RUN_STAGES]
+        # Iterations run inline, their stages as tasks of this flow run (named `generate iter=3`): a
+        # subflow per iteration costs ~1.3 s of Prefect bookkeeping each (most of it joining its
+        # heartbeat thread), more than all of an iteration's stage launches. A trigger runs `iteration`.
+        if run.config.pipeline.max_staleness > 0:
+            outcomes += _run_overlapped(run, count, mode)
+        else:
+            for k in range(count):
+                outcomes += _run_iteration(run, k, mode)
     return outcomes

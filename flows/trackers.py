@@ -337,12 +337,12 @@ def log_iterations(run: Run, warn: Callable[[str], None] = log.warning) -> dict[
     todo = {name: finished_iterations(run, set(marker.logged)) for name, marker in pending.items()}
     if not any(todo.values()):
         return {name: [] for name in pending}
-    from reports.html import collect, read_config
+    from reports.html import collect
     from storage.catalog import Catalog
 
     try:
         with Catalog(run.root, [run.run_id]) as catalog:
-            data = collect(catalog, run.run_id, read_config(run.layout))
+            data = collect(catalog, run.run_id, config)
     except Exception as error:  # noqa: BLE001 - as below: the trackers are a view of the run
         warn(f"trackers: the run's metrics could not be read ({type(error).__name__}: {error}); "
              f"iterations {sorted(set().union(*todo.values()))} will be logged after the next iteration")

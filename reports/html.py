@@ -10,7 +10,8 @@ samples of the last iteration. Plots are inline SVG (reports/svg.py); there are 
 offline, from S3, or as a CI artifact, and one inline script only marks each chart as laid out (for tests).
 
 `collect` gathers the numbers (testable on their own); `render` turns them into HTML; `write_report`
-writes `runs/<run>/report.html` atomically (local or S3). The flow calls it at the end of every iteration.
+writes `runs/<run>/report.html` atomically (local or S3). The flow calls it at the end of every iteration
+with the config it holds; `rlpipe report` reads the config once (`read_config`).
 """
 
 from __future__ import annotations
@@ -515,14 +516,14 @@ def report_path(layout: RunLayout) -> str:
     return join(layout.run_dir, "report.html")
 
 
-def build_report(layout: RunLayout) -> str:
-    """The report's HTML for one run."""
+def build_report(layout: RunLayout, config: RunConfig | None) -> str:
+    """The report's HTML for one run, given its config (`read_config`; the flow passes the one it holds)."""
     with Catalog(layout.root, [layout.run_id]) as catalog:
-        return render(collect(catalog, layout.run_id, read_config(layout)))
+        return render(collect(catalog, layout.run_id, config))
 
 
-def write_report(layout: RunLayout) -> str:
+def write_report(layout: RunLayout, config: RunConfig | None) -> str:
     """Write `runs/<run_id>/report.html` (atomically; local or S3) and return its path."""
     path = report_path(layout)
-    atomic_write_bytes(layout.fs, path, build_report(layout).encode())
+    atomic_write_bytes(layout.fs, path, build_report(layout, config).encode())
     return path

@@ -1,15 +1,20 @@
 """A run as one value: where it lives and the config it was started with, loaded once and passed down.
 
-Everything below the Prefect boundary takes a `Run`; only flow and task parameters carry a run as
-`(root, run_id)`, and `Run.open` turns them back into one. `resolve_root` is the one rule that turns a
-root argument, `$RLPIPE_ROOT` or a config's `root:` into a storage root.
+A process opens a run once, where it enters: the command line (`rlpipe run/resume/status/stage`), a stage
+process (stages/harness.py) and a Prefect flow run on a worker. Everything after takes the `Run`. A Prefect
+flow parameter carries a run as a `RunRef` (root and run id, JSON for a deployment); in the process that
+already drives the run, the ref also hands the flow that `Run` itself (`RunRef.driving`), so its config is
+not read again there. `resolve_root` is the one rule that turns a root argument, `$RLPIPE_ROOT` or a
+config's `root:` into a storage root; where a run is stored is not part of its config.yaml.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import fsspec
+from pydantic import BaseModel, ConfigDict, PrivateAttr
 
 from schemas import settings
 from schemas.config import ConfigError, RunConfig, config_from_yaml, dump_config, read_yaml
@@ -20,6 +25,13 @@ from storage.layout import RunLayout
 def resolve_root(explicit: str | None = None, config: RunConfig | None = None) -> str:
     """The storage root: the argument, else `$RLPIPE_ROOT`, else the config's `root:`, else ./rlpipe-data."""
     return explicit or settings.ROOT.get() or (config.root if config is not None else settings.DEFAULT_ROOT)
+
+
+def _what_runs(config_text: str) -> dict[str, Any]:
+    """A config.yaml without `root:`: a run moved or copied to another storage root is the same run."""
+    values = read_yaml(config_text)
+    values.pop("root", None)
+    return values
 
 
 def read_run_config(layout: RunLayout) -> RunConfig:
@@ -56,7 +68,7 @@ class Run:
         text = dump_config(config)
         if layout.fs.exists(layout.config_path) and not replace_config:
             existing = layout.fs.cat_file(layout.config_path).decode()
-            if read_yaml(existing) != read_yaml(text):
+            if _what_runs(existing) != _what_runs(text):
                 raise ConfigError(
                     f"run {config.run_id} already exists at {layout.run_dir} with a different config; "
                     f"use `rlpipe resume {config.run_id} --set section.field=value` to change it deliberately "
@@ -77,3 +89,29 @@ class Run:
     @property
     def fs(self) -> fsspec.AbstractFileSystem:
         return self.layout.fs
+
+
+class RunRef(BaseModel):
+    """A run as a Prefect flow parameter: its storage root and id, all a flow run in another process needs to
+    open it. `RunRef.driving(run)` is made by the process that drives the run already (`rlpipe run`: the `Run`
+    open, the run lease held) and hands that `Run` to the flow it calls in memory; it is never serialized."""
+
+    model_config = ConfigDict(frozen=True)
+    root: str
+    run_id: str
+    _driven: Run | None = PrivateAttr(default=None)
+
+    @classmethod
+    def driving(cls, run: Run) -> RunRef:
+        ref = cls(root=run.root, run_id=run.run_id)
+        ref._driven = run
+        return ref
+
+    @property
+    def driven(self) -> Run | None:
+        """The `Run` this process drives already (its lease held), or None where the flow run opens it."""
+        return self._driven
+
+    @property
+    def layout(self) -> RunLayout:
+        return RunLayout.create(self.root, self.run_id)

@@ -24,7 +24,7 @@ from rich.console import Console
 
 from schemas import settings
 from schemas.config import ConfigError, InvalidRunId, RunConfig, apply_overrides, load_config, parse_config
-from storage.run import Run, resolve_root
+from storage.run import Run, RunRef, resolve_root
 
 console = Console()
 
@@ -65,10 +65,10 @@ def _drive(run: Run) -> int:
         configure_prefect()
         forkserver.start(stage_environment(run.config))
     try:
-        with run_lock(run.layout):
+        with run_lock(run.layout):  # taken once, here: the flow is handed the run this process drives
             from flows.pipeline import loop_flow
 
-            loop_flow(run.root, run.run_id)  # the Prefect boundary: a run travels as (root, run_id)
+            loop_flow(RunRef.driving(run))
     except RunLocked as error:
         console.print(f"[red]{error}[/]")
         return 3
@@ -81,11 +81,11 @@ def _drive(run: Run) -> int:
 
 def cmd_run(args: argparse.Namespace) -> int:
     config = load_config(args.config, args.set)
-    overrides = {"run_id": args.run_id, "root": args.root, "iterations": args.iterations}
+    overrides = {"run_id": args.run_id, "iterations": args.iterations}
     values = config.model_dump(mode="json") | {k: v for k, v in overrides.items() if v is not None}
     config = parse_config(values, args.config or "<defaults>")
     _validate_data(config)
-    return _drive(Run.start(config, args.root))
+    return _drive(Run.start(config, args.root))  # the root: --root, else $RLPIPE_ROOT, else the config's
 
 
 def cmd_resume(args: argparse.Namespace) -> int:

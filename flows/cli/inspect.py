@@ -375,21 +375,22 @@ def cmd_lineage(args: argparse.Namespace) -> int:
 def cmd_report(args: argparse.Namespace) -> int:
     """One run: its report (runs/<run>/report.html). Several: their curves overlaid on one page."""
     from reports.compare import UnknownRun, build_comparison, write_comparison
-    from reports.html import build_report, write_report
+    from reports.html import build_report, read_config, write_report
 
     root = _root(args)
     if len(set(args.runs)) < len(args.runs):
         err_console.print(f"[red]a run is named twice: {' '.join(args.runs)}[/]")
         return 2
     single = len(args.runs) == 1
+    layout = RunLayout.create(root, args.runs[0])
     try:
         if args.out:
-            text = build_report(RunLayout.create(root, args.runs[0])) if single else build_comparison(root, args.runs)
+            text = build_report(layout, read_config(layout)) if single else build_comparison(root, args.runs)
             with open(args.out, "w", encoding="utf-8") as handle:
                 handle.write(text)
             path = args.out
         else:
-            path = write_report(RunLayout.create(root, args.runs[0])) if single else write_comparison(root, args.runs)
+            path = write_report(layout, read_config(layout)) if single else write_comparison(root, args.runs)
     except UnknownRun as error:
         err_console.print(f"[red]{error}[/]")
         return 2

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from flows.artifacts import _flatten, artifact_key, iteration_metrics, report_link
-from schemas.config import load_config
+from schemas.config import RunConfig, load_config
 from stages.registry import ITERATION_STAGES
 from storage.layout import RunLayout
 from storage.run import Run
@@ -43,7 +43,7 @@ def test_report_link_is_skipped_with_a_reason_when_the_builder_is_absent(monkeyp
 def test_report_link_is_skipped_when_the_builder_fails(monkeypatch: pytest.MonkeyPatch) -> None:
     broken = types.ModuleType("reports.html")
 
-    def write_report(layout: RunLayout) -> str:
+    def write_report(layout: RunLayout, config: RunConfig | None) -> str:
         raise OSError("disk full")
 
     broken.write_report = write_report

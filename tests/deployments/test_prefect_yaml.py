@@ -57,7 +57,7 @@ def test_every_stage_has_a_deployment_on_the_pool_it_needs() -> None:
 def test_flows_and_their_parameters_exist() -> None:
     flows = {name: entrypoint_flow(d["entrypoint"]) for name, d in BY_NAME.items()}
     assert flows["loop"].name == "loop" and flows["iteration"].name == flows["advance"].name == "iteration"
-    assert {"config", "run_id", "iterations"} <= set(inspect.signature(flows["loop"].fn).parameters)
+    assert {"config", "run", "iterations"} <= set(inspect.signature(flows["loop"].fn).parameters)
     for name, deployment in BY_NAME.items():
         accepted = set(inspect.signature(flows[name].fn).parameters)
         assert set(deployment.get("parameters", {})) <= accepted, name
@@ -78,7 +78,7 @@ def test_schedule_is_off_until_bound_to_a_run() -> None:
     assert schedule["active"] is False
     rendered = render_spec(SPEC, "tiny", "s3://bucket/prefix", 600)
     advance = {d["name"]: d for d in rendered["deployments"]}[SCHEDULED_DEPLOYMENT]
-    assert advance["parameters"] == {"dispatch": "deployments", "root": "s3://bucket/prefix", "run_id": "tiny"}
+    assert advance["parameters"] == {"dispatch": "deployments", "run": {"root": "s3://bucket/prefix", "run_id": "tiny"}}
     assert advance["schedules"] == [{"interval": 600, "active": True}]
     assert BY_NAME[SCHEDULED_DEPLOYMENT]["schedules"][0]["active"] is False  # the loaded spec is untouched
     PrefectYamlModel.model_validate(rendered)

@@ -204,7 +204,7 @@ def wait_finished(cluster: Cluster, run_ids: list[str], timeout_s: float) -> lis
 
 def stage_runs(api_url: str, run_id: str = RUN_ID) -> list[dict]:
     runs = api_post(api_url, "/flow_runs/filter", {"flows": {"name": {"any_": ["stage"]}}, "limit": 200})
-    return [run for run in runs if run["parameters"]["run_id"] == run_id]
+    return [run for run in runs if run["parameters"]["run"]["run_id"] == run_id]
 
 
 def describe_failures(api_url: str, runs: list[dict]) -> str:
@@ -302,7 +302,7 @@ def test_an_overlapped_run_dispatches_to_both_pools_at_once(cluster: Cluster) ->
     api, run_id = cluster.api, "overlapped"
     config = load_config(CONFIG, [f"run_id={run_id}", "pipeline.max_staleness=1", "train.is_level=token"])
     layout = Run.start(config, cluster.root).layout
-    [loop] = wait_finished(cluster, [trigger(api, "loop/loop", {"root": cluster.root, "run_id": run_id})],
+    [loop] = wait_finished(cluster, [trigger(api, "loop/loop", {"run": {"root": cluster.root, "run_id": run_id}})],
                            timeout_s=WAIT_S)
     stages = stage_runs(api, run_id)
     assert loop["state"]["name"] == "Completed", describe_failures(api, [loop, *stages])

@@ -18,7 +18,7 @@ import pytest
 
 from flows.cli.inspect import main as inspect_main
 from reports.compare import build_comparison, write_comparison
-from reports.html import write_report
+from reports.html import read_config, write_report
 from reports.svg import BOTTOM, HEIGHT, TOP
 from storage.failure import record_failure
 from storage.layout import RunLayout, StageInstance
@@ -110,7 +110,7 @@ def test_pass_at_k_bands_span_each_runs_recorded_interval(root: Path) -> None:
 
 
 def test_single_run_report_draws_pass_at_k_with_its_interval(root: Path) -> None:
-    html = Path(write_report(RunLayout.create(str(root), "alpha"))).read_text()
+    html = Path(write_report(layout := RunLayout.create(str(root), "alpha"), read_config(layout))).read_text()
     svg = chart(html, "chart-pass-at-k")
     bands = {p.get("data-series"): p for p in svg.iter(f"{SVG}polygon")}
     assert set(bands) == {"pass@1", "pass@4"}  # greedy accuracy has no interval

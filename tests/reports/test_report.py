@@ -95,7 +95,7 @@ def test_collect_numbers_match_the_tables(run_root: Path) -> None:
 
 
 def test_report_is_one_self_contained_file(run_root: Path) -> None:
-    path = write_report(RunLayout.create(str(run_root), "rep"))
+    path = write_report(layout := RunLayout.create(str(run_root), "rep"), read_config(layout))
     assert path == f"{run_root}/runs/rep/report.html"
     html = Path(path).read_text()
     assert re.findall(r'(?:src|href)\s*=\s*"(?!#)', html) == []  # no scripts, styles or images from elsewhere
@@ -109,7 +109,7 @@ def test_report_is_one_self_contained_file(run_root: Path) -> None:
 def test_partial_run_still_reports(tmp_path: Path) -> None:
     write_synthetic_run(str(tmp_path), SyntheticSpec(run_id="young", iterations=1, with_checkpoints=False,
                                                      with_eval=False))
-    html = Path(write_report(RunLayout.create(str(tmp_path), "young"))).read_text()
+    html = Path(write_report(layout := RunLayout.create(str(tmp_path), "young"), read_config(layout))).read_text()
     assert html.count("no data yet") == 4  # pass@k, clip, KL, entropy: nothing trained or evaluated yet
     assert 'id="chart-reward"' in html and "<polyline" not in html.split('id="chart-reward"')[1].split("</svg>")[0]
 
@@ -178,7 +178,7 @@ def assert_chart_text_fits(chart: dict) -> None:
 
 @pytest.mark.skipif(CHROMIUM is None, reason="needs Debian `chromium` (make system-deps installs it)")
 def test_charts_render_in_headless_chromium(run_root: Path, tmp_path: Path) -> None:
-    url = Path(write_report(RunLayout.create(str(run_root), "rep"))).as_uri()
+    url = Path(write_report(layout := RunLayout.create(str(run_root), "rep"), read_config(layout))).as_uri()
     dom = chromium(["--dump-dom", url], tmp_path / "profile-dom").stdout
     # The page's script marks each chart with its laid-out size and number of drawn marks on `load`.
     rendered = dict(re.findall(r'<svg[^>]*id="([^"]+)"[^>]*data-rendered="([^"]+)"', dom))
@@ -237,7 +237,7 @@ def test_evaluation_shows_each_datasets_recorded_bootstrap_intervals(tmp_path: P
         for k in (1, 4):
             assert row[f"pass@{k}"] == pytest.approx(summary[f"pass@{k}"])
             assert row[f"pass@{k}_ci"] == (summary[f"pass@{k}_ci_low"], summary[f"pass@{k}_ci_high"])
-    html = (Path(write_report(RunLayout.create(str(tmp_path), "ci")))).read_text()
+    html = (Path(write_report(layout := RunLayout.create(str(tmp_path), "ci"), read_config(layout)))).read_text()
     for row in data.evaluation:
         low, high = row["pass@1_ci"]
         cell = f"{row['pass@1']:.1%} <span class='meta'>[{low:.1%}, {high:.1%}]"

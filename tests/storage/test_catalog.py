@@ -255,7 +255,8 @@ def test_s3_root_reads_like_a_local_one(s3_endpoint: str, tmp_path: Path) -> Non
         assert [s.path for s in remote.skipped] == ["s3://rlpipe-test/history/runs/s/iter=0005/scores.parquet"]
         assert remote.entries("scores")[0].url.startswith("s3://rlpipe-test/history/runs/s/")
     # The report goes through the same catalog and lands in the run directory on S3.
-    from reports.html import write_report
+    from reports.html import read_config, write_report
 
-    assert write_report(RunLayout.create(root, "s")) == "s3://rlpipe-test/history/runs/s/report.html"
+    layout = RunLayout.create(root, "s")
+    assert write_report(layout, read_config(layout)) == "s3://rlpipe-test/history/runs/s/report.html"
     assert fs.cat_file("rlpipe-test/history/runs/s/report.html").startswith(b"<!DOCTYPE html>")

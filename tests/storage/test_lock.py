@@ -193,7 +193,7 @@ def test_a_holder_caught_before_it_records_itself_is_still_named(tmp_path: Path)
 def test_one_process_may_nest_its_own_lock(root: str, processes: list) -> None:
     layout = RunLayout.create(root, "r")
     with run_lock(layout, ttl_s=30):
-        with run_lock(layout, ttl_s=30):  # the CLI holds it and the flow it runs takes it again
+        with run_lock(layout, ttl_s=30):  # a second hold in the same process is counted, not refused
             pass
         contender = spawn(HOLDER, root, "run", "30", "0")
         processes.append(contender)
