@@ -251,7 +251,7 @@ def test_rendered_report_says_the_run_failed_and_its_steps_were_skipped(tmp_path
     layout = write_synthetic_run(str(tmp_path), SyntheticSpec(run_id="stuck", iterations=2, skipped_iterations=(0, 1),
                                                               seed=5))
     record_failure(layout, StageInstance("evaluate", 1), 1, "RuntimeError: CUDA out of memory")
-    page = rendered_layout(write_report(layout), tmp_path)
+    page = rendered_layout(write_report(layout, read_config(layout)), tmp_path)
     text = page["text"]
     assert "Run failed at evaluate iter=1 (exit code 1): RuntimeError: CUDA out of memory" in text
     assert re.search(r"optimizer steps taken\s+0\s+skipped or not applied\s+2\s", text), text[:800]
