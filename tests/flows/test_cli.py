@@ -85,9 +85,9 @@ def test_run_exits_2_when_a_stage_refused_its_input(tmp_path: Path, monkeypatch:
     from flows.runner.process import StageFailed
     from schemas.config import load_config
     from storage.layout import StageInstance
-    from storage.run import Run
+    from storage.run import Run, RunRef
 
-    def loop_flow(root: str, run_id: str) -> None:
+    def loop_flow(run: RunRef) -> None:
         raise StageFailed(StageInstance("score", 0), stage_exit)
 
     monkeypatch.setenv("RLPIPE_DISPATCH", "deployments")  # no stage server: the flow is replaced
