@@ -139,7 +139,7 @@ def run(ctx: StageContext) -> None:
     for dataset in sorted({row["dataset"] for row in rows}):
         metrics[dataset] = aggregate([row for row in rows if row["dataset"] == dataset], ev.k, clusters)
         if multi_turn:
-            metrics[dataset].update(multi_turn_summary([row for row in rows if row["dataset"] == dataset]))
+            metrics[dataset].update(multi_turn_summary([row for row in rows if row["dataset"] == dataset], mt.mode))
     ctx.write_table("eval", pa.Table.from_pylist(rows), metrics)
 
 
