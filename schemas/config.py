@@ -138,7 +138,7 @@ class MultiTurnConfig(Section):
 
     mode: Literal["off", "tool", "feedback"] = Field(
         "off", description="`off`: one response per sample; `tool`: a code-interpreter loop; `feedback`: retries "
-        "with the failing tests' messages."
+        "with what failed (`feedback_tests`)."
     )
     max_turns: int = Field(4, ge=1, le=64, description="Model turns per conversation at most.")
     max_tool_calls: int = Field(3, ge=0, description="Code blocks run per conversation at most (tool mode).")

@@ -79,4 +79,11 @@ def test_code_feedback_recipe(tmp_path: Path) -> None:
     for row, scored in zip(rollouts, scores, strict=True):  # the score stage grades the final answer: last reward
         if row["finish_reason"] != "budget" or len(json.loads(row["conversation"])) % 2 == 1:
             assert scored["reward"] == pytest.approx(row["turn_rewards"][-1])
-    assert "mean_turns" in eval_metrics(run_dir)
+    figures = eval_metrics(run_dir)
+    assert "mean_turns" in figures and "retried_answers" in figures
+    # feedback_tests visible (the default) in training, and always in evaluation: no test's text reaches the model
+    conversations = [json.loads(row["conversation"]) for row in rollouts]
+    evaluated = pq.read_table(run_dir / "iter=0000" / "eval.parquet").to_pylist()
+    feedback = [m["content"] for c in conversations for m in c if m["role"] == "user"]
+    feedback += [row["response_text"] for row in evaluated if "Your answer failed" in row["response_text"]]
+    assert all("candidate(" not in text for text in feedback)
