@@ -84,4 +84,5 @@ def test_code_feedback_recipe(tmp_path: Path) -> None:
     # feedback_tests all in training, but evaluation never shows a held-out test's text (pytasks: `assert
     # candidate(...) == ...`); its response_text is the whole conversation, feedback included
     evaluated = pq.read_table(run_dir / "iter=0000" / "eval.parquet").to_pylist()
+    assert any("Your answer failed" in row["response_text"] for row in evaluated)  # 24 tokens: no answer passes
     assert all("candidate(" not in row["response_text"] for row in evaluated)
