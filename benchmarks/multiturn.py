@@ -150,7 +150,8 @@ def main() -> None:
             tool = SandboxTool(sandbox, mt.tool_timeout_s, 512) if args.mode == "tool" else None
             judge = (sandbox_judge(sandbox, score_cfg, [specs[i] for i in owners],
                                    [RewardInput(starts[k].messages, {}, "pytasks") for k in range(len(starts))],
-                                   mt.feedback_chars) if args.mode == "feedback" else None)
+                                   mt.feedback_chars, show_tests=True)  # as measured: every failing assert
+                     if args.mode == "feedback" else None)
             for loop in loops:
                 cfg = mt.model_copy(update={"continuous_batching": loop == "continuous"})
                 started, cpu_started = time.monotonic(), time.process_time()

@@ -3,11 +3,12 @@
 At the top: a red banner when the run's failure record says it stopped at a stage (stage, exit code, reason),
 and the optimizer steps taken, skipped (an iteration with no kept sample with a nonzero advantage) and not
 applied (a non-finite gradient). Sections: reward and solve rate per iteration; held-out pass@k and greedy
-accuracy per iteration (base model included, as iteration -1); response length and truncation; clip fractions,
-KL and entropy per optimizer step; the sandbox's status mix; time per stage; each reward function's mean and
-failed share per iteration (a chart, a table, and a warning at the top when one failed); the best and worst
-samples of the last iteration. Plots are inline SVG (reports/svg.py); there are no external assets, so the file renders
-offline, from S3, or as a CI artifact, and one inline script only marks each chart as laid out (for tests).
+accuracy per iteration (base model included, as iteration -1; with multi-turn rollouts also turns, tool calls
+and solved-after-retry); response length and truncation; clip fractions, KL and entropy per optimizer step; the
+sandbox's status mix; time per stage; each reward function's mean and failed share per iteration (a chart, a
+table, and a warning at the top when one failed); the best and worst samples of the last iteration. Plots are
+inline SVG (reports/svg.py); there are no external assets, so the file renders offline, from S3, or as a CI
+artifact, and one inline script only marks each chart as laid out (for tests).
 
 `collect` gathers the numbers (testable on their own); `render` turns them into HTML; `write_report`
 writes `runs/<run>/report.html` atomically (local or S3). The flow calls it at the end of every iteration
@@ -82,7 +83,8 @@ def read_config(layout: RunLayout) -> RunConfig | None:
 
 def _evaluation(catalog: Catalog, run_id: str, ks: list[int]) -> list[dict[str, Any]]:
     """One row per (evaluated checkpoint, held-out dataset), in checkpoint order: greedy accuracy, pass@k
-    and, where the evaluate stage recorded it, pass@k's bootstrap 95% interval (`pass@k_ci`)."""
+    and, where the evaluate stage recorded it, pass@k's bootstrap 95% interval (`pass@k_ci`); `summary`: the
+    stage's summary (the multi-turn figures are read from it)."""
     groups = catalog.rows(
         """SELECT iteration, dataset, prompt_id, count(*) AS n, CAST(count_if(correct) AS BIGINT) AS c
            FROM eval WHERE run_id = $run AND mode = 'sampled' GROUP BY ALL""", {"run": run_id})
@@ -95,11 +97,13 @@ def _evaluation(catalog: Catalog, run_id: str, ks: list[int]) -> list[dict[str, 
     for row in groups:
         by_checkpoint.setdefault((row["iteration"], row["dataset"]), []).append(row)
     intervals = _eval_intervals(catalog, run_id)
+    summaries = _eval_summaries(catalog, run_id)
     result = []
     for iteration, dataset in sorted(set(by_checkpoint) | set(greedy)):
         problems = by_checkpoint.get((iteration, dataset), [])
         entry: dict[str, Any] = {"iteration": iteration, "dataset": dataset,
-                                 "greedy": greedy.get((iteration, dataset)), "prompts": len(problems)}
+                                 "greedy": greedy.get((iteration, dataset)), "prompts": len(problems),
+                                 "summary": summaries.get((iteration, dataset), {})}
         for k in ks:
             values = [pass_at_k(g["n"], g["c"], k) for g in problems if g["n"] >= k]
             entry[f"pass@{k}"] = sum(values) / len(values) if values else None
@@ -109,22 +113,46 @@ def _evaluation(catalog: Catalog, run_id: str, ks: list[int]) -> list[dict[str, 
     return result
 
 
-def _eval_intervals(catalog: Catalog, run_id: str) -> dict[tuple[int, str], dict[str, tuple[float, float]]]:
-    """(iteration, dataset) -> metric -> the bootstrap 95% interval the evaluate stage recorded in its
-    manifest (one summary per held-out dataset)."""
-    intervals: dict[tuple[int, str], dict[str, tuple[float, float]]] = {}
+MULTI_TURN_COLUMNS = ("turns", "tool calls / answer", "tool error rate", "solved after retry")
+
+
+def multi_turn_cells(summary: dict[str, Any], mode: str) -> list[str]:
+    """The multi-turn figures of one evaluation summary (the evaluate manifest's, per dataset) as text, one per
+    MULTI_TURN_COLUMNS: `n/a` where the mode has no such thing (tool calls and errors in feedback mode, retries
+    in tool mode) or nothing to count (no tool call; no answer that got a retry); `rlpipe status` shows the same."""
+    def number(name: str) -> str:
+        return f"{summary[name]:.3f}" if summary.get(name) is not None else "n/a"
+
+    if "mean_turns" not in summary:
+        return ["–"] * len(MULTI_TURN_COLUMNS)
+    tool = mode == "tool"
+    retried = summary.get("retried_answers")
+    solved = f"{number('solved_after_retry')} ({retried:.0f} retried)" if retried is not None else "n/a"
+    return [f"{summary['mean_turns']:.2f}", number("tool_calls_per_answer") if tool else "n/a",
+            number("tool_error_rate") if tool else "n/a", solved if mode == "feedback" else "n/a"]
+
+
+def _eval_summaries(catalog: Catalog, run_id: str) -> dict[tuple[int, str], dict[str, Any]]:
+    """(iteration, dataset) -> the evaluate stage's summary in its manifest (one per held-out dataset)."""
+    summaries: dict[tuple[int, str], dict[str, Any]] = {}
     for row in catalog.rows(
         """SELECT iter, metrics FROM manifests WHERE run_id = $run AND stage IN ('evaluate', 'evaluate_base')
            AND name = 'eval'""", {"run": run_id}
     ):
         for dataset, summary in json.loads(row["metrics"]).items():
-            if not (isinstance(summary, dict) and "prompts" in summary):
-                continue
-            intervals[(row["iter"], dataset)] = {
-                metric.removesuffix("_ci_low"): (value, summary[metric.replace("_ci_low", "_ci_high")])
-                for metric, value in summary.items() if metric.endswith("_ci_low")
-            }
-    return intervals
+            if isinstance(summary, dict) and "prompts" in summary:
+                summaries[(row["iter"], dataset)] = summary
+    return summaries
+
+
+def _eval_intervals(catalog: Catalog, run_id: str) -> dict[tuple[int, str], dict[str, tuple[float, float]]]:
+    """(iteration, dataset) -> metric -> the bootstrap 95% interval the evaluate stage recorded in its
+    manifest (one summary per held-out dataset)."""
+    return {
+        key: {metric.removesuffix("_ci_low"): (value, summary[metric.replace("_ci_low", "_ci_high")])
+              for metric, value in summary.items() if metric.endswith("_ci_low")}
+        for key, summary in _eval_summaries(catalog, run_id).items()
+    }
 
 
 MODEL_STAGES = ("evaluate_base", "generate", "train", "evaluate")
@@ -477,16 +505,22 @@ def render(data: ReportData) -> str:
     """The whole page as one HTML string (no external references)."""
     described = describe_config(data.config)
     charts = "".join(f"<div class='card'>{chart}</div>" for chart in _charts(data))
+    mode = data.config.generate.multi_turn.mode if data.config else "off"
     evaluation_rows = "".join(
         "<tr><td>" + ("base" if r["iteration"] < 0 else str(r["iteration"])) + f"</td><td>{escape(r['dataset'])}</td>"
         + "".join(f"<td class='num'>{_pct(r.get(f'pass@{k}'))}{_interval(r.get(f'pass@{k}_ci'))}</td>"
                   for k in data.ks)
-        + f"<td class='num'>{_pct(r['greedy'])}</td><td class='num'>{r['prompts']}</td></tr>"
+        + f"<td class='num'>{_pct(r['greedy'])}</td><td class='num'>{r['prompts']}</td>"
+        + ("".join(f"<td class='num'>{escape(cell)}</td>" for cell in multi_turn_cells(r.get("summary", {}), mode))
+           if mode != "off" else "")
+        + "</tr>"
         for r in data.evaluation
     )
     evaluation_table = (
         "<table><thead><tr><th>iteration</th><th>dataset</th>" + "".join(f"<th>pass@{k} [95% CI]</th>" for k in data.ks)
-        + f"<th>greedy</th><th>prompts</th></tr></thead><tbody>{evaluation_rows}</tbody></table>"
+        + "<th>greedy</th><th>prompts</th>"
+        + ("".join(f"<th>{column}</th>" for column in MULTI_TURN_COLUMNS) if mode != "off" else "")
+        + f"</tr></thead><tbody>{evaluation_rows}</tbody></table>"
         if data.evaluation else "<p class='meta'>no evaluation yet</p>"
     )
     notes = "".join(f"<p class='note'>{escape(n)}</p>" for n in reward_failure_notes(data.reward_functions))

@@ -138,7 +138,7 @@ class MultiTurnConfig(Section):
 
     mode: Literal["off", "tool", "feedback"] = Field(
         "off", description="`off`: one response per sample; `tool`: a code-interpreter loop; `feedback`: retries "
-        "with the failing tests' messages."
+        "with what failed (`feedback_tests`)."
     )
     max_turns: int = Field(4, ge=1, le=64, description="Model turns per conversation at most.")
     max_tool_calls: int = Field(3, ge=0, description="Code blocks run per conversation at most (tool mode).")
@@ -162,6 +162,13 @@ class MultiTurnConfig(Section):
     )
     feedback_chars: int = Field(
         1024, ge=16, description="Characters of failing-test messages in a feedback turn (feedback mode)."
+    )
+    feedback_tests: Literal["visible", "all"] = Field(
+        "visible", description="What a training feedback turn may show of the failing tests. `visible`: only the "
+        "examples a prompt itself shows; no dataset row carries those apart from its tests yet, so it says how "
+        "many tests failed and their error types (`AssertionError`), never a test's text. `all`: each failing "
+        "test's name and message (inputs, expected values: the very asserts the reward grades). Evaluation always "
+        "shows `visible`: held-out tests never reach the model."
     )
     continuous_batching: bool = Field(
         True, description="A conversation's next turn enters the engine as soon as its tool call or judgement "

@@ -83,7 +83,7 @@ def run(ctx: StageContext) -> None:
                           for r, pid in zip(requests, ids, strict=True)]
                 conversations, figures = roll_out(
                     ctx, backend, tokenizer, starts, spec, [json.loads(by_id[pid]["reward_spec"]) for pid in ids],
-                    [RewardInput.of_prompt(by_id[pid]) for pid in ids], label)
+                    [RewardInput.of_prompt(by_id[pid]) for pid in ids], label, held_out=True)
                 result = GenerationResult([conversation_sample(c, tokenizer) for c in conversations],
                                           figures["generation_seconds"], figures["generated_tokens"])
                 turns += [turn_columns(c, mt.mode) for c in conversations]
@@ -141,7 +141,7 @@ def run(ctx: StageContext) -> None:
     for dataset in sorted({row["dataset"] for row in rows}):
         metrics[dataset] = aggregate([row for row in rows if row["dataset"] == dataset], ev.k, clusters)
         if multi_turn:
-            metrics[dataset].update(multi_turn_summary([row for row in rows if row["dataset"] == dataset]))
+            metrics[dataset].update(multi_turn_summary([row for row in rows if row["dataset"] == dataset], mt.mode))
     ctx.write_table("eval", pa.Table.from_pylist(rows), metrics)
 
 

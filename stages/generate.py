@@ -214,13 +214,15 @@ def run(ctx: StageContext) -> None:
 
 def roll_out(
     ctx: StageContext, backend: Backend, tokenizer: Any, starts: list[ConversationStart],  # noqa: ANN401
-    sampling: SamplingSpec, specs: list[dict], inputs: list[RewardInput], label: str,
+    sampling: SamplingSpec, specs: list[dict], inputs: list[RewardInput], label: str, held_out: bool = False,
 ) -> tuple[list[Conversation], dict[str, Any]]:
-    """The agent loop (generate.multi_turn) with the run's sandbox as its tool or its judge."""
+    """The agent loop (generate.multi_turn) with the run's sandbox as its tool or its judge; `held_out`
+    (evaluation): feedback never shows a test's text, whatever `feedback_tests` says."""
     mt = ctx.config.generate.multi_turn
     with Sandbox.from_config(ctx.config.score) as sandbox:
         tool = SandboxTool(sandbox, mt.tool_timeout_s, mt.tool_output_chars) if mt.mode == "tool" else None
-        judge = (sandbox_judge(sandbox, ctx.config.score, specs, inputs, mt.feedback_chars)
+        judge = (sandbox_judge(sandbox, ctx.config.score, specs, inputs, mt.feedback_chars,
+                               show_tests=mt.feedback_tests == "all" and not held_out)
                  if mt.mode == "feedback" else None)
         try:
             return run_conversations(backend, tokenizer, mt, starts, sampling, label, tool=tool, judge=judge)

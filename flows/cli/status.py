@@ -14,6 +14,7 @@ from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
+from reports.html import MULTI_TURN_COLUMNS, multi_turn_cells
 from schemas.tables import BASELINE_SAMPLE_IDX, TABLES
 from stages.evaluation.metrics import clusters_of, paired_gains
 from stages.registry import ITERATION_STAGES, RUN_STAGES, STAGES, instance, is_scheduled, iteration_stages, stage_state
@@ -54,9 +55,11 @@ def status_table(run: Run) -> Group:
                                          for s in ITERATION_STAGES])
     devices = device_table(run)
     functions = reward_function_table(run)
+    multi_turn = multi_turn_table(run)
     failed = [Text(f"✗ {failure.describe()}", style="red")] if failure else []  # the run's failure record
     return Group(run_table, table, *([devices] if devices.row_count else []), training_table(run),
-                 *([functions] if functions.row_count else []), held_out_table(run), *failed)
+                 *([functions] if functions.row_count else []), held_out_table(run),
+                 *([multi_turn] if multi_turn is not None else []), *failed)
 
 
 MODEL_STAGES = ("generate", "train", "evaluate")
@@ -172,6 +175,27 @@ def held_out_table(run: Run) -> Group:
                 gains.add_row(label, dataset, *[_signed(*gain[name]) if name in gain else ""
                                                 for name in ("pass@1", "greedy", "reward")])
     return Group(results, gains) if gains.row_count else Group(results)
+
+
+def multi_turn_table(run: Run) -> Table | None:
+    """With generate.multi_turn on: each evaluated checkpoint's turns, tool calls per answer, tool error rate and
+    solved-after-retry per held-out dataset (the eval manifests' figures; `n/a` where the mode has none)."""
+    mode = run.config.generate.multi_turn.mode
+    if mode == "off":
+        return None
+    table = Table(title=f"multi-turn evaluation ({mode} mode)")
+    for column in ("checkpoint", "dataset", *MULTI_TURN_COLUMNS):
+        table.add_column(column, no_wrap=column == "checkpoint")
+    checkpoints = [("base", "evaluate_base", BASE)]
+    checkpoints += [(f"iter {k}", "evaluate", k) for k in range(run.config.iterations)]
+    for label, stage, iteration in checkpoints:
+        state = stage_state(run, instance(stage, iteration))
+        if not state.done:
+            continue
+        for dataset, summary in sorted(state.manifests[-1].metrics.items()):
+            if isinstance(summary, dict) and "prompts" in summary:
+                table.add_row(label, dataset, *multi_turn_cells(summary, mode))
+    return table
 
 
 def _number(value: float | None) -> str:

@@ -218,10 +218,12 @@ def aggregate(rows: list[dict], ks: list[int], clusters: dict[str, str] | None =
     return summary
 
 
-def multi_turn_summary(rows: list[dict]) -> dict[str, float]:
-    """Per-dataset figures of a multi-turn evaluation (rows of an EVAL v2 table, every mode): mean model turns,
-    tool calls per answer, tool error rate (errors / calls), and solved-after-retry: of the answers whose first
-    attempt failed, the fraction whose final answer is correct (feedback mode; 0 retried answers: left out)."""
+def multi_turn_summary(rows: list[dict], mode: str) -> dict[str, float]:
+    """Per-dataset figures of a multi-turn evaluation (rows of an EVAL v2 table) in `mode` (tool | feedback): mean
+    model turns, tool calls per answer, tool error rate (errors / calls; none without a call), and in feedback mode
+    `retried_answers`, those whose first attempt failed and that got a second turn (the budget can end a
+    conversation before its retry), and `solved_after_retry`, the fraction of those whose final answer is correct
+    (none without a retried answer). Tool mode has no retries: neither figure."""
     if not rows:
         return {}
     calls = sum(row["tool_calls"] for row in rows)
@@ -231,7 +233,9 @@ def multi_turn_summary(rows: list[dict]) -> dict[str, float]:
     }
     if calls:
         summary["tool_error_rate"] = sum(row["tool_errors"] for row in rows) / calls
-    retried = [row for row in rows if row["first_answer_correct"] is False]
-    if retried:
-        summary["solved_after_retry"] = sum(bool(row["correct"]) for row in retried) / len(retried)
+    if mode == "feedback":
+        retried = [row for row in rows if row["first_answer_correct"] is False and row["num_turns"] > 1]
+        summary["retried_answers"] = len(retried)
+        if retried:
+            summary["solved_after_retry"] = sum(bool(row["correct"]) for row in retried) / len(retried)
     return summary

@@ -13,19 +13,25 @@ assistant message (prefix diff), or `<interpreter>` text that continues the mode
 tokens get loss_mask 0 and logprob 0.0. Turn 0 uses the sample's own seed (so it draws what single-turn
 generation would), turn t a seed derived from (seed, t).
 
-tool mode: a turn that ends at the code stop sequence (the closing ``` fence, or </code>) is a tool call; its
-last code block runs through the sandbox's run_code path (the scoring sandbox's isolation, a per-call timeout,
-output cap), and what came out, an error, a timeout or a flood included, is the next observation: a tool call
-never fails the stage. A turn that ends otherwise (eos, its length) is the final answer. feedback mode: every
-answer is scored by the score stage's scorer; a failed one gets the failing tests' messages back as a user turn,
-up to max_turns; each turn's reward is kept. The conversation's token budget cuts it (finish_reason `budget`).
+tool mode: a turn that ends at the code stop sequence (the closing ``` fence, or </code>) is a tool call; the
+stop string `\n```\n` also matches a bare opening fence, so a turn stopped where no block was open goes on (the
+same turn, another request: no stop string can tell the two, on any backend). A call's last code block runs
+through the sandbox's run_code path (the scoring sandbox's isolation, a per-call timeout, output cap), and
+what came out, an error, a timeout or a flood included, is the next observation: a tool call never fails the
+stage. A turn that ends otherwise (eos, its length) is the final answer. feedback mode: every answer is scored
+by the score stage's scorer; a failed one gets the failing tests back as a user turn (`feedback_tests`: their
+names and messages, or only how many failed and the error types), up to max_turns; each turn's reward is kept.
+Observation and feedback text is tokenized with special tokens split: a program cannot print a control token.
+The conversation's token budget cuts it (finish_reason `budget`).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import re
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from contextlib import AbstractContextManager, contextmanager
@@ -44,13 +50,31 @@ FINISH_REASONS = ("stop", "length", "budget", "max_turns", "max_tool_calls")
 TRUNCATING = ("length", "budget")
 CODE_STOPS = {"markdown": "\n```\n", "code_tags": "</code>"}
 PLACEHOLDER = "RLPIPE-TURN-PLACEHOLDER-1b7e"
+CONTENT_PLACEHOLDER = "RLPIPE-CONTENT-PLACEHOLDER-5c2a"
+# A fence line: ``` and an info string (no backticks) opens a block; only a bare ``` line closes one
+# (stages/sandbox/extract.py reads blocks the same way).
+_FENCE_LINE = re.compile(r"[ \t]*```[ \t]*([^`]*?)[ \t]*")
+_ERROR_TYPE = re.compile(r"[A-Za-z_][\w.]*(?:Error|Exception|Exit|Interrupt)\b")
 
 
-def turn_seed(seed: int, turn: int) -> int:
-    """Turn 0 keeps the sample's seed; turn t >= 1 gets a 63-bit hash of (seed, t)."""
-    if turn == 0:
+def turn_seed(seed: int, turn: int, part: int = 0) -> int:
+    """Turn 0 keeps the sample's seed; turn t >= 1 gets a 63-bit hash of (seed, t); part p >= 1 of a turn that
+    went on past a bare opening fence a hash of (seed, t, p)."""
+    if turn == 0 and part == 0:
         return seed
-    return int.from_bytes(hashlib.sha256(f"{seed}:turn:{turn}".encode()).digest()[:8], "big") >> 1
+    key = f"{seed}:turn:{turn}" + (f":part:{part}" if part else "")
+    return int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "big") >> 1
+
+
+def ends_inside_block(text: str) -> bool:
+    """Whether markdown `text` (its complete lines) ends inside an open ``` block: an opening fence that the
+    code stop `\n```\n` matched when it was bare, so no code has been written yet."""
+    inside = False
+    for line in text.split("\n")[:-1]:
+        fence = _FENCE_LINE.fullmatch(line)
+        if fence and (not inside or not fence.group(1)):
+            inside = not inside
+    return inside
 
 
 def final_answer(messages: list[dict[str, str]]) -> str:
@@ -84,6 +108,8 @@ class Conversation:
     tool_seconds: float = 0.0
     finish_reason: str | None = None
     turn_cut: bool = False  # the last turn ended at its token cap
+    open_block: bool = False  # the last turn stopped at a bare opening fence: it goes on (the same turn)
+    parts: int = 0  # generate calls of the last turn so far
 
     @property
     def num_turns(self) -> int:
@@ -161,26 +187,42 @@ def cap_tail(text: str, chars: int) -> str:
 Judge = Callable[[list[int], list[str]], list[tuple[float, bool, str]]]
 
 
-def feedback_message(tests: list[dict[str, Any]], status: str, chars: int) -> str:
-    """The user turn after a failed answer: each failing test's name, status and message, capped."""
+def feedback_message(tests: list[dict[str, Any]], status: str, chars: int, show_tests: bool = False) -> str:
+    """The user turn after a failed answer, capped: each failing test's name, status and message (`show_tests`),
+    or only how many tests failed and their error types, so no test's text (inputs, expected values) is shown."""
+    failing = [t for t in tests if not t.get("passed")]
     if status == "no_code":
         lines = ["No code block was found in your answer."]
-    else:
+    elif not failing:
+        lines = [f"- the answer's status was {status}"]
+    elif show_tests:
         lines = [f"- {t.get('name', '?')}: {t.get('status', 'fail')}" + (f": {t['message']}" if t.get("message")
-                                                                          else "")
-                 for t in tests if not t.get("passed")] or [f"- the answer's status was {status}"]
+                                                                          else "") for t in failing]
+    else:
+        kinds = Counter(error_type(t) for t in failing)
+        lines = [f"- {len(failing)} of {len(tests)} tests failed: "
+                 + ", ".join(f"{kind}" + (f" x{n}" if n > 1 else "") for kind, n in sorted(kinds.items()))]
     body = cap("\n".join(lines), chars)
     return f"Your answer failed these tests:\n{body}\nFix the code and give the whole corrected solution."
 
 
-def sandbox_judge(sandbox: Any, score_cfg: Any, specs: list[dict], inputs: list[Any], chars: int) -> Judge:  # noqa: ANN401
-    """A Judge that scores answers with the score stage's scorer (stages/sandbox/rewards.score)."""
+def error_type(test: dict[str, Any]) -> str:
+    """A failing test's exception name (`AssertionError`) when its message starts with one, else its status."""
+    named = _ERROR_TYPE.match(test.get("message") or "")
+    return named.group(0) if named else str(test.get("status") or "fail")
+
+
+def sandbox_judge(sandbox: Any, score_cfg: Any, specs: list[dict], inputs: list[Any], chars: int,  # noqa: ANN401
+                  show_tests: bool = False) -> Judge:
+    """A Judge that scores answers with the score stage's scorer (stages/sandbox/rewards.score); its feedback
+    shows the failing tests' text only with `show_tests` (training with `feedback_tests: all`)."""
     from stages.sandbox import ScoreJob, rewards
 
     def judge(indices: list[int], texts: list[str]) -> list[tuple[float, bool, str]]:
         jobs = [ScoreJob(text, specs[i]) for i, text in zip(indices, texts, strict=True)]
         results = rewards.score(sandbox, score_cfg, jobs, [inputs[i] for i in indices])
-        return [(r.reward, r.status == "ok", feedback_message(r.tests, r.status, chars)) for r in results]
+        return [(r.reward, r.status == "ok", feedback_message(r.tests, r.status, chars, show_tests))
+                for r in results]
 
     return judge
 
@@ -196,7 +238,13 @@ class ObservationTokens:
         self.special_ids = set(tokenizer.all_special_ids)
 
     def encode(self, text: str) -> list[int]:
+        """The chat template's own text: its control tokens are live."""
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def encode_content(self, text: str) -> list[int]:
+        """Text a program or a test wrote: special tokens split into plain characters, so an output that prints
+        `<|im_end|>` can never end a turn or forge one."""
+        return list(self.tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"])
 
     def templated(self, messages: list[dict[str, str]], added: list[dict[str, str]], last_token: int | None) -> str:
         """The template's text for `added` after an assistant turn, up to the next assistant generation prompt.
@@ -214,13 +262,22 @@ class ObservationTokens:
                 after = after[len(own):]
         return after
 
+    def message(self, messages: list[dict[str, str]], role: str, content: str, last_token: int | None) -> list[int]:
+        """The template's rendering of one added message: its framing encoded as template text, `content` with
+        special tokens split."""
+        text = self.templated(messages, [{"role": role, "content": CONTENT_PLACEHOLDER}], last_token)
+        if text.count(CONTENT_PLACEHOLDER) != 1:
+            raise ValueError(f"the chat template does not render a {role} message's content once and verbatim")
+        before, after = text.split(CONTENT_PLACEHOLDER)
+        return self.encode(before) + self.encode_content(content) + self.encode(after)
+
     def tool(self, messages: list[dict[str, str]], output: str, last_token: int | None) -> list[int]:
         if self.tool_role:
-            return self.encode(self.templated(messages, [{"role": "tool", "content": output}], last_token))
-        return self.encode(f"<interpreter>\n{output}\n</interpreter>\n")
+            return self.message(messages, "tool", output, last_token)
+        return self.encode_content(f"<interpreter>\n{output}\n</interpreter>\n")
 
     def user(self, messages: list[dict[str, str]], text: str, last_token: int | None) -> list[int]:
-        return self.encode(self.templated(messages, [{"role": "user", "content": text}], last_token))
+        return self.message(messages, "user", text, last_token)
 
 
 def tool_code(text: str, code_format: str) -> str | None:
@@ -282,9 +339,14 @@ class TurnRules:
         self.code_stop = CODE_STOPS[cfg.code_format]
         self.stops = [*sampling.stop, self.code_stop] if cfg.mode == "tool" else list(sampling.stop)
 
+    def turn_room(self, c: Conversation) -> int:
+        """Tokens the next request may add to its turn: the per-turn cap, less what an open turn already has."""
+        used = c.turn_spans[-1][1] - c.turn_spans[-1][0] if c.open_block else 0
+        return self.sampling.max_new_tokens - used
+
     def max_new(self, c: Conversation) -> int:
-        """The next turn's token cap: the per-turn cap, or what is left of the conversation's budget."""
-        return min(self.sampling.max_new_tokens, self.cfg.max_response_tokens - len(c.token_ids))
+        """The next request's token cap: what is left of its turn's cap, or of the conversation's budget."""
+        return min(self.turn_room(c), self.cfg.max_response_tokens - len(c.token_ids))
 
     def spec(self, max_new: int) -> SamplingSpec:
         s = self.sampling
@@ -292,36 +354,55 @@ class TurnRules:
                             stop=self.stops)
 
     def request(self, c: Conversation) -> GenerationRequest:
-        """Turn t's request: the prompt and every token so far, the seed of (sample seed, t)."""
-        return GenerationRequest(c.start.prompt_token_ids + c.token_ids, turn_seed(c.start.seed, c.num_turns))
+        """The next request: the prompt and every token so far; the seed of (sample seed, turn), or of (sample
+        seed, turn, part) where a turn goes on past a bare opening fence."""
+        seed = (turn_seed(c.start.seed, c.num_turns - 1, c.parts) if c.open_block
+                else turn_seed(c.start.seed, c.num_turns))
+        return GenerationRequest(c.start.prompt_token_ids + c.token_ids, seed)
 
     def record(self, c: Conversation, sample: Sample, max_new: int) -> None:
-        """Append a finished turn's tokens and message; set the finish reason where the turn ends the conversation
-        (in feedback mode the judge decides the rest, `apply_verdict`)."""
-        cfg, turn = self.cfg, c.num_turns
+        """Append a finished request's tokens to its turn (a new one, or the open one it continues) and set the
+        finish reason where the turn ends the conversation (in feedback mode the judge decides the rest,
+        `apply_verdict`). In tool mode a stop at the code fence is a tool call only when the fence closes a
+        block: a bare opening fence matches the stop string too, and then the same turn goes on."""
+        cfg = self.cfg
+        budget_bound = max_new < self.turn_room(c)  # the conversation's budget, not the turn's cap, set max_new
         begin = len(c.token_ids)
         c.token_ids += sample.token_ids
         c.logprobs += sample.logprobs
         c.loss_mask += [1] * len(sample.token_ids)
-        c.turn_spans.append([begin, len(c.token_ids)])
-        text = self.tokenizer.decode(sample.token_ids, skip_special_tokens=True)
-        c.messages.append({"role": "assistant", "content": text})
+        if c.open_block:
+            c.turn_spans[-1][1] = len(c.token_ids)
+            c.parts += 1
+        else:
+            c.turn_spans.append([begin, len(c.token_ids)])
+            c.messages.append({"role": "assistant", "content": ""})
+            c.parts = 1
+        begin_turn, end_turn = c.turn_spans[-1]
+        text = self.tokenizer.decode(c.token_ids[begin_turn:end_turn], skip_special_tokens=True)
+        c.messages[-1]["content"] = text
         out_of_budget = len(c.token_ids) >= cfg.max_response_tokens
-        ended_at_code = (cfg.mode == "tool" and sample.finish_reason == "stop"
-                         and sample.token_ids[-1:] != [] and sample.token_ids[-1] not in self.observe.special_ids
-                         and self.code_stop in text)
+        at_code_stop = (cfg.mode == "tool" and sample.finish_reason == "stop"
+                        and sample.token_ids[-1:] != [] and sample.token_ids[-1] not in self.observe.special_ids
+                        and self.code_stop in self.tokenizer.decode(sample.token_ids, skip_special_tokens=True))
+        c.open_block = at_code_stop and cfg.code_format == "markdown" and ends_inside_block(text)
         c.turn_cut = sample.finish_reason == "length"
-        if c.turn_cut and (max_new < self.sampling.max_new_tokens or out_of_budget):
+        if c.turn_cut and (budget_bound or out_of_budget):
             c.finish_reason = "budget"
         elif cfg.mode == "feedback":
             c.finish_reason = "budget" if out_of_budget else None  # the judge decides (apply_verdict)
         elif c.turn_cut:
             c.finish_reason = "length"
-        elif not ended_at_code:
+        elif c.open_block and (out_of_budget or self.turn_room(c) <= 0):
+            c.open_block, c.turn_cut = False, True
+            c.finish_reason = "budget" if out_of_budget else "length"
+        elif c.open_block:
+            c.finish_reason = None  # the same turn goes on
+        elif not at_code_stop:
             c.finish_reason = "stop"
         elif c.tool_calls >= cfg.max_tool_calls:
             c.finish_reason = "max_tool_calls"
-        elif turn == cfg.max_turns - 1:
+        elif c.num_turns == cfg.max_turns:
             c.finish_reason = "max_turns"
         elif out_of_budget:
             c.finish_reason = "budget"
@@ -332,7 +413,7 @@ class TurnRules:
     def apply_tool_result(self, c: Conversation, code: str | None, result: ToolResult) -> None:
         """A tool call's output as the next observation."""
         c.tool_calls += 1
-        if code is None:  # the stop fired on a fence that opened no python block
+        if code is None:  # the closed block was empty, or tagged with another language
             result = ToolResult("no code found in the block", True, 0.0)
         c.tool_errors += int(result.error)
         c.tool_seconds += result.seconds
@@ -365,16 +446,19 @@ def _run_per_turn(backend: Backend, turns: TurnRules, conversations: list[Conver
         active = [c for c in conversations if c.finish_reason is None]
         if not active:
             break
-        budgets: dict[int, list[Conversation]] = {}
-        for c in active:
-            budgets.setdefault(turns.max_new(c), []).append(c)
-        for max_new, group in sorted(budgets.items()):
-            result = generate_with_progress(backend, [turns.request(c) for c in group], turns.spec(max_new),
-                                            f"{label} turn {turn + 1}")
-            figures["generation_seconds"] += result.seconds
-            figures["generated_tokens"] += result.tokens
-            for c, sample in zip(group, result.samples, strict=True):
-                turns.record(c, sample, max_new)
+        going = active
+        while going:  # a turn that stopped at a bare opening fence goes on in another call
+            budgets: dict[int, list[Conversation]] = {}
+            for c in going:
+                budgets.setdefault(turns.max_new(c), []).append(c)
+            for max_new, group in sorted(budgets.items()):
+                result = generate_with_progress(backend, [turns.request(c) for c in group], turns.spec(max_new),
+                                                f"{label} turn {turn + 1}")
+                figures["generation_seconds"] += result.seconds
+                figures["generated_tokens"] += result.tokens
+                for c, sample in zip(group, result.samples, strict=True):
+                    turns.record(c, sample, max_new)
+            going = [c for c in going if c.open_block]
         started = time.monotonic()
         if turns.cfg.mode == "tool":
             calling = [c for c in active if c.finish_reason is None]
@@ -427,7 +511,9 @@ def _run_continuous(open_session: Callable[[], AbstractContextManager[TurnSessio
                 c = conversations[key]
                 turns.record(c, sample, caps[key])
                 figures["generated_tokens"] += len(sample.token_ids)
-                if turns.cfg.mode == "feedback":
+                if c.open_block:  # stopped at a bare opening fence: the same turn goes on
+                    submit_turn(key)
+                elif turns.cfg.mode == "feedback":
                     judged.append(key)
                 elif c.finish_reason is None:
                     code = turns.code(c)

@@ -195,11 +195,30 @@ def _describe(error: BaseException) -> str:
     return f"{type(error).__name__}: {error}"[:2000]
 
 
+CANDIDATE = "main.py"  # the file name the candidate's code runs under
+_candidate_source = ""  # kept for the lines of its traceback
+
+
 def _load(source: str, name: str) -> dict:
+    global _candidate_source
+    _candidate_source = source
     namespace: dict = {"__name__": name, "__builtins__": __builtins__}
-    sys.argv = ["main.py"]
-    exec(compile(source, "main.py", "exec"), namespace)
+    sys.argv = [CANDIDATE]
+    exec(compile(source, CANDIDATE, "exec"), namespace)
     return namespace
+
+
+def user_traceback(error: BaseException) -> str:
+    """The candidate's traceback: its own frames (main.py) with their lines and the error line; none of this
+    runner's frames, nor the standard library's, whose file names say where rlpipe and Python live on the host.
+    (Imported here, on the error path only: a child's start-up stays without them.)"""
+    import linecache
+    import traceback
+
+    linecache.cache[CANDIDATE] = (len(_candidate_source), None, _candidate_source.splitlines(True), CANDIDATE)
+    frames = [frame for frame in traceback.extract_tb(error.__traceback__) if frame.filename == CANDIDATE]
+    head = "Traceback (most recent call last):\n" + "".join(traceback.format_list(frames)) if frames else ""
+    return head + "".join(traceback.format_exception_only(type(error), error))
 
 
 def _serve(requests: int, replies: int) -> None:
@@ -289,8 +308,11 @@ def run_mode(mode: str) -> None:
             import json  # noqa: F401 - proves the standard library is readable from inside the sandbox
     except SystemExit as error:
         code = _exit_code(error)
-    except BaseException:
-        sys.excepthook(*sys.exc_info())
+    except BaseException as error:
+        try:
+            sys.stderr.write(user_traceback(error))
+        except BaseException:
+            pass
         code = 1
     _finish(code)
 

@@ -69,7 +69,7 @@ def test_retool_recipe(tmp_path: Path) -> None:
 
 def test_code_feedback_recipe(tmp_path: Path) -> None:
     run_dir = run_recipe(tmp_path, "code-feedback-cpu", "generate.multi_turn.max_response_tokens=192",
-                         "generate.multi_turn.feedback_chars=200")
+                         "generate.multi_turn.feedback_chars=200", "generate.multi_turn.feedback_tests=all")
     rollouts = check_conversations(run_dir, max_turns=2, budget=192)
     for row in rollouts:
         assert len(row["turn_rewards"]) == row["num_turns"] and row["tool_calls"] == 0
@@ -79,4 +79,10 @@ def test_code_feedback_recipe(tmp_path: Path) -> None:
     for row, scored in zip(rollouts, scores, strict=True):  # the score stage grades the final answer: last reward
         if row["finish_reason"] != "budget" or len(json.loads(row["conversation"])) % 2 == 1:
             assert scored["reward"] == pytest.approx(row["turn_rewards"][-1])
-    assert "mean_turns" in eval_metrics(run_dir)
+    figures = eval_metrics(run_dir)
+    assert "mean_turns" in figures and "retried_answers" in figures
+    # feedback_tests all in training, but evaluation never shows a held-out test's text (pytasks: `assert
+    # candidate(...) == ...`); its response_text is the whole conversation, feedback included
+    evaluated = pq.read_table(run_dir / "iter=0000" / "eval.parquet").to_pylist()
+    assert any("Your answer failed" in row["response_text"] for row in evaluated)  # 24 tokens: no answer passes
+    assert all("candidate(" not in row["response_text"] for row in evaluated)

@@ -66,3 +66,11 @@ def test_gains_pool_every_held_out_problem_when_there_are_several_datasets() -> 
     assert low < 0.125 < high  # resampling problems and each problem's 4 samples
     # One dataset: no pooled row.
     assert [name for name, _ in checkpoint_gains({"a": base["a"]}, after, clusters={})] == ["a"]
+
+
+def test_a_multi_turn_run_shows_its_multi_turn_table(tmp_path: Path) -> None:
+    for name, overrides in (("tool", ["generate.multi_turn.mode=tool"]), ("single", [])):
+        config = load_config(None, [f"run_id={name}", "iterations=1", *overrides])
+        console = Console(width=200, record=True)
+        console.print(status_table(Run(start_run(config, str(tmp_path / name)), config)))
+        assert ("multi-turn evaluation (tool mode)" in console.export_text()) is bool(overrides)

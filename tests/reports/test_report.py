@@ -262,3 +262,30 @@ def test_rendered_report_says_the_run_failed_and_its_steps_were_skipped(tmp_path
         assert_chart_text_fits(chart)
     legend = [t["text"] for t in charts["chart-pass-at-k"]["texts"] if t["kind"] == "legend"]
     assert legend == ["pass@1", "pass@4", "greedy accuracy"]
+
+
+def test_multi_turn_figures_read_n_a_where_they_do_not_apply() -> None:
+    """Tool mode: turns, calls per answer and error rate, no retries (n/a, not 0.0); feedback mode: no tool
+    figures, solved after retry over the answers that got a retry; n/a where there is nothing to count."""
+    from reports.html import ReportData, multi_turn_cells, render
+    from schemas.config import load_config
+
+    tool = {"prompts": 4, "mean_turns": 1.75, "tool_calls_per_answer": 1.25, "tool_error_rate": 0.2}
+    assert multi_turn_cells(tool, "tool") == ["1.75", "1.250", "0.200", "n/a"]
+    assert multi_turn_cells({"prompts": 4, "mean_turns": 1.0, "tool_calls_per_answer": 0.0}, "tool") == [
+        "1.00", "0.000", "n/a", "n/a"]  # no call: no error rate
+    feedback = {"prompts": 4, "mean_turns": 1.5, "tool_calls_per_answer": 0.0, "retried_answers": 3,
+                "solved_after_retry": 2 / 3}
+    assert multi_turn_cells(feedback, "feedback") == ["1.50", "n/a", "n/a", "0.667 (3 retried)"]
+    assert multi_turn_cells({**feedback, "retried_answers": 0, "solved_after_retry": None}, "feedback")[3] == (
+        "n/a (0 retried)")
+    assert multi_turn_cells({"prompts": 4}, "tool") == ["–"] * 4  # an evaluation from before multi-turn figures
+    data = ReportData(run_id="mt", root="/r", config=load_config(None, ["generate.multi_turn.mode=feedback"]),
+                      evaluation=[{"iteration": -1, "dataset": "pytasks", "greedy": 0.5, "prompts": 4,
+                                   "pass@1": 0.25, "summary": feedback}])
+    html = render(data)
+    assert "<th>solved after retry</th>" in html
+    assert ("<td class='num'>1.50</td><td class='num'>n/a</td><td class='num'>n/a</td>"
+            "<td class='num'>0.667 (3 retried)</td></tr>") in html
+    data.config = load_config(None, [])
+    assert "solved after retry" not in render(data)  # single-turn runs keep their table

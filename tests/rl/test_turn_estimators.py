@@ -217,6 +217,31 @@ def test_turn_gae_through_the_advantage_and_train_stages(run_layout) -> None:  #
     assert (Path(layout.checkpoint_dir(0)) / "critic").is_dir()
 
 
+def test_turn_gae_reads_the_critic_at_each_turns_first_model_token() -> None:
+    """A critic that is not zero (an iteration after the first), V varying inside each turn, gamma 0.9, lambda
+    0.8 (gamma lambda 0.72), through build_batch. c0: mask [1, 1, 0, 0, 1, 1], spans [0, 2) [4, 6), turn rewards
+    [0.2, 1.0] (r' = [0.2, 0.8]), V = [0.5, 0.9, 0, 0, 0.3, 0.7]: V at the turns' first tokens [0.5, 0.3]
+      delta_2 = 0.8 - 0.3 = 0.5 = A_2, R_2 = 0.8;  delta_1 = 0.2 + 0.9 * 0.3 - 0.5 = -0.03,
+      A_1 = -0.03 + 0.72 * 0.5 = 0.33, R_1 = 0.83
+    (read at the last tokens [0.9, 0.7]: A = [-0.106, 0.1], R_1 = 0.902). c1: one turn, reward 0, V = [0.4, 0.1,
+    0.2]: A = -0.4, R = 0. token_advantages: those on the model tokens, whitened over the 7 model tokens."""
+    base = {"run_id": "r", "iteration": 1, "round": 0, "prompt_id": "a", "truncated": False}
+    rows = [{**base, "sample_idx": 0, "reward": 1.0, "status": "ok", "num_tokens": 6, "loss_mask": [1, 1, 0, 0, 1, 1],
+             "turn_spans": [[0, 2], [4, 6]], "turn_rewards": [0.2, 1.0], "values": [0.5, 0.9, 0.0, 0.0, 0.3, 0.7]},
+            {**base, "sample_idx": 1, "reward": 0.0, "status": "fail", "num_tokens": 3, "loss_mask": [1, 1, 1],
+             "turn_spans": [[0, 3]], "turn_rewards": [0.0], "values": [0.4, 0.1, 0.2]}]
+    cfg = AdvantageConfig(estimator="turn_gae", gamma=0.9, lam=0.8)
+    batch, _ = advantage.build_batch(pa.Table.from_pylist(rows), cfg, 16)
+    c0, c1 = batch.sort_by("sample_idx").to_pylist()
+    np.testing.assert_allclose(c0["returns"], [0.83, 0.83, 0.0, 0.0, 0.8, 0.8], atol=1e-6)
+    np.testing.assert_allclose(c1["returns"], [0.0, 0.0, 0.0], atol=1e-6)
+    model = np.array([0.33, 0.33, 0.5, 0.5, -0.4, -0.4, -0.4])
+    whitened = (model - model.mean()) / np.sqrt(model.var(ddof=1) + 1e-8)
+    np.testing.assert_allclose(c0["token_advantages"], [*whitened[:2], 0.0, 0.0, *whitened[2:4]], atol=1e-5)
+    np.testing.assert_allclose(c1["token_advantages"], whitened[4:], atol=1e-5)
+    np.testing.assert_allclose(c0["values"], rows[0]["values"], atol=1e-6)
+
+
 def test_bad_turns_are_an_input_error() -> None:
     """A span outside the response or a turn_rewards list of the wrong length names the rollout."""
     base = {"run_id": "r", "iteration": 0, "round": 0, "prompt_id": "a", "num_tokens": 3, "truncated": False,

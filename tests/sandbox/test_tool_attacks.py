@@ -4,7 +4,9 @@ hanging call and an output flood included; nothing raises, no process is left be
 
 from __future__ import annotations
 
+import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -62,3 +64,29 @@ def test_a_hanging_call_and_a_flood_are_observations(sandbox: Sandbox) -> None:
     assert crash.error and crash.output.startswith("partial\n") and crash.output.endswith("ValueError: boom")
     assert (fine.output, fine.error) == ("338350", False)  # 1^2 + ... + 100^2 = 100*101*201/6
     assert sandbox.leftover_processes() == 0
+
+
+def test_an_error_shows_the_programs_own_traceback_only(sandbox: Sandbox) -> None:
+    """A program that raises inside the standard library (json) from a function of its own: the observation is
+    its output, its own frames with their lines and the error line; no frame of rlpipe's runner or of the
+    standard library, no host path. A syntax error shows its line and caret."""
+    tool = SandboxTool(sandbox, timeout_s=2.0, output_chars=2000)
+    raised, syntax = tool.run([
+        "import json\n\ndef parse(text):\n    return json.loads(text)\n\nprint('parsing')\nparse('{oops')\n",
+        "print('never')\ndef f(:\n    pass\n",
+    ])
+    assert raised.error and raised.output == (
+        "parsing\n"
+        "Traceback (most recent call last):\n"
+        '  File "main.py", line 7, in <module>\n'
+        "    parse('{oops')\n"
+        '  File "main.py", line 4, in parse\n'
+        "    return json.loads(text)\n"
+        "           ^^^^^^^^^^^^^^^^\n"
+        "json.decoder.JSONDecodeError: Expecting property name enclosed in double quotes: line 1 column 2 (char 1)"
+    )
+    assert syntax.error and syntax.output.startswith('  File "main.py", line 2\n    def f(:\n')
+    assert syntax.output.endswith("SyntaxError: invalid syntax")
+    for output in (raised.output, syntax.output):
+        for host in (str(Path(__file__).parents[2]), "/work", "stages/sandbox", "_runner", "/usr/lib", sys.prefix):
+            assert host not in output
