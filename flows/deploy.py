@@ -100,12 +100,6 @@ def render_spec(spec: dict[str, Any], run_id: str | None, root: str | None, ever
 # Processes: server, workers, prefect deploy
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as probe:
-        probe.bind((host, 0))
-        return probe.getsockname()[1]
-
-
 def prefect_executable() -> list[str]:
     return [sys.executable, "-m", "prefect"]
 

@@ -8,10 +8,12 @@ by stages/rl/session.py (plain torch, in this process) or stages/rl/deepspeed_ba
 the sampler's are the behaviour policy for rollout correction (or the old policy, `bypass_old_logprobs`).
 The KL reference is the base model, verified against the run's base-model hash. A skipped batch (no kept
 nonzero advantage) trains nothing: the checkpoint is a copy of the input policy, so iteration k+1 has one,
-and the table holds one row with skipped = True. Seeds are fixed by (train.seed, iteration). With GAE a critic
-trains beside the policy (stages/rl/critic.py), in the checkpoint's `critic/`. A multi-turn rollout's
-`loss_mask` goes with its sample: observation tokens are context, never loss. A progress bar counts the
-optimizer steps with loss, KL and tokens/s; DeepSpeed's rank 0 reports each step through a file.
+and the table holds one row with skipped = True. Otherwise train_metrics' manifest says `deterministic: false`,
+since each step's `seconds` is measured (on CPU it names that column alone: `nondeterministic_columns`). Seeds
+are fixed by (train.seed, iteration). With GAE a critic trains beside the policy (stages/rl/critic.py), in the
+checkpoint's `critic/`. A multi-turn rollout's `loss_mask` goes with its sample: observation tokens are context,
+never loss. A progress bar counts the optimizer steps with loss, KL and tokens/s; DeepSpeed's rank 0 reports each
+step through a file.
 """
 
 from __future__ import annotations
@@ -250,6 +252,10 @@ def run(ctx: StageContext) -> None:
     metrics["device"] = device_record(device, resolve_dtype(cfg.dtype, device.torch), gpus_used,
                                       metrics.pop("peak_gpu_memory_mb", None))
     metrics.update({"skipped": skipped, "samples": len(samples), "empty_responses": empty, **behind})
+    if not skipped:  # each step's `seconds` is measured wall time; on a GPU the kernels need not repeat the rest
+        metrics["deterministic"] = False
+        if device.type == "cpu":
+            metrics["nondeterministic_columns"] = ["seconds"]
     table_rows = [{"run_id": ctx.run_id, "iteration": ctx.iteration, **row, **behind} for row in rows]
     ctx.write_checkpoint(out_dir, metrics)
     ctx.write_table("train_metrics", pa.Table.from_pylist(table_rows), metrics)

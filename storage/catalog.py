@@ -425,7 +425,3 @@ class Catalog:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def open_catalog(root: str, run_ids: list[str] | None = None, threads: int | None = None) -> Catalog:
-    return Catalog(root, run_ids, threads)

@@ -17,7 +17,7 @@ from rich.text import Text
 from reports.html import MULTI_TURN_COLUMNS, multi_turn_cells
 from schemas.tables import BASELINE_SAMPLE_IDX, TABLES
 from stages.evaluation.metrics import clusters_of, paired_gains
-from stages.registry import ITERATION_STAGES, RUN_STAGES, STAGES, instance, is_scheduled, iteration_stages, stage_state
+from stages.registry import ITERATION_STAGES, RUN_STAGES, STAGES, instance, is_scheduled, stage_state
 from storage.failure import StageFailure, read_failure
 from storage.layout import BASE
 from storage.run import Run
@@ -243,12 +243,3 @@ def extra_rounds(run: Run, iteration: int) -> list[int]:
         elif cap is None:  # unlimited rounds (max_generation_rounds 0) are made one after another from 1
             break
     return found
-
-
-def stage_states(run: Run) -> dict[tuple[str, int], bool]:
-    """(stage, iteration) -> done, for scripts and tests."""
-    states = {(stage, BASE): stage_state(run, instance(stage, BASE)).done for stage in RUN_STAGES}
-    for k in range(run.config.iterations):
-        for stage in iteration_stages(run.config, k):
-            states[(stage, k)] = stage_state(run, instance(stage, k)).done
-    return states

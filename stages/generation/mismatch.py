@@ -59,20 +59,6 @@ def _token_logprobs(logits_T: torch.Tensor, token_ids: Sequence[int], sampling: 
     return logprobs_TV.gather(-1, ids_T1).view(-1).tolist()
 
 
-@torch.inference_mode()
-def recompute_logprobs(
-    model: torch.nn.Module,
-    requests: Sequence[GenerationRequest],
-    samples: Sequence[Sample],
-    sampling: SamplingSpec,
-    batch_size: int = 4,
-    pad_id: int = 0,
-) -> list[list[float]]:
-    """Processed logprob of each sampled token, from one forward pass over prompt + response[:-1]."""
-    return [_token_logprobs(logits_T, sample.token_ids, sampling)
-            for sample, logits_T in _response_logits(model, requests, samples, batch_size, pad_id)]
-
-
 def summarize(
     sampler: Sequence[Sequence[float]],
     recomputed: Sequence[Sequence[float]],

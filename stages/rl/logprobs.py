@@ -352,37 +352,6 @@ def micro_logprobs(
     return micro.to_BT(logp_N), micro.to_BT(entropy_N)
 
 
-def response_logprobs(
-    model: torch.nn.Module,
-    micro: MicroBatch,
-    temperature: float = 1.0,
-    chunk_tokens: int = 512,
-    entropy_grad: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(logp_BT, entropy_BT) of the response tokens of `micro` under `model`; padding entries are 0.
-
-    Gradients flow into logp_BT when grad mode is on; into entropy_BT only if `entropy_grad` (an entropy
-    bonus), otherwise entropy is a detached metric.
-    """
-    return micro_logprobs(ResponseLogprobs(model, temperature, chunk_tokens), micro, entropy_grad)
-
-
-def full_softmax_logprobs(
-    model: torch.nn.Module, micro: MicroBatch, temperature: float = 1.0
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Reference implementation (full logits, full log_softmax) used by tests to check `response_logprobs`: the
-    model's own forward, so a micro-batch of plain rows (one per sequence) only."""
-    if micro.segments_RL is not None:
-        raise ValueError("the full-softmax reference takes plain rows (build the micro-batch without sharing)")
-    logits_RLV = model(input_ids=micro.input_ids_RL, attention_mask=micro.attention_mask_RL).logits.float()
-    if temperature > 0:
-        logits_RLV = logits_RLV / temperature
-    logp_RLV = torch.log_softmax(logits_RLV, dim=-1)
-    logp_N = logp_RLV[micro.hidden_rows_N, micro.positions_N].gather(-1, micro.targets_N[:, None]).squeeze(-1)
-    entropy_N = -(logp_RLV.exp() * logp_RLV)[micro.hidden_rows_N, micro.positions_N].sum(-1)
-    return micro.to_BT(logp_N), micro.to_BT(entropy_N)
-
-
 def all_response_logprobs(
     model: torch.nn.Module,
     prompts: list[list[int]],

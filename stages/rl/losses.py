@@ -26,10 +26,6 @@ LossAggregation = Literal[
     "token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"
 ]
 KLEstimator = Literal["k1", "k2", "k3"]
-RejectionMode = Literal[
-    "token_k1", "token_k2", "token_k3", "seq_sum_k1", "seq_sum_k2", "seq_sum_k3", "seq_mean_k1", "seq_mean_k2",
-    "seq_mean_k3", "seq_max_k2", "seq_max_k3",
-]  # fmt: skip
 # One rejection rule: (mode, low, high). k1 modes keep low <= ratio <= high; the others divergence <= high.
 RejectionRule = tuple[str, float | None, float]
 
@@ -39,11 +35,6 @@ LOG_RATIO_LIMIT = 20.0
 
 def masked_sum(values_BT: torch.Tensor, mask_BT: torch.Tensor) -> torch.Tensor:
     return (values_BT * mask_BT).sum()
-
-
-def masked_mean(values_BT: torch.Tensor, mask_BT: torch.Tensor) -> torch.Tensor:
-    """Mean over unmasked entries; 0 when nothing is unmasked (instead of 0 / 0)."""
-    return (values_BT * mask_BT).sum() / mask_BT.sum().clamp(min=1.0)
 
 
 def log_ratio(logp_BT: torch.Tensor, base_logp_BT: torch.Tensor) -> torch.Tensor:
@@ -368,32 +359,8 @@ def sequence_skip_mask(
         return (mean_B <= threshold).to(logp_BT.dtype)[:, None]
 
 
-@dataclass
-class WeightStats:
-    mean: float
-    min: float
-    max: float
-    ess: float  # effective sample size as a fraction of the tokens: (sum w)^2 / (n * sum w^2), in (0, 1]
-
-
-def weight_stats(weights_BT: torch.Tensor, mask_BT: torch.Tensor) -> WeightStats:
-    """Mean/min/max of the weights over unmasked tokens and the normalised ESS (Kong 1992): 1 = all equal."""
-    with torch.no_grad():
-        w_N = weights_BT[mask_BT > 0].double()
-        if w_N.numel() == 0:
-            return WeightStats(1.0, 1.0, 1.0, 1.0)
-        ess = float(w_N.sum() ** 2 / (w_N.numel() * (w_N**2).sum()).clamp(min=1e-300))
-        return WeightStats(float(w_N.mean()), float(w_N.min()), float(w_N.max()), ess)
-
-
 # --------------------------------------------------------------------------------------------------------
 # Per-step statistics (the train_metrics columns that describe clipping and rollout correction)
-
-# Sums over one micro-batch that add across micro-batches and ranks; w_min / w_max reduce by min / max.
-STEP_SUM_FIELDS = (
-    "clip_low", "clip_high", "clip_dual", "loss_tokens", "response_tokens", "rejected",
-    "w_sum", "w_sq_sum", "w_count",
-)  # fmt: skip
 
 
 def step_stat_sums(

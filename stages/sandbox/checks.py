@@ -121,26 +121,6 @@ def plan_checks(preamble: str, test: str) -> CheckPlan:
     return CheckPlan(module_code, parameter, (step,), split=False)
 
 
-def humaneval_preamble(prompt: str, entry_point: str) -> str:
-    """The part of a HumanEval prompt before the entry point's `def` line: imports and helper functions
-    (some tests call them, e.g. HumanEval/38's encode_cyclic)."""
-    marker = f"def {entry_point}("
-    for index, line in enumerate(prompt.splitlines(keepends=True)):
-        if line.startswith(marker):
-            return "".join(prompt.splitlines(keepends=True)[:index])
-    return ""
-
-
-def humaneval_reward_spec(problem: dict) -> dict:
-    """The `code_tests` reward spec of a HumanEval record (task_id, prompt, test, entry_point)."""
-    return {
-        "kind": "code_tests",
-        "entry_point": problem["entry_point"],
-        "preamble": humaneval_preamble(problem["prompt"], problem["entry_point"]),
-        "test": problem["test"],
-    }
-
-
 # -- call-based cases (code_call) -------------------------------------------------------------------------
 
 # Test code for call-based cases. It runs on the trusted side like any check (judge.py): the candidate's

@@ -530,14 +530,6 @@ class Isolation:
         """fork+exec path: runs in the forked child, right before exec."""
         _runner.isolate(self.setup_params(), cpu_budget_s, self.job_view(workdir))
 
-    def survivors(self) -> int:
-        """How many processes of this worker's jobs are alive (0 after end_job); for tests. Called in
-        the worker: by the job uid as root, else by the worker's process subtree, and in its cgroup."""
-        found = set(self.group.pids()) if self.group is not None else set()
-        found |= set(uid_processes(self.uid) if self.is_root else job_descendants(os.getpid()))
-        return len(found)
-
-
 class UidIsolation(Isolation):
     """The `uid` mode: `minimal` as root (a uid per job), what `auto` takes where namespaces are refused (a
     container under a default seccomp profile): uid, rlimits, seccomp, Landlock, and a cgroup if writable."""

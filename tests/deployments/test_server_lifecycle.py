@@ -16,7 +16,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from flows.deploy import api_url_for, free_port, wait_healthy
+from flows.deploy import api_url_for, wait_healthy
+from tests.support.ports import free_port
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 

@@ -29,11 +29,12 @@ from typing import Any
 import httpx
 import pytest
 
-from flows.deploy import REPO_ROOT, deployment_pools, free_port, load_spec, stop_processes
+from flows.deploy import REPO_ROOT, deployment_pools, load_spec, stop_processes
 from stages.registry import ITERATION_STAGES, RUN_STAGES, STAGES, instance, stage_state
 from storage.layout import BASE, RunLayout
 from storage.run import Run, read_run_config
 from tests.reliability.helpers import table_rows
+from tests.support.ports import free_port
 from tests.support.scratch import scratch_dir
 
 pytestmark = pytest.mark.slow

@@ -4,7 +4,8 @@ One tiny two-iteration run is started, then pushed around the way a cluster and 
 a finished run is resumed (nothing reruns), a config section is changed (that stage and everything
 downstream rerun, nothing upstream), an output is deleted (that stage reruns), and the driver is killed with
 SIGKILL in the middle of the train stage (resume redoes only train and what follows). After each step every
-table holds exactly the expected rollout keys.
+table holds exactly the expected rollout keys. Before any of that, every table of the run is compared with the
+digests recorded in tests/fixtures/tiny_run_digests.json: a change that means to leave behaviour alone must.
 """
 
 from __future__ import annotations
@@ -22,11 +23,14 @@ import pyarrow.parquet as pq
 import pytest
 from safetensors import safe_open
 
+from storage.run import Run
 from tests.support.scratch import scratch_dir
+from tests.support.table_digests import run_digests
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(2700)]
 
 CONFIG = Path(__file__).with_name("tiny.yaml")
+DIGESTS = Path(__file__).parents[1] / "fixtures" / "tiny_run_digests.json"
 PROMPTS_PER_ITERATION, N_SAMPLES, ITERATIONS = 2, 4, 2
 
 
@@ -119,6 +123,24 @@ def test_run_finishes_and_is_traceable(finished_run: Path) -> None:
     # Sampler logprobs are real log-probabilities.
     assert all(lp <= 0.0 for r in rollouts_0 for lp in r["response_logprobs"])
     assert all(len(r["response_logprobs"]) == len(r["response_token_ids"]) == r["num_tokens"] for r in rollouts_0)
+
+
+def test_every_table_is_the_recorded_one(finished_run: Path) -> None:
+    """Proves: the tiny run's tables are the ones recorded in tests/fixtures/tiny_run_digests.json, byte for byte
+    (or, where a manifest names nondeterministic columns, column for column without them): the check that a
+    refactoring changed no behaviour. It runs before the tests below rewrite parts of the run.
+
+    When a change alters tables on purpose (a new column, another sampling rule, a pyarrow upgrade), record
+    them again from a fresh run, and say in the commit why they changed:
+        RLPIPE_ROOT=/tmp/tiny rlpipe run --config tests/e2e/tiny.yaml
+        python -m tests.support.table_digests /tmp/tiny tiny --write tests/fixtures/tiny_run_digests.json \
+            --command "rlpipe run --config tests/e2e/tiny.yaml"
+    """
+    recorded = json.loads(DIGESTS.read_text())
+    digests = run_digests(Run.open(str(finished_run), "tiny"))
+    assert sorted(digests) == sorted(recorded["tables"])
+    changed = {table: digest for table, digest in digests.items() if digest != recorded["tables"][table]}
+    assert changed == {}, f"tables differ from those recorded at {recorded['commit']}: {changed}"
 
 
 def test_resume_of_a_finished_run_redoes_nothing(finished_run: Path) -> None:

@@ -7,12 +7,12 @@ from pathlib import Path
 
 from rich.console import Console
 
-from flows.cli.status import stage_states, status_table
+from flows.cli.status import status_table
 from schemas.config import load_config
 from storage.failure import record_failure
 from storage.layout import StageInstance
 from storage.run import Run
-from tests.support.stages import start_run
+from tests.support.stages import stage_states, start_run
 
 
 def test_unscheduled_evaluations_read_not_scheduled(tmp_path: Path) -> None:

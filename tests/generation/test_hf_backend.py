@@ -11,7 +11,8 @@ import torch
 from stages.generation import make_backend, resolve_backend_name
 from stages.generation.base import GenerationRequest, SamplingSpec
 from stages.generation.hf_backend import HFBackend, batch_order, find_stop, processed_logprobs
-from stages.generation.mismatch import recompute_logprobs, summarize
+from stages.generation.mismatch import summarize
+from tests.support.logprobs import recompute_logprobs, response_logprobs
 
 SAMPLED = SamplingSpec(temperature=0.7, top_p=0.9, top_k=20, max_new_tokens=16)
 
@@ -104,7 +105,7 @@ def test_logprobs_are_the_processed_distribution(backend: HFBackend, prompt_ids:
         assert all(math.isfinite(lp) and lp <= 0.0 for lp in sample.logprobs)
         assert sample.finish_reason in ("stop", "length")
     # A fresh full forward pass over prompt + response, same processing, gives the same numbers.
-    recomputed = recompute_logprobs(backend.model, requests, samples, SAMPLED, pad_id=backend.pad_id)
+    recomputed = recompute_logprobs(backend.model, requests, samples, SAMPLED)
     stats = summarize([s.logprobs for s in samples], recomputed)
     assert stats["outside_filter"] == 0
     assert stats["tokens"] == sum(len(s.token_ids) for s in samples)
@@ -116,11 +117,11 @@ def test_mismatch_also_reports_the_gap_the_trainer_sees_under_top_k_top_p(
 ) -> None:
     """Proves: with top-k / top-p sampling, the mismatch figure keeps isolating numerics (same processing:
     < 1e-4) and adds `as_trained`, the gap against the logprobs the trainer itself computes (temperature
-    alone, `stages.rl.logprobs.response_logprobs`): token for token the sampler's logprob is higher by
+    alone, `ResponseLogprobs`): token for token the sampler's logprob is higher by
     -log(filtered mass), so its signed mean equals its absolute mean and is the mean of sampler - trainer.
     Without a filter there is nothing more to report."""
     from stages.generation.mismatch import logprob_mismatch
-    from stages.rl.logprobs import build_micro_batch, response_logprobs
+    from stages.rl.logprobs import build_micro_batch
 
     requests = requests_for(prompt_ids[:2], [1, 2])
     samples = backend.generate(requests, SAMPLED)
@@ -176,8 +177,7 @@ def test_greedy_equals_transformers_generate(backend: HFBackend, prompt_ids: lis
         else:
             assert sample.token_ids[-1] in backend.stop_ids
     # Greedy logprobs are the raw log-softmax of the chosen (most likely) token.
-    recomputed = recompute_logprobs(backend.model, [GenerationRequest(p, 0) for p in prompts], samples, spec,
-                                    pad_id=backend.pad_id)
+    recomputed = recompute_logprobs(backend.model, [GenerationRequest(p, 0) for p in prompts], samples, spec)
     assert summarize([s.logprobs for s in samples], recomputed)["max_abs"] < 1e-4
 
 

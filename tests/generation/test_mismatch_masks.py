@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from stages.generation.base import GenerationRequest, Sample, SamplingSpec
-from stages.generation.mismatch import logprob_mismatch, recompute_logprobs, summarize
+from stages.generation.mismatch import logprob_mismatch, summarize
+from tests.support.logprobs import recompute_logprobs
 
 
 def test_summarize_counts_masked_tokens_out_by_hand() -> None:
@@ -31,9 +32,9 @@ def test_summarize_counts_masked_tokens_out_by_hand() -> None:
 
 
 def test_logprob_mismatch_with_loss_masks_ignores_observation_tokens(model_dir: Path) -> None:
-    """A hand-built two-turn response on the real model: model tokens carry their true logprobs (recomputed by
-    the same forward pass), observation tokens the loop's placeholder 0.0. With the mask the figure is ~0 over
-    the model tokens alone; without it the observations' |0 - logprob| dominates."""
+    """A hand-built two-turn response on the real model: model tokens carry their true logprobs (recomputed by an
+    unpadded forward pass, tests/support/logprobs.py), observation tokens the loop's placeholder 0.0. With the
+    mask the figure is ~0 over the model tokens alone; without it the observations' |0 - logprob| dominates."""
     spec = SamplingSpec(temperature=1.0, max_new_tokens=8)
     prompt = [1, 9690, 198, 2683, 314, 253]
     response = [17, 1169, 216, 28, 7, 905, 13, 42]

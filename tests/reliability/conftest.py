@@ -162,7 +162,7 @@ class Moto:
 
 @pytest.fixture(scope="module")
 def moto(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Moto]:
-    from flows.deploy import free_port
+    from tests.support.ports import free_port
 
     server = Moto(port=free_port(), log_dir=tmp_path_factory.mktemp("moto"))
     server.start()

@@ -24,7 +24,7 @@ from stages.data.sources import code_messages, code_tests_spec, prompt_id_of
 from stages.generate import select_round_prompts
 from stages.harness import StageContext
 from stages.registry import instance, round_inputs, stage_state
-from storage.catalog import open_catalog
+from storage.catalog import Catalog
 from storage.layout import BASE, RunLayout, StageInstance
 from storage.lineage import trace
 from storage.manifest import read_manifest
@@ -164,7 +164,7 @@ def test_extra_rounds_fill_the_batch_and_nothing_is_lost(tmp_path: Path) -> None
     assert all(reasons[p] == "zero_variance" for p in flat if not has_variance(p))
 
     # History sees every round's rollouts (DuckDB over the catalog).
-    with open_catalog(layout.root) as catalog:
+    with Catalog(layout.root) as catalog:
         counts = dict(catalog.sql("select round, count(*) from rollouts group by round order by round").fetchall())
     assert counts == {r: PER_ROUND * N_SAMPLES for r in range(n_rounds)}
 
@@ -186,7 +186,7 @@ def test_extra_rounds_fill_the_batch_and_nothing_is_lost(tmp_path: Path) -> None
     # Lineage names every round's tables apart, and the catalog's manifests carry their round.
     labels = [node.label for node in trace(str(tmp_path / "root"), "ds", 0).nodes]
     assert len(labels) == len(set(labels)) and "iter=0000/round=01/rollouts" in labels
-    with open_catalog(layout.root) as catalog:
+    with Catalog(layout.root) as catalog:
         per_round = catalog.sql("select count(*) from manifests where round > 0").fetchall()[0][0]
     assert per_round == 2 * (n_rounds - 1)  # rollouts and scores of each extra round
 

@@ -151,6 +151,7 @@ def test_train_killed_at_random_points_resumes_and_the_checkpoint_loads(model_ru
         run_stage_at("advantage", layout, 0, h.real_stage("advantage"))
     reference, found = kill_and_resume(layout, "train", tmp_path)
     assert reference["train_metrics"].metrics["skipped"] is False
+    assert reference["train_metrics"].metrics["nondeterministic_columns"] == ["seconds"]  # a step's wall time
 
     checkpoint = Path(layout.checkpoint_dir(0))
     manifest = read_manifest(layout.fs, str(checkpoint / "manifest.json"))

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from stages.rl.logprobs import build_micro_batch, full_softmax_logprobs, pack_by_tokens, response_logprobs
+from stages.rl.logprobs import build_micro_batch, pack_by_tokens
+from tests.support.logprobs import full_softmax_logprobs, response_logprobs
 
 
 def test_pack_by_tokens_hand_example():

@@ -24,7 +24,6 @@ from stages.rl.losses import (
     step_stat_metrics,
     step_stat_sums,
     truncated_is_weights,
-    weight_stats,
 )
 
 LN = math.log
@@ -342,13 +341,6 @@ def test_step_stats_with_nothing_to_count():
     metrics = step_stat_metrics(sums)
     assert metrics["is_ratio_min"] == metrics["is_ratio_max"] == metrics["is_ess"] == 1.0
     assert metrics["clip_frac_low"] == metrics["rejected_frac"] == 0.0
-
-
-def test_weight_stats():
-    # w = [1, 3] on the unmasked tokens: mean 2, min 1, max 3, ESS = (1+3)^2 / (2 * (1+9)) = 0.8
-    stats = weight_stats(t([[1.0, 3.0, 7.0]]), t([[1.0, 1.0, 0.0]]))
-    assert (stats.mean, stats.min, stats.max) == (2.0, 1.0, 3.0)
-    assert stats.ess == pytest.approx(0.8)
 
 
 def test_token_k1_bounds_the_inverse_ratio_as_verl():

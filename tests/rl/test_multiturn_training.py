@@ -14,9 +14,10 @@ import pytest
 import torch
 
 from schemas.config import TrainConfig
-from stages.rl.logprobs import build_micro_batch, full_softmax_logprobs
+from stages.rl.logprobs import build_micro_batch
 from stages.rl.trainer import PolicyTrainer, TorchStepper, TrainSample, make_adamw
 from stages.train import training_samples
+from tests.support.logprobs import full_softmax_logprobs
 
 from .conftest import make_tiny_model
 

@@ -14,13 +14,12 @@ from stages.rl.critic import CriticSample, CriticTrainer, ValueModel, predict_va
 from stages.rl.logprobs import (
     all_response_logprobs,
     build_micro_batch,
-    full_softmax_logprobs,
     plan_micro_batches,
-    response_logprobs,
     shared_attention_mask,
     takes_shared_prompts,
 )
 from stages.rl.trainer import PolicyTrainer, TorchStepper, TrainSample, make_adamw
+from tests.support.logprobs import full_softmax_logprobs, response_logprobs
 
 from .conftest import make_tiny_model
 

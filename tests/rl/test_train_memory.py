@@ -11,8 +11,9 @@ import torch
 
 from schemas.config import TrainConfig
 from stages.rl.checkpoint import activation_checkpointing
-from stages.rl.logprobs import build_micro_batch, full_softmax_logprobs
+from stages.rl.logprobs import build_micro_batch
 from stages.rl.trainer import PolicyTrainer, TorchStepper, TrainSample, make_adamw, step_freeing_grads
+from tests.support.logprobs import full_softmax_logprobs
 
 from .conftest import make_tiny_model
 

@@ -279,7 +279,8 @@ def test_the_stages_kl_in_the_reward_skips_observation_tokens(run_layout) -> Non
     import torch
     from transformers import AutoModelForCausalLM
 
-    from stages.rl.logprobs import build_micro_batch, full_softmax_logprobs
+    from stages.rl.logprobs import build_micro_batch
+    from tests.support.logprobs import full_softmax_logprobs
 
     make, model_dir = run_layout
     layout = make("advantage.estimator=turn_rloo", *MULTI_TURN, "advantage.use_kl_in_reward=true",

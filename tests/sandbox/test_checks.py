@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from stages.sandbox.checks import CheckSpecError, humaneval_preamble, humaneval_reward_spec, plan_checks
+from stages.sandbox.checks import CheckSpecError, plan_checks
 
 TEST = """
 METADATA = {'author': 'x'}
@@ -58,21 +58,3 @@ def test_unusable_test_code_raises():
 
 def test_plans_are_cached_per_test_text():
     assert plan_checks("", TEST) is plan_checks("", TEST)
-
-
-def test_humaneval_preamble_and_spec():
-    prompt = (
-        "from typing import List\n\n\ndef helper(x):\n    return x\n\n\n"
-        'def target(a: List[int]) -> int:\n    """doc"""\n'
-    )
-    assert (
-        humaneval_preamble(prompt, "target")
-        == "from typing import List\n\n\ndef helper(x):\n    return x\n\n\n"
-    )
-    spec = humaneval_reward_spec({"prompt": prompt, "entry_point": "target", "test": TEST, "task_id": "T/0"})
-    assert spec == {
-        "kind": "code_tests",
-        "entry_point": "target",
-        "preamble": "from typing import List\n\n\ndef helper(x):\n    return x\n\n\n",
-        "test": TEST,
-    }

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import base64
 import json
-import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -18,15 +17,10 @@ import uvicorn
 from schemas.config import ScoreConfig
 from stages.sandbox import Sandbox, ScoreJob
 from stages.sandbox.server import create_app
+from tests.support.ports import free_port
 
 TEST = "def check(candidate):\n    assert candidate(1, 2) == 3\n    assert candidate(2, 2) == 4\n"
 SPEC = {"kind": "code_tests", "entry_point": "add", "preamble": "", "test": TEST}
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

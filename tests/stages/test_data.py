@@ -17,7 +17,7 @@ import pytest
 
 from schemas.config import DataConfig, DataSource
 from schemas.tables import PROMPTS
-from stages.data.sources import DataError, hash_split, load_prompts, validate_sources
+from stages.data.sources import DataError, code_tests_spec, hash_split, load_prompts, validate_sources
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
 
@@ -106,6 +106,14 @@ def test_humaneval_row_contents(humaneval_full: dict[str, pa.Table]) -> None:
     # prompt_id is sha256 over the canonical JSON of [messages, reward_spec].
     canonical = json.dumps([row["messages"], spec], sort_keys=True, separators=(",", ":"), ensure_ascii=False)
     assert row["prompt_id"] == hashlib.sha256(canonical.encode()).hexdigest()[:16]
+
+
+def test_code_tests_spec_splits_the_preamble_off_at_the_entry_point() -> None:
+    preamble = "from typing import List\n\n\ndef helper(x):\n    return x\n\n\n"
+    prompt = preamble + 'def target(a: List[int]) -> int:\n    """doc"""\n'
+    test = "def check(candidate):\n    assert candidate([1]) == 1\n"
+    assert code_tests_spec(prompt, test, "target") == {
+        "kind": "code_tests", "entry_point": "target", "preamble": preamble, "test": test}
 
 
 @pytest.mark.parametrize("task", ["HumanEval/0", "HumanEval/10", "HumanEval/38"])

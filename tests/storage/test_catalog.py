@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -25,6 +24,7 @@ from storage.fs import filesystem
 from storage.layout import RunLayout, manifest_path_for
 from storage.manifest import read_manifest, write_manifest
 from storage.tables import write_table
+from tests.support.ports import free_port
 from tests.support.synthetic_runs import SyntheticRun, SyntheticSpec, write_synthetic_run
 
 
@@ -193,12 +193,6 @@ def test_show_tells_one_samples_story(history: Path, capsys: pytest.CaptureFixtu
 
 
 # --- S3 (moto's S3 server: the real S3 API, no AWS) ----------------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

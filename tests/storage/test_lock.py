@@ -21,10 +21,11 @@ from pathlib import Path
 
 import pytest
 
-from flows.deploy import free_port, stop_processes
+from flows.deploy import stop_processes
 from stages.registry import instance
 from storage.layout import RunLayout
 from storage.lock import RunLocked, S3Lease, StageLocked, run_lock, stage_lock, stage_lock_path
+from tests.support.ports import free_port
 
 BUCKET = "rlpipe-locks"
 

@@ -20,7 +20,7 @@ from pathlib import Path
 import pyarrow as pa
 import pytest
 
-from flows.deploy import free_port, stop_processes
+from flows.deploy import stop_processes
 from schemas.config import load_config
 from schemas.tables import PROMPTS
 from stages import prompts
@@ -37,6 +37,7 @@ from storage.layout import BASE
 from storage.manifest import Manifest, output_intact, read_manifest, write_manifest
 from storage.run import Run
 from storage.tables import read_table, write_table
+from tests.support.ports import free_port
 from tests.support.stages import run_stage_at, start_run
 
 BUCKET = "rlpipe-test"
