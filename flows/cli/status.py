@@ -8,6 +8,7 @@ record names reads "failed (exit code N)", and a last line gives the stage and t
 from __future__ import annotations
 
 import itertools
+from collections.abc import Iterator
 
 from rich.console import Group
 from rich.markup import escape
@@ -17,7 +18,7 @@ from rich.text import Text
 from reports.html import MULTI_TURN_COLUMNS, multi_turn_cells
 from schemas.tables import BASELINE_SAMPLE_IDX, TABLES
 from stages.evaluation.metrics import clusters_of, paired_gains
-from stages.registry import ITERATION_STAGES, RUN_STAGES, STAGES, instance, is_scheduled, stage_state
+from stages.registry import ITERATION_STAGES, RUN_STAGES, STAGES, StageState, instance, is_scheduled, stage_state
 from storage.failure import StageFailure, read_failure
 from storage.layout import BASE
 from storage.run import Run
@@ -153,12 +154,7 @@ def held_out_table(run: Run) -> Group:
     clusters: dict[str, str] = {}
     if run.fs.exists(run.layout.prompts_path):
         clusters = clusters_of(read_table(run.fs, run.layout.prompts_path, TABLES["prompts"]).to_pylist())
-    checkpoints = [("base", "evaluate_base", BASE)]
-    checkpoints += [(f"iter {k}", "evaluate", k) for k in range(run.config.iterations)]
-    for label, stage, iteration in checkpoints:
-        state = stage_state(run, instance(stage, iteration))
-        if not state.done:
-            continue
+    for label, iteration, state in evaluated_checkpoints(run):
         rows = read_table(run.fs, run.layout.table_path("eval", iteration), TABLES["eval"]).to_pylist()
         for dataset, summary in sorted(state.manifests[-1].metrics.items()):
             if not (isinstance(summary, dict) and "prompts" in summary):
@@ -186,16 +182,21 @@ def multi_turn_table(run: Run) -> Table | None:
     table = Table(title=f"multi-turn evaluation ({mode} mode)")
     for column in ("checkpoint", "dataset", *MULTI_TURN_COLUMNS):
         table.add_column(column, no_wrap=column == "checkpoint")
-    checkpoints = [("base", "evaluate_base", BASE)]
-    checkpoints += [(f"iter {k}", "evaluate", k) for k in range(run.config.iterations)]
-    for label, stage, iteration in checkpoints:
-        state = stage_state(run, instance(stage, iteration))
-        if not state.done:
-            continue
+    for label, _, state in evaluated_checkpoints(run):
         for dataset, summary in sorted(state.manifests[-1].metrics.items()):
             if isinstance(summary, dict) and "prompts" in summary:
                 table.add_row(label, dataset, *multi_turn_cells(summary, mode))
     return table
+
+
+def evaluated_checkpoints(run: Run) -> Iterator[tuple[str, int, StageState]]:
+    """(label, iteration, state) of each checkpoint whose evaluation is done: the base model first."""
+    checkpoints = [("base", "evaluate_base", BASE)]
+    checkpoints += [(f"iter {k}", "evaluate", k) for k in range(run.config.iterations)]
+    for label, stage, iteration in checkpoints:
+        state = stage_state(run, instance(stage, iteration))
+        if state.done:
+            yield label, iteration, state
 
 
 def _number(value: float | None) -> str:
