@@ -11,7 +11,8 @@ score.timeout_s (the process is then replaced) or returns a non-finite value mar
 code reaches the sandbox through `stages.sandbox.run_code`, never an exec here. A row's reward is the sum of
 weight x value over the terms that apply (a TRL None does not); a `no_code` row keeps exactly
 score.no_code_penalty; status, passed/total and tests are the verifier's plus one test entry per other term, and
-a row without a verifier (kind `custom`) is `ok` when its reward is > 0.
+a row without a verifier (kind `custom`) is `ok` when its reward is > 0. `score_with_progress` is what the score
+and evaluate stages call: `score` in a sandbox pool of its own, with a progress bar.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from types import TracebackType
 from typing import Any
 
 from schemas.config import BUILTIN_REWARDS, VERIFIER_REWARDS, RewardEntry, ScoreConfig
+from schemas.errors import InputError
 
 from ._runner import HEADER
 from .jobs import ScoreJob, ScoreResult
@@ -365,6 +367,26 @@ def score(
     return [
         combine(cfg, plan, job, verified.get(i), user_terms.get(i, [])) for i, job in enumerate(jobs)
     ]
+
+
+def score_with_progress(
+    cfg: ScoreConfig, jobs: list[ScoreJob], label: str, rows: list[RewardInput]
+) -> list[ScoreResult]:
+    """`score` in a sandbox pool of its own, with a progress bar: what the score and evaluate stages run (`rows`:
+    what reward functions read beyond each job's response). A reward entry that cannot be used is bad input."""
+    # Imported here: the reward host (reward_host.py) imports this module and needs neither.
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from .sandbox import Sandbox
+
+    with Sandbox.from_config(cfg) as sandbox, Progress(
+        TextColumn(f"[bold]{label}[/]"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn()
+    ) as progress:
+        task = progress.add_task(label, total=progress_total(cfg, jobs))
+        try:
+            return score(sandbox, cfg, jobs, rows, progress=lambda done: progress.update(task, advance=done))
+        except RewardSetupError as error:
+            raise InputError(str(error)) from None
 
 
 def _user_term(host: RewardHost, index: int, entry: RewardEntry, job: ScoreJob, row: RewardInput) -> Term:
