@@ -53,6 +53,7 @@ def room(module: str) -> str:
 
 
 BASE = {"schemas", "storage"}
+LIBRARY_ROOMS = {f"stages.{library}" for library in LIBRARIES}
 # Which rooms each room may import, besides itself and third-party code: every room below it.
 ALLOWED = {
     "schemas": set(),
@@ -62,13 +63,12 @@ ALLOWED = {
     "stages.data": BASE | {"stages.sandbox"},  # a math answer is read the way the sandbox grades it
     "stages.generation": BASE | {"stages.sandbox"},  # the agent loop's tool and judge
     "stages.rl": BASE | {"stages.sandbox", "stages.generation"},  # models and devices as generation loads them
-    "stages": BASE | {f"stages.{library}" for library in LIBRARIES},
-    "flows.runner": BASE | {f"stages.{library}" for library in LIBRARIES} | {"stages"},
-    "flows": BASE | {f"stages.{library}" for library in LIBRARIES} | {"stages", "flows.runner", "reports"},
+    "stages": BASE | LIBRARY_ROOMS,
+    "flows.runner": BASE | LIBRARY_ROOMS | {"stages"},
+    "flows": BASE | LIBRARY_ROOMS | {"stages", "flows.runner", "reports"},
     "reports": {"schemas", "storage"},
 }
-NO_PREFECT = ("schemas", "storage", *(f"stages.{library}" for library in LIBRARIES), "stages", "flows.runner",
-              "reports")
+NO_PREFECT = ("schemas", "storage", *sorted(LIBRARY_ROOMS), "stages", "flows.runner", "reports")
 
 
 def module_name(path: Path) -> str:
