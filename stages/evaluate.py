@@ -21,8 +21,13 @@ import pyarrow as pa
 
 from schemas.errors import InputError
 from stages.evaluation.metrics import aggregate, clusters_of, multi_turn_summary
-from stages.generate import conversation_sample, roll_out
-from stages.generation.agent_loop import Conversation, ConversationStart, uses_continuous_batching
+from stages.generation.agent_loop import (
+    Conversation,
+    ConversationStart,
+    conversation_sample,
+    roll_out,
+    uses_continuous_batching,
+)
 from stages.generation.base import GenerationRequest, SamplingSpec, sample_seed
 from stages.generation.client import open_stage_engine
 from stages.generation.device import backend_device_record, claim_device
@@ -30,8 +35,7 @@ from stages.generation.models import load_tokenizer
 from stages.generation.sampling import GenerationResult, encode_prompts, generate_with_progress
 from stages.harness import StageContext, exit_with
 from stages.sandbox import ScoreJob
-from stages.sandbox.rewards import RewardInput, account_for
-from stages.score import score_with_progress
+from stages.sandbox.rewards import RewardInput, account_for, score_with_progress
 
 
 def run(ctx: StageContext) -> None:
@@ -82,7 +86,8 @@ def run(ctx: StageContext) -> None:
                 starts = [ConversationStart(json.loads(by_id[pid]["messages"]), r.prompt_token_ids, r.seed)
                           for r, pid in zip(requests, ids, strict=True)]
                 conversations, figures = roll_out(
-                    ctx, backend, tokenizer, starts, spec, [json.loads(by_id[pid]["reward_spec"]) for pid in ids],
+                    backend, tokenizer, mt, ctx.config.score, starts, spec,
+                    [json.loads(by_id[pid]["reward_spec"]) for pid in ids],
                     [RewardInput.of_prompt(by_id[pid]) for pid in ids], label, held_out=True)
                 result = GenerationResult([conversation_sample(c, tokenizer) for c in conversations],
                                           figures["generation_seconds"], figures["generated_tokens"])
@@ -103,7 +108,7 @@ def run(ctx: StageContext) -> None:
         for (pid, _, _), answer in zip(plan, answers, strict=True)
     ]
     inputs = [RewardInput.of_prompt(by_id[pid]) for pid, _, _ in plan]
-    results = score_with_progress(ctx, jobs, f"{ctx.spec.name} score", inputs)
+    results = score_with_progress(ctx.config.score, jobs, f"{ctx.spec.name} score", inputs)
     reward_functions = account_for(ctx.config.score, results)  # as the score stage: printed, bounded
     rows = [
         {

@@ -35,15 +35,8 @@ import pyarrow as pa
 
 from schemas.errors import InputError
 from schemas.tables import BASELINE_SAMPLE_IDX, SINGLE_TURN_ROLLOUT
-from stages.generation.agent_loop import (
-    Conversation,
-    ConversationStart,
-    SandboxTool,
-    run_conversations,
-    sandbox_judge,
-    uses_continuous_batching,
-)
-from stages.generation.base import Backend, GenerationRequest, Sample, SamplingSpec, sample_seed
+from stages.generation.agent_loop import ConversationStart, conversation_sample, roll_out, uses_continuous_batching
+from stages.generation.base import GenerationRequest, Sample, SamplingSpec, sample_seed
 from stages.generation.client import open_stage_engine
 from stages.generation.device import Device, backend_device_record, claim_device, resolve_dtype
 from stages.generation.models import load_tokenizer
@@ -51,7 +44,6 @@ from stages.generation.sampling import GenerationResult, encode_prompts, generat
 from stages.harness import StageContext, exit_with
 from stages.registry import policy_step
 from stages.rl.advantages import ESTIMATORS
-from stages.sandbox import Sandbox, rewards
 from stages.sandbox.rewards import RewardInput
 
 
@@ -158,8 +150,8 @@ def run(ctx: StageContext) -> None:
                       for r, (pid, _, _) in zip(requests, keys, strict=True)]
             specs = [json.loads(train[pid]["reward_spec"]) for pid, _, _ in keys]
             inputs = [RewardInput.of_prompt(train[pid]) for pid, _, _ in keys]
-            conversations, loop_figures = roll_out(ctx, backend, tokenizer, starts, sampling_spec(ctx), specs, inputs,
-                                                   label)
+            conversations, loop_figures = roll_out(backend, tokenizer, cfg.multi_turn, ctx.config.score, starts,
+                                                   sampling_spec(ctx), specs, inputs, label)
             result = GenerationResult([conversation_sample(c, tokenizer) for c in conversations],
                                       loop_figures.pop("generation_seconds"), loop_figures.pop("generated_tokens"))
             extra = [c.columns() for c in conversations]
@@ -210,30 +202,6 @@ def run(ctx: StageContext) -> None:
         **({"logprob_mismatch": mismatch} if mismatch else {}),
         **({"multi_turn": multi_turn_summary(rows, loop_figures)} if multi_turn else {}),
     })
-
-
-def roll_out(
-    ctx: StageContext, backend: Backend, tokenizer: Any, starts: list[ConversationStart],  # noqa: ANN401
-    sampling: SamplingSpec, specs: list[dict], inputs: list[RewardInput], label: str, held_out: bool = False,
-) -> tuple[list[Conversation], dict[str, Any]]:
-    """The agent loop (generate.multi_turn) with the run's sandbox as its tool or its judge; `held_out`
-    (evaluation): feedback never shows a test's text, whatever `feedback_tests` says."""
-    mt = ctx.config.generate.multi_turn
-    with Sandbox.from_config(ctx.config.score) as sandbox:
-        tool = SandboxTool(sandbox, mt.tool_timeout_s, mt.tool_output_chars) if mt.mode == "tool" else None
-        judge = (sandbox_judge(sandbox, ctx.config.score, specs, inputs, mt.feedback_chars,
-                               show_tests=mt.feedback_tests == "all" and not held_out)
-                 if mt.mode == "feedback" else None)
-        try:
-            return run_conversations(backend, tokenizer, mt, starts, sampling, label, tool=tool, judge=judge)
-        except rewards.RewardSetupError as error:
-            raise InputError(str(error)) from None
-
-
-def conversation_sample(c: Conversation, tokenizer: Any) -> Sample:  # noqa: ANN401 - a HF tokenizer
-    """A conversation as one Sample: its whole token sequence, the decoded whole as text."""
-    text = tokenizer.decode(c.token_ids, skip_special_tokens=True)
-    return Sample(c.token_ids, c.logprobs, text, c.finish_reason or "stop")
 
 
 def multi_turn_summary(rows: list[dict[str, Any]], figures: dict[str, Any]) -> dict[str, Any]:

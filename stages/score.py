@@ -13,28 +13,12 @@ import time
 from collections import Counter
 
 import pyarrow as pa
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from schemas.errors import InputError
 from schemas.tables import BASELINE_SAMPLE_IDX
 from stages.generation.agent_loop import final_answer
 from stages.harness import StageContext, exit_with
-from stages.sandbox import Sandbox, ScoreJob, ScoreResult, rewards
-
-
-def score_with_progress(
-    ctx: StageContext, jobs: list[ScoreJob], label: str, rows: list[rewards.RewardInput]
-) -> list[ScoreResult]:
-    """Score `jobs` under score.rewards (`rows`: what reward functions read beyond each job's response)."""
-    cfg = ctx.config.score
-    with Sandbox.from_config(cfg) as sandbox, Progress(
-        TextColumn(f"[bold]{label}[/]"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn()
-    ) as progress:
-        task = progress.add_task(label, total=rewards.progress_total(cfg, jobs))
-        try:
-            return rewards.score(sandbox, cfg, jobs, rows, progress=lambda done: progress.update(task, advance=done))
-        except rewards.RewardSetupError as error:
-            raise InputError(str(error)) from None
+from stages.sandbox import ScoreJob, rewards
 
 
 def graded_text(row: dict) -> str:
@@ -59,7 +43,7 @@ def run(ctx: StageContext) -> None:
         inputs.append(rewards.RewardInput.of_prompt(prompt))
 
     started = time.monotonic()
-    results = score_with_progress(ctx, jobs, ctx.instance.label, inputs)
+    results = rewards.score_with_progress(ctx.config.score, jobs, ctx.instance.label, inputs)
     seconds = time.monotonic() - started
     # one line per reward function (its mean, its failed share); a broken one stops the stage here (exit code 2)
     reward_functions = rewards.account_for(ctx.config.score, results)

@@ -23,6 +23,8 @@ by the score stage's scorer; a failed one gets the failing tests back as a user 
 names and messages, or only how many failed and the error types), up to max_turns; each turn's reward is kept.
 Observation and feedback text is tokenized with special tokens split: a program cannot print a control token.
 The conversation's token budget cuts it (finish_reason `budget`).
+`roll_out` (what the generate and evaluate stages call) runs the loop with a sandbox started from the score
+config as its tool or judge.
 """
 
 from __future__ import annotations
@@ -36,13 +38,17 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from schemas.config import MultiTurnConfig
+from schemas.config import MultiTurnConfig, ScoreConfig
+from schemas.errors import InputError
 from stages.generation.base import Backend, GenerationRequest, Sample, SamplingSpec, TurnSession, sessions
 from stages.generation.sampling import generate_with_progress
+
+if TYPE_CHECKING:
+    from stages.sandbox.rewards import RewardInput
 
 # Finish reasons of a conversation: the model's final answer ("stop"), its last turn hit the per-turn token cap
 # ("length"), the conversation budget ran out ("budget"), or a tool call was refused at a limit.
@@ -326,6 +332,34 @@ def run_conversations(
     for c in conversations:
         c.finish_reason = c.finish_reason or "max_turns"
     return conversations, figures
+
+
+def roll_out(
+    backend: Backend, tokenizer: Any, multi_turn: MultiTurnConfig, score: ScoreConfig,  # noqa: ANN401 - a HF tokenizer
+    starts: list[ConversationStart], sampling: SamplingSpec, specs: list[dict], inputs: list[RewardInput], label: str,
+    held_out: bool = False,
+) -> tuple[list[Conversation], dict[str, Any]]:
+    """`run_conversations` with a sandbox started from `score` as its tool or its judge (what the generate and
+    evaluate stages run); `held_out` (evaluation): feedback never shows a test's text, whatever `feedback_tests`
+    says. A reward entry that cannot be used is bad input."""
+    from stages.sandbox import Sandbox, rewards
+
+    with Sandbox.from_config(score) as sandbox:
+        tool = (SandboxTool(sandbox, multi_turn.tool_timeout_s, multi_turn.tool_output_chars)
+                if multi_turn.mode == "tool" else None)
+        judge = (sandbox_judge(sandbox, score, specs, inputs, multi_turn.feedback_chars,
+                               show_tests=multi_turn.feedback_tests == "all" and not held_out)
+                 if multi_turn.mode == "feedback" else None)
+        try:
+            return run_conversations(backend, tokenizer, multi_turn, starts, sampling, label, tool=tool, judge=judge)
+        except rewards.RewardSetupError as error:
+            raise InputError(str(error)) from None
+
+
+def conversation_sample(c: Conversation, tokenizer: Any) -> Sample:  # noqa: ANN401 - a HF tokenizer
+    """A conversation as one Sample: its whole token sequence, the decoded whole as text."""
+    text = tokenizer.decode(c.token_ids, skip_special_tokens=True)
+    return Sample(c.token_ids, c.logprobs, text, c.finish_reason or "stop")
 
 
 class TurnRules:

@@ -15,7 +15,8 @@ are the verifier's plus one test entry per other term, and a row without a verif
 its reward is > 0. Each result also lists its terms by short name (`reward_names`); a stage's `account_for`
 prints each term's mean and failed share (`summarize`), stops the stage when a function failed too often
 (`check_failures`, score.max_reward_error_fraction: a broken reward is an error, not a silent 0), and gives
-the manifest's `reward_functions`.
+the manifest's `reward_functions`. `score_with_progress` is what the score and evaluate stages call: `score` in
+a sandbox pool of its own, with a progress bar.
 """
 
 from __future__ import annotations
@@ -397,6 +398,26 @@ def score(
     return [
         combine(cfg, plan, job, verified.get(i), user_terms.get(i, [])) for i, job in enumerate(jobs)
     ]
+
+
+def score_with_progress(
+    cfg: ScoreConfig, jobs: list[ScoreJob], label: str, rows: list[RewardInput]
+) -> list[ScoreResult]:
+    """`score` in a sandbox pool of its own, with a progress bar: what the score and evaluate stages run (`rows`:
+    what reward functions read beyond each job's response). A reward entry that cannot be used is bad input."""
+    # Imported here: the reward host (reward_host.py) imports this module and needs neither.
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from .sandbox import Sandbox
+
+    with Sandbox.from_config(cfg) as sandbox, Progress(
+        TextColumn(f"[bold]{label}[/]"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn()
+    ) as progress:
+        task = progress.add_task(label, total=progress_total(cfg, jobs))
+        try:
+            return score(sandbox, cfg, jobs, rows, progress=lambda done: progress.update(task, advance=done))
+        except RewardSetupError as error:
+            raise InputError(str(error)) from None
 
 
 def _user_term(
