@@ -8,7 +8,11 @@
                   a value), mean (over those), first_error
 
 Views carry the table's columns plus `iter`, the Hive partition of the file's directory (`iter=0003` -> 3;
-`base/` -> -1); the run-level prompts view adds `run_id` from the directory. Only files whose manifest exists
+`base/` -> -1); the run-level prompts view adds `run_id` from the directory. `scores` and `eval` (and so
+`samples`) also carry the fields of the row's prompt a user groups by, joined from the run's prompts on
+(run_id, prompt_id) in the view, so the Parquet tables are unchanged: `data_source` (verl's; a row without one,
+e.g. pytasks or HumanEval, gets its prompt's `dataset`, as a verl reward function is given) and `ability`
+(verl's; null where the row has none). Only files whose manifest exists
 and whose size matches it are read (a Parquet file without one is partial or abandoned), so the catalog lists
 manifests first and hands DuckDB an explicit file list; `Catalog.skipped` says what was left out and why.
 On S3 the s3fs file system is registered with DuckDB, because DuckDB's httpfs extension would have to be
@@ -36,6 +40,12 @@ from storage.manifest import Manifest
 
 TABLE_VIEWS = ("prompts", "rollouts", "scores", "batch", "train_metrics", "eval")
 ROLLOUT_KEY = ("run_id", "iteration", "round", "prompt_id", "sample_idx")
+# Views that carry their prompt's fields, and the split their prompts are in; each field's SQL over a prompts row.
+PROMPT_FIELD_VIEWS = {"scores": "train", "eval": "test"}
+PROMPT_FIELDS = {
+    "data_source": "coalesce(json_extract_string(metadata, '$.data_source'), dataset)",
+    "ability": "json_extract_string(metadata, '$.ability')",
+}
 
 # A manifest's location relative to `<root>/runs/` says what it describes. Table names are matched
 # generically (\w+), so a table added later gets a view without a change here. Dynamic-sampling rounds
@@ -273,6 +283,15 @@ def _table_view_sql(name: str, entries: list[CatalogEntry], empty_relation: str 
     return "\nUNION ALL BY NAME\n".join(parts)
 
 
+def _with_prompt_fields(sql: str, split: str) -> str:
+    """`sql`'s rows with their prompt's PROMPT_FIELDS, from the same run's prompts of `split` (a prompt is in
+    one split, so the join adds no row; a row whose prompt is not in the catalog gets nulls)."""
+    fields = ", ".join(f"{expression} AS {name}" for name, expression in PROMPT_FIELDS.items())
+    return (f"SELECT t.*, {', '.join(f'p.{name}' for name in PROMPT_FIELDS)} FROM ({sql}) t\n"
+            f"LEFT JOIN (SELECT run_id, prompt_id, {fields} FROM prompts WHERE split = '{split}') p\n"
+            "  ON p.run_id = t.run_id AND p.prompt_id = t.prompt_id")
+
+
 REWARD_FUNCTION_SCHEMA = pa.schema([
     ("run_id", pa.string()), ("iter", pa.int32()), ("round", pa.int32()), ("stage", pa.string()),
     ("function", pa.string()), ("fn", pa.string()), ("weight", pa.float64()), ("calls", pa.int64()),
@@ -345,7 +364,7 @@ def _manifest_rows(entries: list[CatalogEntry]) -> pa.Table:
 # weights is `kept` (a dropped row was in the batch table but not in the loss).
 _SAMPLES_SQL = """
 SELECT r.*,
-       s.reward, s.passed, s.total, s.status, s.tests, s.code, s.sandbox_seconds,
+       s.reward, s.passed, s.total, s.status, s.tests, s.code, s.sandbox_seconds, s.data_source, s.ability,
        b.shaped_reward, b.advantage, b.kept, b.drop_reason, b.group_size, b.group_mean, b.group_std,
        g.checkpoint AS generated_by,
        t.checkpoint AS trained_into, t.sha256 AS trained_into_sha256
@@ -398,6 +417,8 @@ class Catalog:
                 empty = f"_empty_{name}"
                 self.con.register(empty, TABLES[name].schema.empty_table())
             sql = _table_view_sql(name, self.entries(name), empty)
+            if name in PROMPT_FIELD_VIEWS:  # after prompts (the first view), which it joins
+                sql = _with_prompt_fields(sql, PROMPT_FIELD_VIEWS[name])
             self.con.execute(f'CREATE OR REPLACE VIEW "{name}" AS {sql}')
         manifests = _manifest_rows(self.listing.all_entries())
         self.con.register("_manifests", manifests)

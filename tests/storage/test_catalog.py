@@ -25,7 +25,7 @@ from storage.layout import RunLayout, manifest_path_for
 from storage.manifest import read_manifest, write_manifest
 from storage.tables import write_table
 from tests.support.ports import free_port
-from tests.support.synthetic_runs import SyntheticRun, SyntheticSpec, write_synthetic_run
+from tests.support.synthetic_runs import SyntheticRun, SyntheticSpec, prompt_id_for, write_synthetic_run
 
 
 @pytest.fixture(scope="module")
@@ -96,6 +96,68 @@ def test_samples_join_score_advantage_and_checkpoints(history: Path) -> None:
     assert by_iteration[2] == {("iter=0001", "iter=0002", checkpoints["iter=0002"], checkpoints["iter=0001"])}
 
 
+VERL_SOURCES = ("openai/gsm8k", "lighteval/MATH", None)  # prompt i's data_source: i % 3; None: a non-verl row
+
+
+@pytest.fixture(scope="module")
+def verl_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A run whose prompts carry verl's data_source and ability, but for every third (e.g. a pytasks row)."""
+    root = tmp_path_factory.mktemp("verl")
+    write_synthetic_run(str(root), run_id="v", iterations=2, seed=3, data_sources=VERL_SOURCES)
+    return root
+
+
+def source_of(split: str) -> dict[str, str]:
+    """prompt_id -> the data_source the catalog should give it: the row's, else its dataset ("synthetic")."""
+    return {prompt_id_for(3, i, split): VERL_SOURCES[i % 3] or "synthetic" for i in range(8)}
+
+
+def mean_by_source(files: list[Path], split: str, value: str) -> dict[str, tuple[int, float]]:
+    """(rows, mean of `value`) per data_source, read from the Parquet files with pyarrow, not SQL."""
+    groups: dict[str, list[float]] = {}
+    for path in files:
+        for row in pq.read_table(path).to_pylist():
+            groups.setdefault(source_of(split)[row["prompt_id"]], []).append(float(row[value]))
+    return {source: (len(values), sum(values) / len(values)) for source, values in groups.items()}
+
+
+def test_data_source_groups_scores_without_a_join(verl_run: Path) -> None:
+    with Catalog(str(verl_run)) as catalog:
+        rows = catalog.rows("SELECT data_source, avg(reward) FROM scores GROUP BY 1")  # the issue's query
+        counts = catalog.rows("SELECT data_source, ability, count(*) AS n FROM scores GROUP BY ALL ORDER BY ALL")
+        samples = catalog.rows("SELECT data_source, count(*) AS n FROM samples GROUP BY 1 ORDER BY 1")
+    expected = mean_by_source(table_files(verl_run, "v", "scores"), "train", "reward")
+    assert {r["data_source"]: r["avg(reward)"] for r in rows} == pytest.approx(
+        {source: mean for source, (_, mean) in expected.items()})
+    # iteration 0 trains prompts 0-3, iteration 1 prompts 4-7, 4 samples each: gsm8k 0, 3, 6; MATH 1, 4, 7;
+    # the rows without a data_source (2, 5) are grouped by their dataset, and have no ability
+    assert counts == [{"data_source": "lighteval/MATH", "ability": "code", "n": 12},
+                      {"data_source": "openai/gsm8k", "ability": "code", "n": 12},
+                      {"data_source": "synthetic", "ability": None, "n": 8}]
+    assert samples == [{"data_source": "lighteval/MATH", "n": 12}, {"data_source": "openai/gsm8k", "n": 12},
+                       {"data_source": "synthetic", "n": 8}]
+    # the columns are the view's: the table files are as the stages wrote them
+    assert "data_source" not in pq.read_schema(table_files(verl_run, "v", "scores")[0]).names
+
+
+def test_held_out_results_group_by_data_source(verl_run: Path) -> None:
+    with Catalog(str(verl_run)) as catalog:
+        rows = catalog.rows("SELECT data_source, count(*) AS n, avg(correct::INT) AS accuracy FROM eval "
+                            "GROUP BY 1 ORDER BY 1")
+    expected = mean_by_source(sorted((verl_run / "runs/v").glob("*/eval.parquet")), "test", "correct")
+    # test prompts 0, 1, 2 (one per source), evaluated 3 times (base, iterations 0 and 1) x (1 greedy + 4 sampled)
+    assert [(r["data_source"], r["n"]) for r in rows] == [("lighteval/MATH", 15), ("openai/gsm8k", 15),
+                                                          ("synthetic", 15)]
+    assert {r["data_source"]: r["accuracy"] for r in rows} == pytest.approx(
+        {source: mean for source, (_, mean) in expected.items()})
+
+
+def test_a_run_without_verl_fields_groups_by_dataset(history: Path) -> None:
+    with Catalog(str(history)) as catalog:
+        rows = catalog.rows("SELECT data_source, ability, count(*) AS n FROM scores GROUP BY ALL")
+    assert rows == [{"data_source": "synthetic", "ability": None, "n": 72}]
+
+
 def copy_root(history: Path, tmp_path: Path) -> Path:
     root = tmp_path / "root"
     shutil.copytree(history, root)
@@ -152,7 +214,7 @@ def test_empty_root_has_empty_views(tmp_path: Path) -> None:
         for name in (*TABLE_VIEWS, "samples", "manifests", "checkpoints"):
             assert catalog.rows(f"SELECT count(*) AS n FROM {name}")[0]["n"] == 0
         columns = [r["column_name"] for r in catalog.rows("SELECT column_name FROM (DESCRIBE scores)")]
-        assert columns == [*TABLES["scores"].schema.names, "iter"]
+        assert columns == [*TABLES["scores"].schema.names, "iter", "data_source", "ability"]
 
 
 def test_query_command_prints_and_writes_csv_and_parquet(history: Path, tmp_path: Path,

@@ -55,6 +55,9 @@ class SyntheticSpec:
     with_eval: bool = True
     with_checkpoints: bool = True
     skipped_iterations: tuple[int, ...] = ()  # iterations whose train step was skipped (no kept group)
+    # verl fields of prompt i of each split (metadata data_source = data_sources[i % len], ability "code");
+    # None leaves prompt i without them, as a non-verl row. Empty: no prompt has them.
+    data_sources: tuple[str | None, ...] = ()
     extra_config: dict[str, Any] = field(default_factory=dict)
 
     def config(self, root: str) -> RunConfig:
@@ -178,9 +181,14 @@ class SyntheticRun:
                                                     f"    \"\"\"Return x plus {i}.\"\"\"\n"},
                     ]),
                     "reward_spec": json.dumps({"kind": "code_tests", "entry_point": name, "test": "def check(c): ..."}),
-                    "metadata": json.dumps({"task_id": f"Synthetic/{i}"}),
+                    "metadata": json.dumps({"task_id": f"Synthetic/{i}", **self.verl_fields(i)}),
                 })
         return build_table("prompts", {k: [r[k] for r in rows] for k in rows[0]}, len(rows))
+
+    def verl_fields(self, i: int) -> dict[str, str]:
+        sources = self.spec.data_sources
+        source = sources[i % len(sources)] if sources else None
+        return {} if source is None else {"data_source": source, "ability": "code"}
 
     def write_prompts(self) -> Manifest:
         metrics = {"train": len(self.train_ids), "test": len(self.test_ids)}
