@@ -17,6 +17,7 @@ the done-check repeated under it, so a stage never runs twice at once and a fini
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import tempfile
 import time
@@ -184,6 +185,22 @@ def _run_overlapped(run: Run, count: int, mode: str) -> list[StageOutcome]:
     plan = overlap_plan(run.config, count)
     return drive(plan, lambda target: stage_task.submit(run, target, mode),
                  iteration_done=lambda k: _finish_iteration(run, k))
+
+
+def quiet_stage_failures() -> None:
+    """Leave a failed stage's records out of Prefect's console log (the task's and the flow's traceback of the
+    StageFailed raise, which say nothing the stage's own one line and `failed.json` do not): `rlpipe run` without
+    `--debug`. Prefect's API log (its UI) keeps them."""
+    from prefect.logging.handlers import PrefectConsoleHandler
+
+    for handler in logging.getLogger().handlers:
+        if isinstance(handler, PrefectConsoleHandler):
+            handler.addFilter(_not_a_stage_failure)
+
+
+def _not_a_stage_failure(record: logging.LogRecord) -> bool:
+    error = record.exc_info[1] if record.exc_info else None
+    return not isinstance(error, StageFailed) and "StageFailed" not in record.getMessage()
 
 
 @contextlib.contextmanager

@@ -8,9 +8,12 @@
     rlpipe lineage RUN [ITER]            rlpipe report RUN
     rlpipe server                        rlpipe deploy
 
-Everything that can be checked before a stage runs is checked first: the config, the run id, the data files.
-Errors name the file, line or field and exit with code 2, before anything is written. Prefect is imported
-only by `run`/`resume` (the flow process); every other command stays fast.
+Everything that can be checked before a stage runs is checked first: the config, the run id, the data files,
+the reward functions, the trackers and (stages run here) the model. Errors name the file, line or field and exit
+with code 2, before anything is written. A stage of a new run that refuses its input (exit 2) before the base
+model is resolved leaves nothing worth resuming: its run directory is removed and the same `rlpipe run` starts
+over. A failed stage prints its one line, not Prefect's traceback of the flow (`--debug` keeps it). Prefect is
+imported only by `run`/`resume` (the flow process); every other command stays fast.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from rich.console import Console
 
 from schemas import settings
 from schemas.config import ConfigError, InvalidRunId, RunConfig, apply_overrides, load_config, parse_config
+from storage.layout import RunLayout
 from storage.run import Run, RunRef, resolve_root
 
 console = Console()
@@ -50,7 +54,32 @@ def _validate_data(config: RunConfig) -> None:
     check_trackers(config.log)  # a tracker library missing here is exit 2 now, not a warning per iteration
 
 
-def _drive(run: Run) -> int:
+def _check_model(config: RunConfig) -> None:
+    """The model resolves on this machine as the base_model stage will resolve it (a local directory; a hub id
+    from the cache, else downloaded), so a model that is not there is refused before the run exists. Skipped
+    for the packaged default (a dependency; converting it is the stage's work) and where stages run on
+    deployed workers, which resolve it themselves."""
+    from flows.runner.process import resolve_dispatch
+    from stages.generation.models import DEFAULT_MODEL, ModelError, resolve_model
+
+    if config.model.name_or_path == DEFAULT_MODEL or resolve_dispatch(None) != "local":
+        return
+    try:
+        resolve_model(config.model)
+    except ModelError as error:
+        raise ConfigError(str(error)) from None
+
+
+def _kept_nothing(run: Run) -> bool:
+    """Whether the run holds nothing worth resuming: no base model resolved (at most the prompts table)."""
+    from storage.layout import BASE, manifest_path_for
+
+    return not run.fs.exists(manifest_path_for(run.layout.checkpoint_dir(BASE), "checkpoint"))
+
+
+def _drive(run: Run, debug: bool = False, new: bool = False) -> int:
+    """Run the loop flow on `run`; `new`: this command created the run, so a refusal before its base model
+    removes it (a rerun then starts cleanly over instead of meeting the refused config)."""
     from flows.cli.status import status_table
     from flows.prefect_env import configure_prefect
     from flows.runner import forkserver
@@ -66,13 +95,19 @@ def _drive(run: Run) -> int:
         forkserver.start(stage_environment(run.config))
     try:
         with run_lock(run.layout):  # taken once, here: the flow is handed the run this process drives
-            from flows.pipeline import loop_flow
+            from flows.pipeline import loop_flow, quiet_stage_failures
 
+            if not debug:
+                quiet_stage_failures()
             loop_flow(RunRef.driving(run))
     except RunLocked as error:
         console.print(f"[red]{error}[/]")
         return 3
     except StageFailed as error:
+        if new and error.returncode == 2 and _kept_nothing(run):  # the run lease is released by now
+            run.fs.rm(run.layout.run_dir, recursive=True)
+            console.print(f"[red]{error}[/]; nothing was kept (run directory removed): fix it and run again")
+            return 2
         console.print(f"[red]{error}[/]; fix it and run `rlpipe resume {run.run_id}` to go on from there")
         return 2 if error.returncode == 2 else 1  # a stage's bad input is the run's bad input
     console.print(status_table(run))
@@ -85,7 +120,11 @@ def cmd_run(args: argparse.Namespace) -> int:
     values = config.model_dump(mode="json") | {k: v for k, v in overrides.items() if v is not None}
     config = parse_config(values, args.config or "<defaults>")
     _validate_data(config)
-    return _drive(Run.start(config, args.root))  # the root: --root, else $RLPIPE_ROOT, else the config's
+    _check_model(config)
+    # the root: --root, else $RLPIPE_ROOT, else the config's
+    layout = RunLayout.create(resolve_root(args.root, config), config.run_id)
+    new = not layout.fs.exists(layout.config_path)
+    return _drive(Run.start(config, args.root), args.debug, new)
 
 
 def cmd_resume(args: argparse.Namespace) -> int:
@@ -94,8 +133,9 @@ def cmd_resume(args: argparse.Namespace) -> int:
         values = apply_overrides(run.config.model_dump(mode="json"), args.set)
         config = parse_config(values, f"{run.layout.config_path} with overrides {' '.join(args.set)}")
         _validate_data(config)
+        _check_model(config)
         run = Run.start(config, run.root, replace_config=True)
-    return _drive(run)
+    return _drive(run, args.debug)
 
 
 def cmd_status(args: argparse.Namespace) -> int:
@@ -221,12 +261,14 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE", help="override a field")
     run.add_argument("--run-id")
     run.add_argument("--iterations", type=int)
+    run.add_argument("--debug", action="store_true", help="print Prefect's traceback of a failed stage too")
     common(run)
     run.set_defaults(func=cmd_run)
 
     resume = commands.add_parser("resume", help="continue a run at its first unfinished stage")
     resume.add_argument("run")
     resume.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE")
+    resume.add_argument("--debug", action="store_true", help="print Prefect's traceback of a failed stage too")
     common(resume)
     resume.set_defaults(func=cmd_resume)
 
