@@ -33,6 +33,12 @@ from storage.run import Run, RunRef, resolve_root
 console = Console()
 
 
+def _error(message: str) -> None:
+    """A refusal or failure as one red line, as written: not wrapped to the terminal's (or a pipe's 80) columns, and
+    not read as markup (a message's `[wandb]` or `rewards[0]` would be taken for a style)."""
+    console.print(message, style="red", soft_wrap=True, markup=False, highlight=False)
+
+
 def _validate_data(config: RunConfig) -> None:
     """The checks of a loaded config that need the libraries (a ConfigError, exit 2): the estimator against the
     rest of the config, the data sources, their reward kinds, the trackers."""
@@ -101,14 +107,14 @@ def _drive(run: Run, debug: bool = False, new: bool = False) -> int:
                 quiet_stage_failures()
             loop_flow(RunRef.driving(run))
     except RunLocked as error:
-        console.print(f"[red]{error}[/]")
+        _error(str(error))
         return 3
     except StageFailed as error:
         if new and error.returncode == 2 and _kept_nothing(run):  # the run lease is released by now
             run.fs.rm(run.layout.run_dir, recursive=True)
-            console.print(f"[red]{error}[/]; nothing was kept (run directory removed): fix it and run again")
+            _error(f"{error}; nothing was kept (run directory removed): fix it and run again")
             return 2
-        console.print(f"[red]{error}[/]; fix it and run `rlpipe resume {run.run_id}` to go on from there")
+        _error(f"{error}; fix it and run `rlpipe resume {run.run_id}` to go on from there")
         return 2 if error.returncode == 2 else 1  # a stage's bad input is the run's bad input
     console.print(status_table(run))
     return 0
@@ -204,12 +210,12 @@ def cmd_server(args: argparse.Namespace) -> int:
         console.print("next: `rlpipe deploy`; stop with Ctrl-C")
         while all(process.poll() is None for process in processes):
             time.sleep(1)
-        console.print(f"[red]a child process exited; stopping (logs in {home})[/]")
+        _error(f"a child process exited; stopping (logs in {home})")
         return 1
     except KeyboardInterrupt:
         return 0
     except deploy.DeployError as error:
-        console.print(f"[red]{error}[/]")
+        _error(str(error))
         return 1
     finally:
         deploy.stop_processes(processes)
@@ -236,7 +242,7 @@ def cmd_deploy(args: argparse.Namespace) -> int:
     try:
         names = deploy.deploy(api_url, spec, args.pool_type)
     except deploy.DeployError as error:
-        console.print(f"[red]{error}[/]")
+        _error(str(error))
         return 1
     console.print(f"[green]deployed[/] {len(names)} deployments to {api_url}: {', '.join(sorted(names))}")
     if args.run_id:
@@ -330,12 +336,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except (ConfigError, InvalidRunId) as error:
-        console.print(f"[red]{error}[/]")
+        _error(str(error))
         return 2
     except OSError as error:  # an unwritable or full storage root: one line naming the path, no traceback
         from storage.fs import describe_os_error
 
-        console.print(f"[red]storage error: {describe_os_error(error)}[/]")
+        _error(f"storage error: {describe_os_error(error)}")
         return 1
 
 

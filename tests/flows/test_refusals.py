@@ -24,8 +24,10 @@ ABSENT = "tiny-org/absent-model"
 
 
 def offline_env(root: Path) -> dict[str, str]:
-    return {**os.environ, "RLPIPE_ROOT": str(root), "COLUMNS": "400", "HF_HUB_CACHE": str(root / "hub-cache"),
-            "HF_HUB_OFFLINE": "1", "HF_ENDPOINT": NO_NETWORK, "HF_HUB_DISABLE_TELEMETRY": "1"}
+    """No network, an empty hub cache, and no COLUMNS: a pipe's 80 columns, so a wrapped message would show."""
+    inherited = {name: value for name, value in os.environ.items() if name != "COLUMNS"}
+    return {**inherited, "RLPIPE_ROOT": str(root), "HF_HUB_CACHE": str(root / "hub-cache"), "HF_HUB_OFFLINE": "1",
+            "HF_ENDPOINT": NO_NETWORK, "HF_HUB_DISABLE_TELEMETRY": "1"}
 
 
 def rlpipe(root: Path, *args: str, code: str = "") -> subprocess.CompletedProcess:
