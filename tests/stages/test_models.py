@@ -9,6 +9,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 import time
+import traceback
 from pathlib import Path
 
 import pytest
@@ -164,7 +165,11 @@ def _slow_fake_convert(gguf: Path, out_dir: Path) -> None:
 
 
 def _resolve_in_child(gguf: str, target: str) -> None:
-    ensure_converted(Path(gguf), Path(target))
+    try:
+        ensure_converted(Path(gguf), Path(target))
+    except BaseException:  # a forked child's stderr is pytest's capture buffer, lost with it: keep the traceback
+        Path(gguf).with_name(f"child-{os.getpid()}.err").write_text(traceback.format_exc())
+        raise
 
 
 def test_two_processes_convert_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -178,7 +183,8 @@ def test_two_processes_convert_once(tmp_path: Path, monkeypatch: pytest.MonkeyPa
         child.start()
     for child in children:
         child.join(30)
-        assert child.exitcode == 0
+        errors = "".join(path.read_text() for path in tmp_path.glob("child-*.err"))
+        assert child.exitcode == 0, errors
     assert len((tmp_path / "conversions.log").read_text().splitlines()) == 1
     assert sorted(p.name for p in target.iterdir()) == ["config.json", "model.safetensors", "tokenizer.json"]
     assert [p.name for p in target.parent.iterdir() if ".tmp-" in p.name] == []
