@@ -47,6 +47,33 @@ def write_prompts(ctx: StageContext) -> None:
     ctx.write_table("prompts", pa.Table.from_pylist(rows))
 
 
+def write_policy_rollouts(ctx: StageContext, sample_indices: list[int], seed: int) -> None:
+    """For each prompt, one random response per entry of `sample_indices` (BASELINE_SAMPLE_IDX for a greedy row)
+    with its logprobs under the policy, after the fixed prompt [1, 3 + p, 5, 6]: the rollouts table."""
+    from stages.rl.checkpoint import load_policy
+
+    cfg = TrainConfig()
+    model = load_policy(ctx.policy_dir(), cfg)
+    helper = PolicyTrainer(model, cfg, TorchStepper(model, make_adamw(model, cfg), 1.0))
+    rng = np.random.default_rng(seed)
+    samples, keys = [], []
+    for p in range(N_PROMPTS):
+        for s in sample_indices:
+            response = rng.integers(3, 16, size=int(rng.integers(2, 8))).tolist()
+            samples.append(TrainSample([1, 3 + p, 5, 6], response, [0.0] * len(response), 0.0))
+            keys.append((f"p{p}", s))
+    logprobs = helper.sequence_logprobs(helper.policy, samples)
+    rows = [
+        {"run_id": ctx.run_id, "iteration": ctx.iteration, "round": 0, "prompt_id": prompt_id, "sample_idx": s,
+         "policy_version": ctx.inputs["policy"].sha256, "prompt_token_ids": sample.prompt_ids,
+         "response_token_ids": sample.response_ids, "response_logprobs": logp.tolist(), "response_text": "",
+         "finish_reason": "stop", "truncated": False, "num_tokens": len(sample.response_ids), "seed": 0,
+         "backend": "fake", **SINGLE_TURN_ROLLOUT}
+        for (prompt_id, s), sample, logp in zip(keys, samples, logprobs, strict=True)
+    ]
+    ctx.write_table("rollouts", pa.Table.from_pylist(rows))
+
+
 def fake_generate(ctx: StageContext) -> None:
     """Random responses with their logprobs under the policy (a sampler that agrees with the trainer)."""
     from stages.rl.checkpoint import load_policy

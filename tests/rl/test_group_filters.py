@@ -16,14 +16,14 @@ import pyarrow.parquet as pq
 import pytest
 
 from schemas.config import AdvantageConfig, ConfigError, load_config
-from schemas.tables import BASELINE_SAMPLE_IDX, BATCH, SINGLE_TURN_ROLLOUT, conform
+from schemas.tables import BASELINE_SAMPLE_IDX, BATCH, conform
 from stages import advantage, train
 from stages.harness import StageContext
 from stages.rl.advantages import ESTIMATORS, check_estimator_fits
 from stages.rl.batch import build_batch
 from tests.support.stages import run_stage_at
 
-from .pipeline_helpers import N_PROMPTS
+from .pipeline_helpers import write_policy_rollouts
 
 # p0 is solved, p1 is not; remax's greedy row scores 0.5 on both
 REWARD = {"p0": 1.0, "p1": 0.0}
@@ -33,31 +33,8 @@ GREEDY_REWARD = 0.5
 def one_sample_generate(ctx: StageContext) -> None:
     """`generate.n_samples` random responses per prompt with their logprobs under the policy, and a greedy row per
     prompt when the estimator needs one."""
-    from schemas.config import TrainConfig
-    from stages.rl.checkpoint import load_policy
-    from stages.rl.trainer import PolicyTrainer, TorchStepper, TrainSample, make_adamw
-
-    cfg = TrainConfig()
-    model = load_policy(ctx.policy_dir(), cfg)
-    helper = PolicyTrainer(model, cfg, TorchStepper(model, make_adamw(model, cfg), 1.0))
-    rng = np.random.default_rng(11)
     greedy = [BASELINE_SAMPLE_IDX] if ESTIMATORS[ctx.config.advantage.estimator].needs_greedy_baseline else []
-    samples, keys = [], []
-    for p in range(N_PROMPTS):
-        for s in [*range(ctx.config.generate.n_samples), *greedy]:
-            response = rng.integers(3, 16, size=int(rng.integers(2, 8))).tolist()
-            samples.append(TrainSample([1, 3 + p, 5, 6], response, [0.0] * len(response), 0.0))
-            keys.append((f"p{p}", s))
-    logprobs = helper.sequence_logprobs(helper.policy, samples)
-    rows = [
-        {"run_id": ctx.run_id, "iteration": ctx.iteration, "round": 0, "prompt_id": prompt_id, "sample_idx": s,
-         "policy_version": ctx.inputs["policy"].sha256, "prompt_token_ids": sample.prompt_ids,
-         "response_token_ids": sample.response_ids, "response_logprobs": logp.tolist(), "response_text": "",
-         "finish_reason": "stop", "truncated": False, "num_tokens": len(sample.response_ids), "seed": 0,
-         "backend": "fake", **SINGLE_TURN_ROLLOUT}
-        for (prompt_id, s), sample, logp in zip(keys, samples, logprobs, strict=True)
-    ]
-    ctx.write_table("rollouts", pa.Table.from_pylist(rows))
+    write_policy_rollouts(ctx, [*range(ctx.config.generate.n_samples), *greedy], seed=11)
 
 
 def fixed_score(ctx: StageContext) -> None:

@@ -29,7 +29,7 @@ from stages.rl.advantages import ESTIMATORS, check_estimator_fits, remax_advanta
 from stages.rl.batch import build_batch, split_baselines
 from tests.support.stages import run_stage_at
 
-from .pipeline_helpers import N_PROMPTS, N_SAMPLES
+from .pipeline_helpers import N_PROMPTS, N_SAMPLES, write_policy_rollouts
 
 
 def row(prompt: str, idx: int, reward: float, num_tokens: int = 10, round_: int = 0) -> dict:
@@ -128,31 +128,7 @@ GREEDY_REWARD = {"p0": 1.0, "p1": 0.5}
 
 def remax_generate(ctx: StageContext) -> None:
     """Random responses with their logprobs under the policy, N_SAMPLES sampled and one greedy row per prompt."""
-    from schemas.config import TrainConfig
-    from stages.rl.checkpoint import load_policy
-    from stages.rl.trainer import PolicyTrainer, TorchStepper, TrainSample, make_adamw
-
-    cfg = TrainConfig()
-    model = load_policy(ctx.policy_dir(), cfg)
-    helper = PolicyTrainer(model, cfg, TorchStepper(model, make_adamw(model, cfg), 1.0))
-    rng = np.random.default_rng(7)
-    samples, keys = [], []
-    for p in range(N_PROMPTS):
-        prompt = [1, 3 + p, 5, 6]
-        for s in [*range(N_SAMPLES), BASELINE_SAMPLE_IDX]:
-            response = rng.integers(3, 16, size=int(rng.integers(2, 8))).tolist()
-            samples.append(TrainSample(prompt, response, [0.0] * len(response), 0.0))
-            keys.append((f"p{p}", s))
-    logprobs = helper.sequence_logprobs(helper.policy, samples)
-    rows = [
-        {"run_id": ctx.run_id, "iteration": ctx.iteration, "round": 0, "prompt_id": prompt_id, "sample_idx": s,
-         "policy_version": ctx.inputs["policy"].sha256, "prompt_token_ids": sample.prompt_ids,
-         "response_token_ids": sample.response_ids, "response_logprobs": logp.tolist(), "response_text": "",
-         "finish_reason": "stop", "truncated": False, "num_tokens": len(sample.response_ids), "seed": 0,
-         "backend": "fake", **SINGLE_TURN_ROLLOUT}
-        for (prompt_id, s), sample, logp in zip(keys, samples, logprobs, strict=True)
-    ]
-    ctx.write_table("rollouts", pa.Table.from_pylist(rows))
+    write_policy_rollouts(ctx, [*range(N_SAMPLES), BASELINE_SAMPLE_IDX], seed=7)
 
 
 def remax_score(ctx: StageContext) -> None:
