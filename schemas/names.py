@@ -169,24 +169,23 @@ def names_markdown() -> str:
         "e.g. `--set num_generations=8` -> `did you mean generate.n_samples?`. Generated from schemas/names.py",
         "(`python -m schemas.names > docs/names.md`).",
         "",
-        "| rlpipe | TRL (GRPOConfig) | verl | note |",
-        "|---|---|---|---|",
-    ]
-    for name in NAMES:
-        rows.append("| " + " | ".join([f"`{name.rlpipe}`", _cell(name.trl), _cell(name.verl), name.note]) + " |")
-    rows += [
+        *_peer_table("TRL (GRPOConfig)", NAMES),
         "",
         "## Metric names",
         "",
         "What the trackers (`log.trackers`) log, beside the name TRL's GRPOTrainer and verl log the same number",
         "under. The catalog has the per-function figures too: the `reward_functions` view (docs/usage.md).",
         "",
-        "| rlpipe | TRL (GRPOTrainer) | verl | note |",
-        "|---|---|---|---|",
+        *_peer_table("TRL (GRPOTrainer)", METRICS),
     ]
-    for name in METRICS:
-        rows.append("| " + " | ".join([f"`{name.rlpipe}`", _cell(name.trl), _cell(name.verl), name.note]) + " |")
     return "\n".join(rows) + "\n"
+
+
+def _peer_table(trl_heading: str, names: tuple[Name, ...]) -> list[str]:
+    """A markdown table of rlpipe's names beside TRL's and verl's."""
+    rows = [f"| rlpipe | {trl_heading} | verl | note |", "|---|---|---|---|"]
+    return rows + ["| " + " | ".join([f"`{name.rlpipe}`", _cell(name.trl), _cell(name.verl), name.note]) + " |"
+                   for name in names]
 
 
 if __name__ == "__main__":
