@@ -6,10 +6,10 @@ once per machine; locking and atomicity are tested on tiny stand-in directories.
 
 from __future__ import annotations
 
-import multiprocessing
 import os
+import subprocess
+import sys
 import time
-import traceback
 from pathlib import Path
 
 import pytest
@@ -157,34 +157,45 @@ def test_a_name_that_is_neither_a_directory_nor_cached_is_an_error(tmp_path: Pat
 # Conversion: once, locked, atomic (a stand-in converter; the real one is covered above)
 
 
-def _slow_fake_convert(gguf: Path, out_dir: Path) -> None:
+# A child converts with a stand-in converter that logs its pid and takes 0.5 s. Children are fresh
+# interpreters, not forks of pytest: a fork inherits the whole suite's threads and exit handlers.
+_CHILD = """
+import os, sys, time
+from pathlib import Path
+from stages.generation import models
+
+def slow_fake_convert(gguf: Path, out_dir: Path) -> None:
     with open(gguf.parent / "conversions.log", "a") as log:
-        log.write(f"{os.getpid()}\n")
+        log.write(f"{os.getpid()}\\n")
     time.sleep(0.5)
-    fake_model_dir(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "config.json").write_text('{"model_type": "llama"}')
+    (out_dir / "model.safetensors").write_bytes(b"weights-v1")
+    (out_dir / "tokenizer.json").write_text("{}")
+
+models.convert_gguf = slow_fake_convert
+models.ensure_converted(Path(sys.argv[1]), Path(sys.argv[2]))
+"""
 
 
-def _resolve_in_child(gguf: str, target: str) -> None:
-    try:
-        ensure_converted(Path(gguf), Path(target))
-    except BaseException:  # a forked child's stderr is pytest's capture buffer, lost with it: keep the traceback
-        Path(gguf).with_name(f"child-{os.getpid()}.err").write_text(traceback.format_exc())
-        raise
-
-
-def test_two_processes_convert_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(models, "convert_gguf", _slow_fake_convert)
+def test_two_processes_convert_once(tmp_path: Path) -> None:
     gguf = tmp_path / "model.gguf"
     gguf.write_bytes(b"gguf")
     target = tmp_path / "cache" / "model"
-    context = multiprocessing.get_context("fork")  # the child inherits the monkeypatched converter
-    children = [context.Process(target=_resolve_in_child, args=(str(gguf), str(target))) for _ in range(3)]
+    environment = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[2])}
+    children = [
+        subprocess.Popen(
+            [sys.executable, "-c", _CHILD, str(gguf), str(target)],
+            env=environment,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for _ in range(3)
+    ]
     for child in children:
-        child.start()
-    for child in children:
-        child.join(30)
-        errors = "".join(path.read_text() for path in tmp_path.glob("child-*.err"))
-        assert child.exitcode == 0, errors
+        output, _ = child.communicate(timeout=60)
+        assert child.returncode == 0, output
     assert len((tmp_path / "conversions.log").read_text().splitlines()) == 1
     assert sorted(p.name for p in target.iterdir()) == ["config.json", "model.safetensors", "tokenizer.json"]
     assert [p.name for p in target.parent.iterdir() if ".tmp-" in p.name] == []
