@@ -503,10 +503,12 @@ class AdvantageConfig(Section):
         "never zero variance. Table: docs/algorithms.md."
     )
     filter_metric: Literal["acc", "seq_reward", "reward"] = Field(
-        "acc", description="What the group filters (zero variance, min/max_group_mean) and dynamic sampling's "
-        "count of kept groups look at, as DAPO's filter_groups.metric: `acc` correctness (1 when every test "
-        "passed), `seq_reward` the scored reward, `reward` the shaped reward the advantage uses (after overlong "
-        "punishment)."
+        "seq_reward", description="What the group filters (zero variance, min/max_group_mean) and dynamic "
+        "sampling's count of kept groups look at, as DAPO's filter_groups.metric: `acc` correctness (1 when every "
+        "test passed), `seq_reward` the scored reward, `reward` the shaped reward the advantage uses (after "
+        "overlong punishment). The default keeps partial credit (a group whose answers pass different shares of "
+        "the tests has a signal) and is not fooled by lengths inside the overlong buffer; DAPO's `acc` drops such "
+        "groups, which with `score.reward: fraction` throws most of a small model's signal away."
     )
     min_group_mean: float | None = Field(
         None, description="Keep a group only if its mean `filter_metric` is at least this (null: no lower bound)."

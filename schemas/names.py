@@ -52,7 +52,8 @@ NAMES: tuple[Name, ...] = (
          "no filter and trains every group, an all-equal one with advantage 0"),
     Name("advantage.max_generation_rounds", "", "algorithm.filter_groups.max_num_gen_batches"),
     Name("advantage.filter_metric", "", "algorithm.filter_groups.metric",
-         "acc, seq_reward; rlpipe's reward is the shaped reward (verl's seq_final_reward, near enough)"),
+         "defaults: rlpipe seq_reward (keeps partial credit), verl acc (DAPO's recipe: acc); rlpipe's reward "
+         "is the shaped reward (verl's seq_final_reward, near enough)"),
     Name("advantage.gamma", "", "algorithm.gamma"),
     Name("advantage.lam", "", "algorithm.lam"),
     Name("advantage.use_kl_in_reward", "", "algorithm.use_kl_in_reward"),

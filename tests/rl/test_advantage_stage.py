@@ -71,7 +71,7 @@ def test_everything_equal_is_a_skipped_step():
 def test_overlong_shaping_and_truncation_mask():
     # max 100, buffer 20: length 90 -> -0.5, 100 -> -1 (and truncated).
     # Shaped a: [1 - 0.5, 1 - 1, 1] = [.5, 0, 1]. Filtering on the shaped reward keeps the group (all correct:
-    # the default filter_metric acc would drop it, test_dapo_filters_on_correctness_not_the_shaped_reward)
+    # the default filter_metric seq_reward, and acc, would drop it: test_dapo_filters_on_correctness_not_the_shaped_reward)
     cfg = AdvantageConfig(
         estimator="mean_centered", overlong_buffer=20, mask_truncated=True, filter_metric="reward"
     )
@@ -104,7 +104,7 @@ def test_dapo_filters_on_correctness_not_the_shaped_reward():
     # punishes a correct answer: grpo mean 0.9875, population std 0.021651 -> [0.577, 0.577, 0.577, -1.732].
     # DAPO filters on correctness (filter_groups.metric acc): all correct -> zero variance, dropped, no advantage.
     samples = [sample("a", i, 1.0, n) for i, n in enumerate([50, 60, 70, 81])]
-    rows, metrics = build_batch(samples, AdvantageConfig(overlong_buffer=20), 100)
+    rows, metrics = build_batch(samples, AdvantageConfig(overlong_buffer=20, filter_metric="acc"), 100)
     assert [r["drop_reason"] for r in rows] == ["zero_variance"] * 4 and [r["advantage"] for r in rows] == [0.0] * 4
     assert [r["shaped_reward"] for r in rows] == pytest.approx([1.0, 1.0, 1.0, 0.95])
     assert metrics["skipped"] is True
@@ -119,7 +119,7 @@ def test_dynamic_sampling_counts_groups_by_the_filter_metric():
     # partial rewards [0.5, 0.2] are both wrong (acc [0, 0]): dropped under acc, kept under seq_reward;
     # with target_groups 2 the acc batch is one group short, the seq_reward one is full
     samples = [sample("a", 0, 1.0), sample("a", 1, 0.0), sample("b", 0, 0.5), sample("b", 1, 0.2)]
-    _, metrics = build_batch(samples, AdvantageConfig(target_groups=2), 96)
+    _, metrics = build_batch(samples, AdvantageConfig(target_groups=2, filter_metric="acc"), 96)
     assert metrics["groups_kept"] == 1 and metrics["groups_needed"] == 1
     _, metrics = build_batch(samples, AdvantageConfig(target_groups=2, filter_metric="seq_reward"), 96)
     assert metrics["groups_kept"] == 2 and metrics["groups_needed"] == 0
