@@ -163,10 +163,10 @@ def dpo_table(rows: list[dict[str, Any]]) -> pa.Table:
     return pa.Table.from_pylist(pairs)
 
 
-def verl_ground_truth(spec: dict[str, Any], metadata: dict[str, Any]) -> dict[str, str]:
+def verl_ground_truth(spec: dict[str, Any], metadata: dict[str, Any]) -> dict[str, str | None]:
     """verl's reward_model {style, ground_truth} (text, as verl's own files hold it) of an rlpipe reward spec, in
     the spelling stages/data/formats.py reads back as the same spec."""
-    kind = spec.get("kind")
+    kind, style = spec.get("kind"), "rule"
     if kind == "math":
         truth: Any = spec["answer"]
     elif kind == "code_stdio":
@@ -176,9 +176,9 @@ def verl_ground_truth(spec: dict[str, Any], metadata: dict[str, Any]) -> dict[st
     elif kind == "code_tests":
         truth = spec  # no verl spelling for check(candidate) tests: rlpipe's own spec, which the reader knows
     else:  # custom: scored by the user's functions from verl's columns; a verl row's own ground truth if it had one
-        truth = metadata.get("ground_truth", spec.get("columns"))
-        return {"style": "model", "ground_truth": truth if isinstance(truth, str) else json.dumps(truth)}
-    return {"style": "rule", "ground_truth": truth if isinstance(truth, str) else json.dumps(truth)}
+        style = "model"
+        truth = metadata["ground_truth"] if "ground_truth" in metadata else spec.get("columns")
+    return {"style": style, "ground_truth": truth if truth is None or isinstance(truth, str) else json.dumps(truth)}
 
 
 def verl_table(rows: list[dict[str, Any]]) -> pa.Table:
@@ -191,13 +191,14 @@ def verl_table(rows: list[dict[str, Any]]) -> pa.Table:
         seen.add(row["prompt_id"])
         spec, metadata = json.loads(row["reward_spec"]), json.loads(row["metadata"] or "{}")
         kind = spec.get("kind")
+        # A verl row's extra_info as it came (a custom spec's columns hold it: the prompt id survives)
         extra_info = metadata.get("extra_info") or {"index": len(prompts), "split": "train"}
         prompts.append({
             "data_source": metadata.get("data_source") or row["dataset"],
             "prompt": prompt_messages(row),
             "ability": metadata.get("ability") or ("code" if kind in CODE_KINDS else kind),
             "reward_model": verl_ground_truth(spec, metadata),
-            "extra_info": {**extra_info, "rlpipe_prompt_id": row["prompt_id"]},
+            "extra_info": extra_info,
         })
     return pa.Table.from_pylist(prompts)
 
