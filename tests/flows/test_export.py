@@ -269,6 +269,9 @@ def test_bad_input_is_refused_in_one_line(run_root: Path, tmp_path: Path, capsys
         f"--where 'reward > 99' selects no rollout of run r ({total} rollouts in all)")
     assert the_one_line(capsys, [*base[:1], "nope", *base[2:]]) == (
         f"run nope does not exist under {run_root} (no outputs with a manifest)")
+    line = the_one_line(capsys, [*base[:5], "dpo", *base[6:], "--where", "sample_idx = 0"])  # one per group
+    assert line == ("--where 'sample_idx = 0' selects 16 rollouts of run r, but no group has two with different "
+                    "rewards: no chosen/rejected pair")
     line = the_one_line(capsys, [*base[:5], "parquet", *base[6:]])
     assert line == "--format 'parquet': expected one of sft, dpo, verl, hf"
     assert not out.exists() and list(tmp_path.iterdir()) == []
