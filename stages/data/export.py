@@ -10,7 +10,7 @@ verl's RL Parquet (read back by stages/data/formats.py's verl format: the reward
 prompt id); `hf` the selected rows, every column, as `save_to_disk` writes them. A multi-turn rollout's response
 is its whole conversation (assistant turns and the tool or feedback messages between them), not its last turn.
 Output is a local folder: written under a temporary name beside it and renamed, with `export.json` (source run,
-iterations, query, rows, input table hashes) inside, so a failed export leaves nothing behind.
+iterations, query, rows, the content hashes of the tables read) inside, so a failed export leaves nothing behind.
 """
 
 from __future__ import annotations
@@ -74,7 +74,7 @@ def export_run(root: str, run_id: str, fmt: str, out: str | Path, where: str | N
         if not catalog.listing.all_entries():
             raise InputError(f"run {run_id} does not exist under {catalog.root} (no outputs with a manifest)")
         selected = _select(catalog, run_id, where)
-        inputs = {f"{e.where}/{e.name}": e.manifest.sha256 for name in ("rollouts", "scores")
+        inputs = {f"{e.where}/{e.name}": e.manifest.sha256 for name in ("prompts", "rollouts", "scores", "batch")
                   for e in catalog.entries(name)}
     rows = selected.to_pylist()
     missing = sorted({row["prompt_id"] for row in rows if row["messages"] is None})
@@ -87,11 +87,10 @@ def export_run(root: str, run_id: str, fmt: str, out: str | Path, where: str | N
     iterations = sorted({row["iteration"] for row in rows})
     manifest = {
         "format": fmt, "run_id": run_id, "root": catalog.root, "iterations": iterations, "where": where,
-        "query": f"SELECT * FROM ({EXPORT_SQL.strip()}) WHERE {where} ORDER BY {ORDER}",
+        "query": f"SELECT * FROM ({EXPORT_SQL.strip().replace('$run', repr(run_id))}) WHERE {where} ORDER BY {ORDER}",
         "selected_rollouts": len(rows), "rows": table.num_rows, "columns": table.column_names,
-        "files": ["."] if fmt == "hf" else [DATA_FILE],
         "inputs": {label: sha for label, sha in sorted(inputs.items())
-                   if any(label.startswith(f"iter={i:04d}") for i in iterations)},
+                   if label.startswith("run/") or any(label.startswith(f"iter={i:04d}") for i in iterations)},
         "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "code_version": code_version(), "git_commit": git_commit(),
     }

@@ -144,6 +144,9 @@ def test_sft_of_the_last_iterations_passing_responses_is_what_trl_trains_on(run_
     manifest = json.loads((tmp_path / "sft" / "export.json").read_text())
     assert (manifest["run_id"], manifest["iterations"], manifest["where"], manifest["rows"]) == ("r", [1], where,
                                                                                                  len(wanted))
+    rollouts_manifest = json.loads((run_root / "runs/r/iter=0001/rollouts.parquet.manifest.json").read_text())
+    assert sorted(manifest["inputs"]) == ["iter=0001/batch", "iter=0001/rollouts", "iter=0001/scores", "run/prompts"]
+    assert manifest["inputs"]["iter=0001/rollouts"] == rollouts_manifest["sha256"]
 
     dataset = datasets.load_dataset(str(tmp_path / "sft"))["train"]
     assert dataset.num_rows == len(wanted)
