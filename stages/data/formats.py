@@ -7,12 +7,11 @@ fit any prompt, so `trl` is used only when named.
 
 Choices: a verl rule ground truth that is JSON cases (`{inputs, outputs[, fn_name]}` or LiveCodeBench's
 `[{input, output, testtype}]`) or rlpipe's own `{kind: code_tests, ...}` spec (`rlpipe export --format verl`) is
-code, a string or number a math answer, anything else (and `style: model`)
-kind `custom`, left to score.rewards. What a peer's reward function receives (verl's data_source, ability,
-ground_truth and extra_info; TRL's columns) travels in the metadata as the file gave it. AReaL's math answer is
-its first solution's last \\boxed{}. LiveCodeBench's compressed private tests are skipped: decoding them
-unpickles, and nothing here unpickles data. MBPP's entry point is the first non-builtin function its first
-assert calls.
+code, a string or number a math answer, anything else (and `style: model`) kind `custom`, left to score.rewards.
+What a peer's reward function receives (verl's data_source, ability, ground_truth and extra_info; TRL's columns)
+travels in the metadata as the file gave it. AReaL's math answer is its first solution's last \\boxed{}.
+LiveCodeBench's compressed private tests are skipped: decoding them unpickles, and nothing here unpickles data.
+MBPP's entry point is the first non-builtin function its first assert calls.
 """
 
 from __future__ import annotations
