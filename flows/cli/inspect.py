@@ -1,9 +1,10 @@
-"""The inspection commands of `rlpipe`: query, show, lineage, report. Read-only over the run history.
+"""The inspection commands of `rlpipe`: query, show, lineage, report, export. Read-only over the run history.
 
     rlpipe query "SQL" [--run RUN ...] [--out FILE.csv|FILE.parquet] [--max-rows N] [--root ROOT]
     rlpipe show RUN ITER PROMPT SAMPLE [--round R] [--root ROOT]
     rlpipe lineage RUN [ITER] [--quick] [--json] [--root ROOT]
     rlpipe report RUN [RUN ...] [--out FILE] [--root ROOT]
+    rlpipe export RUN --format sft|dpo|verl|hf --out FOLDER [--where SQL] [--overwrite] [--root ROOT]
 
 `add_inspect_commands(subparsers, common)` registers them on the main parser (flows/cli/commands.py). None of them
 imports Prefect, torch or Great Expectations, so they start fast. Exit codes: 0 fine, 1 lineage found a
@@ -398,13 +399,31 @@ def cmd_report(args: argparse.Namespace) -> int:
     return 0
 
 
+# --- export --------------------------------------------------------------------------------------------------
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    """A run's rollouts as a dataset folder (stages/data/export.py); a bad run, query or path is one line, exit 2."""
+    from schemas.errors import InputError
+    from stages.data.export import export_run
+
+    try:
+        done = export_run(_root(args), args.run, args.format, args.out, args.where, args.overwrite)
+    except InputError as error:
+        err_console.print(str(error), style="red", soft_wrap=True, markup=False, highlight=False)
+        return 2
+    console.print(f"wrote {done.rows} {args.format} rows ({done.manifest['selected_rollouts']} rollouts of "
+                  f"iterations {done.manifest['iterations']}) to {done.out}", soft_wrap=True, markup=False)
+    return 0
+
+
 # --- registration --------------------------------------------------------------------------------------------
 
 
 def add_inspect_commands(
     commands: argparse._SubParsersAction, common: Callable[[argparse.ArgumentParser], None]
 ) -> None:
-    """Register query, show, lineage and report on `rlpipe`'s subcommands (`common` adds --root)."""
+    """Register query, show, lineage, report and export on `rlpipe`'s subcommands (`common` adds --root)."""
     query = commands.add_parser("query", help="SQL over every run's tables (DuckDB)")
     query.add_argument("sql", help="e.g. \"SELECT iteration, avg(reward) FROM scores GROUP BY 1 ORDER BY 1\"")
     query.add_argument("--run", action="append", default=[], help="only these runs (repeatable; default all)")
@@ -438,6 +457,17 @@ def add_inspect_commands(
     report.add_argument("--out", help="write here instead of into the run directory (or <root>/reports/)")
     common(report)
     report.set_defaults(func=cmd_report)
+
+    # stages.data.export (DuckDB, pyarrow) is imported when the command runs, so every other command starts fast.
+    export = commands.add_parser("export", help="a run's rollouts as a dataset: TRL SFT or DPO, verl, `datasets`")
+    export.add_argument("run")
+    export.add_argument("--format", required=True, help="sft, dpo, verl or hf (docs/usage.md)")
+    export.add_argument("--out", required=True, help="the folder to write (refused if it exists)")
+    export.add_argument("--where", help="SQL condition on the rows (docs/usage.md lists the columns); default: "
+                        "passing responses (status = 'ok') for sft, every row otherwise")
+    export.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
+    common(export)
+    export.set_defaults(func=cmd_export)
 
 
 def main(argv: list[str] | None = None) -> int:

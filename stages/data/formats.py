@@ -6,12 +6,12 @@ LiveCodeBench (`input_output`, `public_test_cases`), MBPP (`test_list`), else rl
 fit any prompt, so `trl` is used only when named.
 
 Choices: a verl rule ground truth that is JSON cases (`{inputs, outputs[, fn_name]}` or LiveCodeBench's
-`[{input, output, testtype}]`) is code, a string or number a math answer, anything else (and `style: model`)
-kind `custom`, left to score.rewards. What a peer's reward function receives (verl's data_source, ability,
-ground_truth and extra_info; TRL's columns) travels in the metadata as the file gave it. AReaL's math answer is
-its first solution's last \\boxed{}. LiveCodeBench's compressed private tests are skipped: decoding them
-unpickles, and nothing here unpickles data. MBPP's entry point is the first non-builtin function its first
-assert calls.
+`[{input, output, testtype}]`) or rlpipe's own `{kind: code_tests, ...}` spec (`rlpipe export --format verl`) is
+code, a string or number a math answer, anything else (and `style: model`) kind `custom`, left to score.rewards.
+What a peer's reward function receives (verl's data_source, ability, ground_truth and extra_info; TRL's columns)
+travels in the metadata as the file gave it. AReaL's math answer is its first solution's last \\boxed{}.
+LiveCodeBench's compressed private tests are skipped: decoding them unpickles, and nothing here unpickles data.
+MBPP's entry point is the first non-builtin function its first assert calls.
 """
 
 from __future__ import annotations
@@ -105,6 +105,8 @@ def verl_prompt(row: dict[str, Any], source_row: int, context: SourceContext) ->
 def _verl_rule_spec(truth: Any, ability: Any, metadata: dict[str, Any]) -> dict[str, Any]:  # noqa: ANN401
     field = "reward_model.ground_truth"
     parsed = maybe_json(truth)
+    if isinstance(parsed, dict) and parsed.get("kind") == "code_tests":
+        return rlpipe_code_tests(parsed, field)
     if isinstance(parsed, dict) and ("inputs" in parsed or "outputs" in parsed):
         return apps_cases(parsed, field + ".")
     if isinstance(parsed, list) and parsed and all(isinstance(case, dict) and "input" in case for case in parsed):
@@ -115,6 +117,24 @@ def _verl_rule_spec(truth: Any, ability: Any, metadata: dict[str, Any]) -> dict[
     if isinstance(truth, str | int | float) and not isinstance(truth, bool):
         return math_spec(truth, field)
     return custom_spec(metadata)  # a list of answers, an object: the user's reward function reads it
+
+
+def rlpipe_code_tests(spec: dict[str, Any], field: str) -> dict[str, Any]:
+    """A ground truth that is rlpipe's own HumanEval-style spec (what `rlpipe export --format verl` writes, verl
+    having no spelling for check(candidate) tests), checked and kept as it is, so the prompt id survives."""
+    unknown = set(spec) - {"kind", "entry_point", "preamble", "test"}
+    if unknown:
+        raise RowError(field, f"a code_tests ground truth has unknown fields {sorted(unknown)}")
+    entry_point, preamble = spec.get("entry_point"), spec.get("preamble", "")
+    if not isinstance(entry_point, str) or not entry_point.isidentifier():
+        raise RowError(f"{field}.entry_point", f"must be a Python identifier, got {entry_point!r}")
+    if not isinstance(preamble, str):
+        raise RowError(f"{field}.preamble", f"must be a string, got {type(preamble).__name__}")
+    test = spec.get("test")
+    if not isinstance(test, str):
+        raise RowError(f"{field}.test", f"must be a string, got {type(test).__name__}")
+    check_test_code(test, f"{field}.test")
+    return spec
 
 
 # ---------------------------------------------------------------------------------------------------------

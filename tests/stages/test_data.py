@@ -491,6 +491,9 @@ def test_verl_parquet_rows_become_math_stdio_call_and_custom_prompts(tmp_path: P
          "row 1: field 'reward_model.ground_truth.outputs' has 0 items but reward_model.ground_truth.inputs has 1"),
         ({"prompt": [{"role": "user", "content": 3}]}, "row 1: field 'prompt[0].content' must be a string"),
         ({"extra_info": [1]}, "row 1: field 'extra_info' must be an object, got list"),
+        # rlpipe's own check(candidate) spec, as `rlpipe export --format verl` writes it, is checked like a row's
+        ({"reward_model": {"ground_truth": json.dumps({"kind": "code_tests", "entry_point": "f", "test": "x = 1"})}},
+         "row 1: field 'reward_model.ground_truth.test' does not define check(candidate)"),
     ],
 )
 def test_verl_row_errors_name_the_file_row_and_field(tmp_path: Path, change: dict, message: str) -> None:
