@@ -2,6 +2,7 @@
 
     rlpipe run [--config FILE] [--set section.field=value ...] [--run-id ID] [--root ROOT]
     rlpipe resume RUN [--set ...] [--root ROOT]          rlpipe status RUN [--root ROOT]
+    rlpipe fork RUN NEW --at K [--set ...] [--config FILE] [--root ROOT]
     rlpipe stage NAME --run RUN [--iter K] [--root ROOT]
     rlpipe sandbox serve [--config FILE] [--host 127.0.0.1] [--port 8080]
     rlpipe query "SQL" [--out FILE]      rlpipe show RUN ITER PROMPT SAMPLE
@@ -27,6 +28,7 @@ from rich.console import Console
 
 from schemas import settings
 from schemas.config import ConfigError, InvalidRunId, RunConfig, apply_overrides, load_config, parse_config
+from schemas.errors import InputError
 from storage.layout import RunLayout
 from storage.run import Run, RunRef, resolve_root
 
@@ -91,7 +93,9 @@ def _drive(run: Run, debug: bool = False, new: bool = False) -> int:
     from flows.runner import forkserver
     from flows.runner.process import StageFailed, resolve_dispatch, stage_environment
     from storage.lock import RunLocked, run_lock
+    from storage.sharing import verify_run_shares
 
+    verify_run_shares(run.layout)  # a fork's shared outputs, re-hashed: lost or changed ones are refused by name
     if resolve_dispatch(None) == "local":
         # Started before Prefect is imported and its temporary server comes up, so that the stage server's
         # imports (torch, Great Expectations, vLLM: ~10 s) overlap them; the loop flow reuses it. Prefect's
@@ -325,8 +329,10 @@ def build_parser() -> argparse.ArgumentParser:
     deploy.add_argument("--pool-type", default="process", help="worker type of pools that do not exist yet")
     deploy.add_argument("--root", help="storage root of the --run-id run (default $RLPIPE_ROOT): s3://... for a team")
     deploy.set_defaults(func=cmd_deploy)
+    from flows.cli.fork import add_fork_command
     from flows.cli.inspect import add_inspect_commands
 
+    add_fork_command(commands, common)
     add_inspect_commands(commands, common)
     return parser
 
@@ -335,7 +341,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (ConfigError, InvalidRunId) as error:
+    except (ConfigError, InputError, InvalidRunId) as error:
         _error(str(error))
         return 2
     except OSError as error:  # an unwritable or full storage root: one line naming the path, no traceback
