@@ -148,6 +148,28 @@ def cmd_resume(args: argparse.Namespace) -> int:
     return _drive(run, args.debug)
 
 
+def cmd_fork(args: argparse.Namespace) -> int:
+    """A new run sharing RUN's outputs up to iteration K that its config leaves unchanged (flows/fork.py), then
+    driven as `resume` drives a run. Its config is RUN's (or --config's) with the --set overrides and run id NEW."""
+    from flows.fork import check_fork, fork
+
+    source = Run.open(args.root, args.run)
+    if args.config is not None:
+        values, where = load_config(args.config, args.set).model_dump(mode="json"), str(args.config)
+    else:
+        values = apply_overrides(source.config.model_dump(mode="json"), args.set)
+        where = f"{source.layout.config_path} with overrides {' '.join(args.set)}"
+    config = parse_config(values | {"run_id": args.new}, where)
+    check_fork(source, config, args.at)  # the cheap refusals before the data and model checks
+    _validate_data(config)
+    _check_model(config)
+    forked = fork(source, config, args.at)
+    shared = ", ".join(target.label for target in forked.shared) or "nothing"
+    console.print(f"run {args.new} forked from {args.run} at iteration {args.at}: shares {shared}", soft_wrap=True,
+                  markup=False, highlight=False)
+    return _drive(forked.run, args.debug)
+
+
 def cmd_status(args: argparse.Namespace) -> int:
     from flows.cli.status import status_table
 
@@ -282,6 +304,17 @@ def build_parser() -> argparse.ArgumentParser:
     common(resume)
     resume.set_defaults(func=cmd_resume)
 
+    fork = commands.add_parser("fork", help="a new run sharing another's outputs up to an iteration (docs/usage.md)")
+    fork.add_argument("run", help="the run to fork from")
+    fork.add_argument("new", help="the new run's id")
+    fork.add_argument("--at", type=int, required=True, metavar="K", help="share outputs of iterations 0..K at most")
+    fork.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE",
+                      help="override a field of the new run's config")
+    fork.add_argument("--config", type=Path, help="the new run's config (default: RUN's)")
+    fork.add_argument("--debug", action="store_true", help="print Prefect's traceback of a failed stage too")
+    common(fork)
+    fork.set_defaults(func=cmd_fork)
+
     status = commands.add_parser("status", help="iteration × stage table of a run")
     status.add_argument("run")
     common(status)
@@ -329,10 +362,8 @@ def build_parser() -> argparse.ArgumentParser:
     deploy.add_argument("--pool-type", default="process", help="worker type of pools that do not exist yet")
     deploy.add_argument("--root", help="storage root of the --run-id run (default $RLPIPE_ROOT): s3://... for a team")
     deploy.set_defaults(func=cmd_deploy)
-    from flows.cli.fork import add_fork_command
     from flows.cli.inspect import add_inspect_commands
 
-    add_fork_command(commands, common)
     add_inspect_commands(commands, common)
     return parser
 
