@@ -26,6 +26,7 @@ from stages import advantage, base_model, train
 from stages.registry import instance, stage_state
 from storage.catalog import Catalog
 from storage.layout import BASE
+from storage.lineage import lineage, to_dict
 from storage.manifest import read_manifest
 from storage.run import Run
 from storage.sharing import verify_run_shares
@@ -105,6 +106,10 @@ def test_the_catalog_reads_shared_rows_once_per_run_with_its_id(root: Path) -> N
         shared = catalog.sql("SELECT name FROM manifests WHERE run_id = 'rloo' AND shared_from = 'grpo' "
                              "ORDER BY name").fetchall()
         assert [name for (name,) in shared] == ["checkpoint", "prompts", "rollouts", "scores"]
+    traced = lineage(str(root), "rloo", 0)  # re-hashes every file behind checkpoint 0 of the fork
+    assert traced.ok, traced.problems
+    origins = {node["label"]: (node["shared_from"] or {}).get("run") for node in to_dict(traced)["nodes"]}
+    assert origins["iter=0000/rollouts"] == "grpo" and origins["iter=0000/batch"] is None
 
 
 def test_a_fork_of_the_fork_shares_from_both(root: Path) -> None:
@@ -128,6 +133,9 @@ def test_a_lost_share_is_refused_by_name_and_never_redone(root: Path) -> None:
     with pytest.raises(InputError, match="rerunning the stage would give other data"):
         run_stage_at("generate", lost.run.layout, 0, lambda ctx: pytest.fail("a lost share was redone"))
     assert not rollouts.exists()
+    console = Console(width=250, record=True)
+    console.print(status_table(lost.run))
+    assert "shared from grpo, lost" in console.export_text()
     line = the_one_line(rlpipe(root, "resume", "lost"))  # the next use of the fork, from the command line
     assert line.startswith("run lost shares generate's output with run grpo") and str(rollouts) in line
 
