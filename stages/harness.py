@@ -61,6 +61,7 @@ from storage.layout import BASE, RunLayout, StageInstance
 from storage.manifest import Manifest, config_hash, output_damage, read_manifest, write_manifest
 from storage.process import end_process
 from storage.run import Run, resolve_root
+from storage.sharing import refuse_lost_share
 from storage.tables import TableVersionError, read_table, write_table
 
 console = Console(stderr=True)
@@ -136,14 +137,21 @@ class StageContext:
             harness[f"{what}_seconds"] = round(harness.get(f"{what}_seconds", 0.0) + time.monotonic() - started, 4)
 
     def read_input(self, name: str) -> pa.Table:
-        """An input table by its input name ("prompts", "rollouts", ...), checked against its schema."""
+        """An input table by its input name ("prompts", "rollouts", ...), checked against its schema. A fork's
+        shared table (storage/sharing.py) is read as this run's: its rows' `run_id` is the run that computed it,
+        and what this run builds from them (scores, batch) belongs to this run."""
         manifest = self.inputs[name]
         spec = TABLES[self.sources[name].name]
         try:
             with self.harness_time("read"):
-                return read_table(self.fs, manifest.path, spec)
+                table = read_table(self.fs, manifest.path, spec)
         except (TableVersionError, SchemaMismatch) as error:
             raise InputError(str(error)) from None
+        if manifest.shared_from and "run_id" in table.column_names:
+            column = table.schema.get_field_index("run_id")
+            ours = pa.array([self.run_id] * table.num_rows, table.schema.field(column).type)
+            table = table.set_column(column, "run_id", ours)
+        return table
 
     def round_input_names(self, table: str) -> list[str]:
         """The input names of `table` in every generation round this stage reads, round 0 first."""
@@ -402,6 +410,8 @@ def run_stage(run: Run, target: StageInstance, work: Callable[[StageContext], No
     console.print(f"[bold]▶ {target.label}[/] run={run.run_id}")
     if removed := remove_stale_temporaries(ctx):
         console.print(f"  removed {len(removed)} temporaries of an earlier attempt that did not finish")
+    # a fork's shared output that is lost is refused, never redone with other data (storage/sharing.py)
+    refuse_lost_share(run.fs, run.run_id, [output.manifest_path(run.layout) for output in outputs_of(target)])
     invalidate_outputs(ctx, only_damaged=True)  # the others stay valid until the first write (claim_outputs)
     try:
         work(ctx)

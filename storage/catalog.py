@@ -2,7 +2,8 @@
 
     prompts, rollouts, scores, batch, train_metrics, eval    one view per table, all runs and iterations
     samples       a rollout joined with its score, its batch row (advantage) and its checkpoints
-    manifests     every manifest the catalog found;  checkpoints   the checkpoint manifests
+    manifests     every manifest the catalog found (`shared_from`: the run a fork's output is shared with);
+                  checkpoints   the checkpoint manifests
     reward_functions  one row per score.rewards term per score / evaluate stage instance (its manifest's
                   `reward_functions`): function, fn, weight, calls, errors, error_frac, values (calls with
                   a value), mean (over those), first_error
@@ -16,7 +17,9 @@ e.g. pytasks or HumanEval, gets its prompt's `dataset`, as a verl reward functio
 and whose size matches it are read (a Parquet file without one is partial or abandoned), so the catalog lists
 manifests first and hands DuckDB an explicit file list; `Catalog.skipped` says what was left out and why.
 On S3 the s3fs file system is registered with DuckDB, because DuckDB's httpfs extension would have to be
-downloaded. Views are plain SQL over `read_parquet([...])`: nothing loads at open; `refresh()` picks up
+downloaded. A fork's tables (`rlpipe fork`, storage/sharing.py) are its own files, hard links to the ones it
+shares, so a shared table's rows are read once per run that has it, each time with that run's `run_id`.
+Views are plain SQL over `read_parquet([...])`: nothing loads at open; `refresh()` picks up
 outputs written since.
 """
 
@@ -98,6 +101,7 @@ class Listing:
     checkpoints: list[CatalogEntry] = field(default_factory=list)
     damaged: list[CatalogEntry] = field(default_factory=list)  # manifests whose table file is lost or changed
     skipped: list[Skipped] = field(default_factory=list)
+    forks: set[str] = field(default_factory=set)  # runs that share outputs with another (`rlpipe fork`)
 
     def all_entries(self) -> list[CatalogEntry]:
         return [entry for entries in self.tables.values() for entry in entries] + self.checkpoints
@@ -190,6 +194,8 @@ def list_outputs(root: str, run_ids: list[str] | None = None) -> Listing:
             listing.skipped.append(Skipped(_url(fs, full), f"unreadable manifest: {error}"))
             continue
         run_id, iteration = match.group("run"), _iteration(match)
+        if manifest.shared_from:
+            listing.forks.add(run_id)
         if "table" not in match.groupdict():
             listing.checkpoints.append(CatalogEntry("checkpoint", run_id, iteration, _url(fs, full), manifest))
             continue
@@ -237,13 +243,28 @@ def _union_by_name(entries: list[CatalogEntry]) -> str:
     return ", union_by_name = true" if len({e.manifest.schema for e in entries}) > 1 else ""
 
 
-def _table_view_sql(name: str, entries: list[CatalogEntry], empty_relation: str | None) -> str:
-    """SELECT over a table's files with the `iter` partition column (and `run_id` for run-level tables)."""
+def _fork_entry_sql(name: str, entry: CatalogEntry) -> str:
+    """One file of a fork's table with the fork's run id: a shared file's rows carry the run that computed them,
+    and so do the fork's own tables built from them (advantage keeps the rollouts' keys)."""
+    has_run_id = name in TABLES and "run_id" in TABLES[name].schema.names
+    run_id = f"'{_quote(entry.run_id)}' AS run_id"
+    columns = f"* REPLACE ({run_id})" if has_run_id else f"*, {run_id}"
+    iteration = "NULL" if entry.iteration is None else entry.iteration
+    return (f"SELECT {columns}, CAST({iteration} AS INTEGER) AS iter "
+            f"FROM read_parquet('{_quote(entry.url)}', hive_partitioning = false)")
+
+
+def _table_view_sql(name: str, entries: list[CatalogEntry], empty_relation: str | None,
+                    forks: set[str] | None = None) -> str:
+    """SELECT over a table's files with the `iter` partition column (and `run_id` for run-level tables); the files
+    of `forks` one by one, with their run id from the directory (`_fork_entry_sql`)."""
     if not entries:
         if empty_relation is None:
             raise ValueError(f"no files and no schema for table {name}")
         extra = ", CAST(NULL AS VARCHAR) AS run_id" if name == "prompts" else ""
         return f"SELECT *{extra}, CAST(NULL AS INTEGER) AS iter FROM {empty_relation}"
+    forked = [e for e in entries if e.run_id in (forks or set())]
+    entries = [e for e in entries if e.run_id not in (forks or set())]
     partitioned = [e for e in entries if e.iteration is not None and e.iteration != BASE and not e.round_idx]
     rounds = [e for e in entries if e.round_idx]
     base = [e for e in entries if e.iteration == BASE]
@@ -280,6 +301,7 @@ def _table_view_sql(name: str, entries: list[CatalogEntry], empty_relation: str 
             f"SELECT * EXCLUDE (filename){run_id}, CAST(NULL AS INTEGER) AS iter "
             f"FROM read_parquet({urls}, filename = true{_union_by_name(run_level)})"
         )
+    parts += [_fork_entry_sql(name, entry) for entry in forked]
     return "\nUNION ALL BY NAME\n".join(parts)
 
 
@@ -341,6 +363,7 @@ def _manifest_rows(entries: list[CatalogEntry]) -> pa.Table:
             "started_at": m.started_at,
             "ended_at": m.ended_at,
             "seconds": m.seconds,
+            "shared_from": (m.shared_from or {}).get("run"),
             # Checkpoint manifests hold per-file hashes in `metrics["files"]` (base model): left out, it is bulk.
             "metrics": json.dumps({k: v for k, v in m.metrics.items() if k != "files"}, sort_keys=True, default=str),
         })
@@ -352,7 +375,7 @@ def _manifest_rows(entries: list[CatalogEntry]) -> pa.Table:
         ("key", pa.string()), ("inputs", pa.string()), ("input_batch", pa.string()), ("input_policy", pa.string()),
         ("config_hash", pa.string()), ("code_version", pa.string()), ("git_commit", pa.string()),
         ("host", pa.string()), ("started_at", pa.string()), ("ended_at", pa.string()), ("seconds", pa.float64()),
-        ("metrics", pa.string()),
+        ("shared_from", pa.string()), ("metrics", pa.string()),
     ])
     return pa.Table.from_pylist(rows, schema=schema)
 
@@ -416,7 +439,7 @@ class Catalog:
             if name in TABLES and not self.entries(name):  # no files yet: an empty relation of the schema
                 empty = f"_empty_{name}"
                 self.con.register(empty, TABLES[name].schema.empty_table())
-            sql = _table_view_sql(name, self.entries(name), empty)
+            sql = _table_view_sql(name, self.entries(name), empty, self.listing.forks)
             if name in PROMPT_FIELD_VIEWS:  # after prompts (the first view), which it joins
                 sql = _with_prompt_fields(sql, PROMPT_FIELD_VIEWS[name])
             self.con.execute(f'CREATE OR REPLACE VIEW "{name}" AS {sql}')

@@ -6,7 +6,8 @@ manifests are the graph, so the chain is what happened, resumes and reruns inclu
 file on the chain against its manifest (a checkpoint file by file, the base model directory when it is on
 this machine). Problems, each naming the file: missing (a manifest whose file is gone), modified (bytes that
 no longer hash to the manifest), unresolved input (an input hash no output of the run has any more: the
-input was rewritten since, so this output is stale and the flow would redo it).
+input was rewritten since, so this output is stale and the flow would redo it). A fork's shared output is its
+own file (a hard link) whose manifest names the run it is shared from (`shared_from`), which lineage reports.
 """
 
 from __future__ import annotations
@@ -230,7 +231,7 @@ def to_dict(result: Lineage) -> dict:
         "nodes": [
             {"label": n.label, "stage": n.manifest.stage, "url": n.entry.url, "sha256": n.manifest.sha256,
              "rows": n.manifest.rows, "bytes": n.manifest.bytes, "inputs": n.inputs, "check": n.check,
-             "details": n.details}
+             "details": n.details, "shared_from": n.manifest.shared_from}
             for n in result.nodes
         ],
     }

@@ -9,7 +9,8 @@ when every output's manifest exists, carries the expected key, and the output it
 there with the recorded size. Anything else (no manifest, other key, output deleted) means: run it again.
 Because keys are built from the *content* hashes of inputs, rerunning an upstream stage that reproduces
 the same bytes does not invalidate anything downstream; one that changes them invalidates everything
-downstream.
+downstream. A fork (`rlpipe fork`) shares outputs by a manifest of its own with `shared_from`
+(storage/sharing.py).
 
 The code version in the key is the package version (not the git commit), so that resuming a run after a
 bug-fix commit does not redo finished iterations; the git commit is still recorded for audit.
@@ -88,6 +89,8 @@ class Manifest:
     seconds: float = 0.0
     metrics: dict[str, Any] = field(default_factory=dict)
     files: dict[str, dict[str, Any]] = field(default_factory=dict)  # checkpoints: relative path -> bytes, sha256
+    # A fork's output shared with the run that computed it: {"run", "path"} there (storage/sharing.py)
+    shared_from: dict[str, str] | None = None
     manifest_version: int = MANIFEST_VERSION
 
     def to_json(self) -> bytes:

@@ -2,6 +2,7 @@
 
     rlpipe run [--config FILE] [--set section.field=value ...] [--run-id ID] [--root ROOT]
     rlpipe resume RUN [--set ...] [--root ROOT]          rlpipe status RUN [--root ROOT]
+    rlpipe fork RUN NEW --at K [--set ...] [--config FILE] [--root ROOT]
     rlpipe stage NAME --run RUN [--iter K] [--root ROOT]
     rlpipe sandbox serve [--config FILE] [--host 127.0.0.1] [--port 8080]
     rlpipe query "SQL" [--out FILE]      rlpipe show RUN ITER PROMPT SAMPLE
@@ -27,6 +28,7 @@ from rich.console import Console
 
 from schemas import settings
 from schemas.config import ConfigError, InvalidRunId, RunConfig, apply_overrides, load_config, parse_config
+from schemas.errors import InputError
 from storage.layout import RunLayout
 from storage.run import Run, RunRef, resolve_root
 
@@ -91,7 +93,9 @@ def _drive(run: Run, debug: bool = False, new: bool = False) -> int:
     from flows.runner import forkserver
     from flows.runner.process import StageFailed, resolve_dispatch, stage_environment
     from storage.lock import RunLocked, run_lock
+    from storage.sharing import verify_run_shares
 
+    verify_run_shares(run.layout)  # a fork's shared outputs, re-hashed: lost or changed ones are refused by name
     if resolve_dispatch(None) == "local":
         # Started before Prefect is imported and its temporary server comes up, so that the stage server's
         # imports (torch, Great Expectations, vLLM: ~10 s) overlap them; the loop flow reuses it. Prefect's
@@ -142,6 +146,28 @@ def cmd_resume(args: argparse.Namespace) -> int:
         _check_model(config)
         run = Run.start(config, run.root, replace_config=True)
     return _drive(run, args.debug)
+
+
+def cmd_fork(args: argparse.Namespace) -> int:
+    """A new run sharing RUN's outputs up to iteration K that its config leaves unchanged (flows/fork.py), then
+    driven as `resume` drives a run. Its config is RUN's (or --config's) with the --set overrides and run id NEW."""
+    from flows.fork import check_fork, fork
+
+    source = Run.open(args.root, args.run)
+    if args.config is not None:
+        values, where = load_config(args.config, args.set).model_dump(mode="json"), str(args.config)
+    else:
+        values = apply_overrides(source.config.model_dump(mode="json"), args.set)
+        where = f"{source.layout.config_path} with overrides {' '.join(args.set)}"
+    config = parse_config(values | {"run_id": args.new}, where)
+    check_fork(source, config, args.at)  # the cheap refusals before the data and model checks
+    _validate_data(config)
+    _check_model(config)
+    forked = fork(source, config, args.at)
+    shared = ", ".join(target.label for target in forked.shared) or "nothing"
+    console.print(f"run {args.new} forked from {args.run} at iteration {args.at}: shares {shared}", soft_wrap=True,
+                  markup=False, highlight=False)
+    return _drive(forked.run, args.debug)
 
 
 def cmd_status(args: argparse.Namespace) -> int:
@@ -278,6 +304,17 @@ def build_parser() -> argparse.ArgumentParser:
     common(resume)
     resume.set_defaults(func=cmd_resume)
 
+    fork = commands.add_parser("fork", help="a new run sharing another's outputs up to an iteration (docs/usage.md)")
+    fork.add_argument("run", help="the run to fork from")
+    fork.add_argument("new", help="the new run's id")
+    fork.add_argument("--at", type=int, required=True, metavar="K", help="share outputs of iterations 0..K at most")
+    fork.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE",
+                      help="override a field of the new run's config")
+    fork.add_argument("--config", type=Path, help="the new run's config (default: RUN's)")
+    fork.add_argument("--debug", action="store_true", help="print Prefect's traceback of a failed stage too")
+    common(fork)
+    fork.set_defaults(func=cmd_fork)
+
     status = commands.add_parser("status", help="iteration × stage table of a run")
     status.add_argument("run")
     common(status)
@@ -335,7 +372,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (ConfigError, InvalidRunId) as error:
+    except (ConfigError, InputError, InvalidRunId) as error:
         _error(str(error))
         return 2
     except OSError as error:  # an unwritable or full storage root: one line naming the path, no traceback

@@ -333,6 +333,8 @@ def lineage_lines(result: Any) -> list[Text]:
         line.append(f"{node.label:<24}", style="bold")
         line.append(f" {node.manifest.sha256[:12]}  ", style="dim")
         line.append(describe(node))
+        if node.manifest.shared_from:  # a fork's output, computed by another run (storage/sharing.py)
+            line.append(f"  shared from run {node.manifest.shared_from['run']}", style="magenta")
         if node.inputs:
             made_from = ", ".join(label or f"{name}: unresolved" for name, label in sorted(node.inputs.items()))
             line.append(f"  ← {made_from}", style="cyan" if all(node.inputs.values()) else "red")

@@ -3,6 +3,7 @@
 Extra dynamic-sampling rounds of an iteration (generate and score, `iter=k/round=RR/`) get a row of their
 own under it, `k.r`, for every round that left any output, finished or not. A stage instance the run's failure
 record names reads "failed (exit code N)", and a last line gives the stage and the reason (storage/failure.py).
+A fork's shared stage instance reads "shared from RUN" (`rlpipe fork`, storage/sharing.py).
 """
 
 from __future__ import annotations
@@ -32,10 +33,15 @@ def _cell(run: Run, stage: str, iteration: int, round_idx: int = 0, failure: Sta
     state = stage_state(run, target)
     if not state.done and failure is not None and failure.label == target.label:
         return f"[red]failed (exit code {failure.exit_code})[/]"
+    shared_from = next((m.shared_from["run"] for m in state.manifests if m.shared_from), None)
+    if not state.done and shared_from and state.reason == "output changed":
+        return f"[red]shared from {escape(shared_from)}, lost[/]"  # refused at the next resume (storage/sharing.py)
     if not state.done:
         return f"[yellow]{state.reason}[/]"
     main = state.manifests[-1]
     size = f"{main.rows} rows" if main.rows is not None else f"{main.bytes / 1e6:.0f} MB"
+    if shared_from:
+        return f"[green]shared[/] from {escape(shared_from)} {size}"
     return f"[green]done[/] {size} {main.seconds:.0f}s"
 
 
