@@ -59,6 +59,7 @@ def run(ctx: StageContext) -> None:
     turns: list[dict[str, object]] = []  # multi-turn: each sample's turn columns
     tool_seconds = 0.0
 
+    ctx.route_engine_logs()  # vLLM's lines to the stage's log file, unless --verbose
     engine = open_stage_engine(gen, model_dir, device, ctx.config.device, ctx.inputs["policy"].sha256,
                                ctx.layout.run_dir)
     backend = engine.backend
