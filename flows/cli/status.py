@@ -175,7 +175,8 @@ def held_out_table(run: Run) -> Group:
     fits a terminal), the gains over the base model with paired bootstrap intervals over the same problems
     (from the eval tables): sampled pass@1, greedy accuracy, and the mean reward of the sampled answers (the
     partial credit the training reward gives, which moves before whole problems flip to solved). With more
-    than one held-out dataset, a last row pools them: the whole test split."""
+    than one held-out dataset, a last row pools them: the whole test split. Where the evaluate stage recorded
+    summaries per verl data_source (a test file mixing sources), each source has rows of its own in both."""
     ks = run.config.evaluate.k
     results = Table(title="held-out evaluation (95% bootstrap intervals: problems or families, and samples)")
     for column in ["checkpoint", "dataset", "prompts", "greedy", *[f"pass@{k}" for k in ks]]:
@@ -204,8 +205,7 @@ def held_out_table(run: Run) -> Group:
         source_rows = [{**row, "dataset": data_source_label(sources.get(row["prompt_id"], row["dataset"]))}
                        for row in rows] if by_source else []
         if iteration == BASE:
-            base_rows = {row["dataset"]: [r for r in rows if r["dataset"] == row["dataset"]] for row in rows}
-            base_by_source = {name: [row for row in source_rows if row["dataset"] == name] for name in by_source}
+            base_rows, base_by_source = _by_dataset(rows), _by_dataset(source_rows)
         else:
             compared = checkpoint_gains(base_rows, rows, clusters)
             if by_source:  # each source on its own; pooled, they are the datasets' "all held out" row
@@ -253,6 +253,13 @@ def _with_interval(summary: dict, metric: str) -> str:
     interval = f" [{summary[metric + '_ci_low']:.3f}, {summary[metric + '_ci_high']:.3f}]" if (
         metric + "_ci_low" in summary) else ""
     return f"{summary[metric]:.3f}{interval}"
+
+
+def _by_dataset(rows: list[dict]) -> dict[str, list[dict]]:
+    grouped: dict[str, list[dict]] = {}
+    for row in rows:
+        grouped.setdefault(row["dataset"], []).append(row)
+    return grouped
 
 
 POOLED = "all held out"  # the gains row of every held-out problem together
