@@ -100,7 +100,7 @@ def _evaluation(catalog: Catalog, run_id: str, ks: list[int]) -> list[dict[str, 
     `data_source` (a test file mixing sources), one row per (checkpoint, data_source), its `data_source` set."""
     rows = _evaluation_by(catalog, run_id, ks, "dataset", _eval_summaries(catalog, run_id))
     by_source = _eval_summaries(catalog, run_id, "data_sources")
-    for row in _evaluation_by(catalog, run_id, ks, "data_source", by_source):
+    for row in _evaluation_by(catalog, run_id, ks, "data_source", by_source) if by_source else []:
         if (row["iteration"], row["dataset"]) in by_source:
             rows.append(row | {"data_source": row["dataset"], "dataset": data_source_label(row["dataset"])})
     return rows
