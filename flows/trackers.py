@@ -2,8 +2,9 @@
 
 `log.trackers: [tensorboard, mlflow, wandb]` turns them on; the flow calls `log_iterations(run)` after each
 iteration (plain functions, no Prefect). The numbers are the report's (`reports.html.collect`, from the storage
-root only, wherever the stages ran): training reward and solve rate, held-out pass@k per dataset with its 95%
-interval, each reward function's mean and failed share (`reward/<function>/mean`, `.../error_frac`), lengths,
+root only, wherever the stages ran): training reward and solve rate (per verl `data_source` too with two or more),
+held-out pass@k per dataset (and per data_source where a test file mixes them, verl's `val-core/<data_source>/`) with
+its 95% interval, each reward function's mean and failed share (`reward/<function>/mean`, `.../error_frac`), lengths,
 the optimizer steps' losses, KL, clip fractions, entropy and IS statistics (averaged over the iteration),
 seconds per stage. The config goes in as MLflow params, W&B config, TensorBoard hparams + text.
 
@@ -74,7 +75,7 @@ def _finite(value: Any) -> bool:  # noqa: ANN401 - any cell
 def _evaluation_scalars(prefix: str, rows: list[dict[str, Any]], ks: list[int]) -> dict[str, float]:
     scalars: dict[str, float] = {}
     for row in rows:
-        base = f"{prefix}/{_key(row['dataset'])}"
+        base = f"{prefix}/{_key(row.get('data_source', row['dataset']))}"  # verl's val-core/<data_source>/...
         scalars[f"{base}/greedy_accuracy"] = row.get("greedy")
         scalars[f"{base}/prompts"] = row.get("prompts")
         for k in ks:
@@ -85,14 +86,19 @@ def _evaluation_scalars(prefix: str, rows: list[dict[str, Any]], ks: list[int]) 
 
 
 def iteration_scalars(data: ReportData, iteration: int) -> dict[str, float]:
-    """Every number logged at step `iteration`, by name (`train/...`, `reward/<function>/...`,
-    `eval/<dataset>/...`, `length/...`, `update/...`, `time/<stage>`); iteration 0 also carries the base model's
+    """Every number logged at step `iteration`, by name (`train/...`, `train/<data_source>/...` with two or more
+    training sources, `reward/<function>/...`, `eval/<dataset>/...` and `eval/<data_source>/...` where a test file
+    mixes sources, `length/...`, `update/...`, `time/<stage>`); iteration 0 also carries the base model's
     evaluation (`eval_base/...`) and the run-level stages' seconds. Missing or non-finite values are left out."""
     scalars: dict[str, Any] = {}
     for row in data.reward:
         if row["iteration"] == iteration:
             scalars |= {"train/reward_mean": row["mean_reward"], "train/solve_rate": row["solve_rate"],
                         "train/samples": row["rows"]}
+    for row in data.reward_by_source:
+        if row["iteration"] == iteration:
+            name = _key(row["data_source"])
+            scalars |= {f"train/{name}/reward_mean": row["mean_reward"], f"train/{name}/solve_rate": row["solve_rate"]}
     for row in data.reward_functions:
         if row["iteration"] == iteration:
             name = _key(row["function"])

@@ -2,9 +2,11 @@
 
 At the top: a red banner when the run's failure record says it stopped at a stage (stage, exit code, reason),
 and the optimizer steps taken, skipped (an iteration with no kept sample with a nonzero advantage) and not
-applied (a non-finite gradient). Sections: reward and solve rate per iteration; held-out pass@k and greedy
-accuracy per iteration (base model included, as iteration -1; with multi-turn rollouts also turns, tool calls
-and solved-after-retry); response length and truncation; clip fractions, KL and entropy per optimizer step; the
+applied (a non-finite gradient). Sections: reward and solve rate per iteration (and a table per verl
+`data_source` when training draws on two or more); held-out pass@k and greedy accuracy per iteration and dataset
+(base model included, as iteration -1; per data_source too where the evaluate stage recorded it, a test file
+mixing sources; with multi-turn rollouts also turns, tool calls and solved-after-retry); response length and
+truncation; clip fractions, KL and entropy per optimizer step; the
 sandbox's status mix; time per stage; each reward function's mean and failed share per iteration (a chart, a
 table, and a warning at the top when one failed); the best and worst samples of the last iteration. Plots are
 inline SVG (reports/svg.py); there are no external assets, so the file renders offline, from S3, or as a CI
@@ -57,6 +59,8 @@ class ReportData:
     config: RunConfig | None
     iterations: list[int] = field(default_factory=list)
     reward: list[dict[str, Any]] = field(default_factory=list)  # iteration, mean_reward, solve_rate, rows
+    # iteration, data_source, mean_reward, solve_rate, rows: only for a run training on two or more data_sources
+    reward_by_source: list[dict[str, Any]] = field(default_factory=list)
     evaluation: list[dict[str, Any]] = field(default_factory=list)  # iteration, greedy, pass@k..., prompts
     lengths: list[dict[str, Any]] = field(default_factory=list)  # iteration, mean, p50, p90, truncated
     train: list[dict[str, Any]] = field(default_factory=list)  # one row per optimizer step
@@ -81,23 +85,42 @@ def read_config(layout: RunLayout) -> RunConfig | None:
         return None
 
 
+Summaries = dict[tuple[int, str], dict[str, Any]]  # (iteration, dataset or data_source) -> an evaluate summary
+
+
+def data_source_label(data_source: str) -> str:
+    """How a per-data_source row is named beside the per-dataset ones (the report's and `rlpipe status`'s)."""
+    return f"{data_source} (data_source)"
+
+
 def _evaluation(catalog: Catalog, run_id: str, ks: list[int]) -> list[dict[str, Any]]:
     """One row per (evaluated checkpoint, held-out dataset), in checkpoint order: greedy accuracy, pass@k
     and, where the evaluate stage recorded it, pass@k's bootstrap 95% interval (`pass@k_ci`); `summary`: the
-    stage's summary (the multi-turn figures are read from it)."""
+    stage's summary (the multi-turn figures are read from it). Then, where the stage recorded summaries per verl
+    `data_source` (a test file mixing sources), one row per (checkpoint, data_source), its `data_source` set."""
+    rows = _evaluation_by(catalog, run_id, ks, "dataset", _eval_summaries(catalog, run_id))
+    by_source = _eval_summaries(catalog, run_id, "data_sources")
+    for row in _evaluation_by(catalog, run_id, ks, "data_source", by_source) if by_source else []:
+        if (row["iteration"], row["dataset"]) in by_source:
+            rows.append(row | {"data_source": row["dataset"], "dataset": data_source_label(row["dataset"])})
+    return rows
+
+
+def _evaluation_by(catalog: Catalog, run_id: str, ks: list[int], column: str,
+                   summaries: Summaries) -> list[dict[str, Any]]:
+    """`_evaluation`'s rows grouped by the eval view's `column` (dataset or data_source), named `dataset`."""
     groups = catalog.rows(
-        """SELECT iteration, dataset, prompt_id, count(*) AS n, CAST(count_if(correct) AS BIGINT) AS c
-           FROM eval WHERE run_id = $run AND mode = 'sampled' GROUP BY ALL""", {"run": run_id})
+        f"""SELECT iteration, {column} AS dataset, prompt_id, count(*) AS n, CAST(count_if(correct) AS BIGINT) AS c
+            FROM eval WHERE run_id = $run AND mode = 'sampled' GROUP BY ALL""", {"run": run_id})
     greedy = {
         (row["iteration"], row["dataset"]): row["accuracy"] for row in catalog.rows(
-            """SELECT iteration, dataset, avg(CAST(correct AS DOUBLE)) AS accuracy
-               FROM eval WHERE run_id = $run AND mode = 'greedy' GROUP BY ALL""", {"run": run_id})
+            f"""SELECT iteration, {column} AS dataset, avg(CAST(correct AS DOUBLE)) AS accuracy
+                FROM eval WHERE run_id = $run AND mode = 'greedy' GROUP BY ALL""", {"run": run_id})
     }
     by_checkpoint: dict[tuple[int, str], list[dict[str, Any]]] = {}
     for row in groups:
         by_checkpoint.setdefault((row["iteration"], row["dataset"]), []).append(row)
-    intervals = _eval_intervals(catalog, run_id)
-    summaries = _eval_summaries(catalog, run_id)
+    intervals = _eval_intervals(summaries)
     result = []
     for iteration, dataset in sorted(set(by_checkpoint) | set(greedy)):
         problems = by_checkpoint.get((iteration, dataset), [])
@@ -132,26 +155,28 @@ def multi_turn_cells(summary: dict[str, Any], mode: str) -> list[str]:
             number("tool_error_rate") if tool else "n/a", solved if mode == "feedback" else "n/a"]
 
 
-def _eval_summaries(catalog: Catalog, run_id: str) -> dict[tuple[int, str], dict[str, Any]]:
-    """(iteration, dataset) -> the evaluate stage's summary in its manifest (one per held-out dataset)."""
-    summaries: dict[tuple[int, str], dict[str, Any]] = {}
+def _eval_summaries(catalog: Catalog, run_id: str, under: str | None = None) -> Summaries:
+    """(iteration, dataset) -> the evaluate stage's summary in its manifest (one per held-out dataset); with
+    `under` ("data_sources"), (iteration, data_source) -> the summaries the stage recorded under that key."""
+    summaries: Summaries = {}
     for row in catalog.rows(
         """SELECT iter, metrics FROM manifests WHERE run_id = $run AND stage IN ('evaluate', 'evaluate_base')
            AND name = 'eval'""", {"run": run_id}
     ):
-        for dataset, summary in json.loads(row["metrics"]).items():
+        metrics = json.loads(row["metrics"])
+        for dataset, summary in (metrics.get(under, {}) if under else metrics).items():
             if isinstance(summary, dict) and "prompts" in summary:
                 summaries[(row["iter"], dataset)] = summary
     return summaries
 
 
-def _eval_intervals(catalog: Catalog, run_id: str) -> dict[tuple[int, str], dict[str, tuple[float, float]]]:
+def _eval_intervals(summaries: Summaries) -> dict[tuple[int, str], dict[str, tuple[float, float]]]:
     """(iteration, dataset) -> metric -> the bootstrap 95% interval the evaluate stage recorded in its
-    manifest (one summary per held-out dataset)."""
+    manifest's `summaries` (`_eval_summaries`)."""
     return {
         key: {metric.removesuffix("_ci_low"): (value, summary[metric.replace("_ci_low", "_ci_high")])
               for metric, value in summary.items() if metric.endswith("_ci_low")}
-        for key, summary in _eval_summaries(catalog, run_id).items()
+        for key, summary in summaries.items()
     }
 
 
@@ -184,6 +209,12 @@ def collect(catalog: Catalog, run_id: str, config: RunConfig | None) -> ReportDa
         f"""SELECT iteration, avg(reward) AS mean_reward, avg(CAST(status = 'ok' AS DOUBLE)) AS solve_rate,
                   count(*) AS rows
            FROM scores WHERE run_id = $run AND {SAMPLED} GROUP BY iteration ORDER BY iteration""", run)
+    data.reward_by_source = catalog.rows(
+        f"""SELECT iteration, data_source, avg(reward) AS mean_reward,
+                  avg(CAST(status = 'ok' AS DOUBLE)) AS solve_rate, count(*) AS rows
+           FROM scores WHERE run_id = $run AND {SAMPLED} GROUP BY ALL ORDER BY ALL""", run)
+    if len({row["data_source"] for row in data.reward_by_source}) < 2:
+        data.reward_by_source = []
     data.evaluation = _evaluation(catalog, run_id, data.ks)
     data.lengths = catalog.rows(
         f"""SELECT iteration, avg(num_tokens) AS mean, quantile_cont(num_tokens, 0.5) AS p50,
@@ -486,6 +517,20 @@ def reward_failure_notes(rows: list[dict[str, Any]]) -> list[str]:
     return notes
 
 
+def _reward_by_source_table(rows: list[dict[str, Any]]) -> str:
+    """Training reward per iteration and data_source; '' for a run with one source (nothing beside the chart)."""
+    if not rows:
+        return ""
+    body = "".join(
+        f"<tr><td>{r['iteration']}</td><td>{escape(r['data_source'])}</td><td class='num'>{r['rows']}</td>"
+        f"<td class='num'>{_num(r['mean_reward'])}</td><td class='num'>{_pct(r['solve_rate'])}</td></tr>"
+        for r in rows
+    )
+    return ("<h2>Training reward by data_source</h2><table class='reward-by-source'><thead><tr><th>iteration</th>"
+            "<th>data_source</th><th>samples</th><th>mean reward</th><th>solve rate</th></tr></thead>"
+            f"<tbody>{body}</tbody></table>")
+
+
 def _devices_table(rows: list[dict[str, Any]]) -> str:
     if not rows:
         return "<p class='meta'>no model stage has recorded its device yet</p>"
@@ -536,6 +581,7 @@ def render(data: ReportData) -> str:
 {_summary(data)}{notes}
 <h2>Plots</h2><div class="grid">{charts}</div>
 <h2>Held-out evaluation</h2>{evaluation_table}
+{_reward_by_source_table(data.reward_by_source)}
 <h2>Reward functions: mean value and failed calls per iteration</h2>{_reward_functions_table(data.reward_functions)}
 <h2>Model stages: device, memory, speed</h2>{_devices_table(data.devices)}
 <h2>Best and worst samples of the last iteration ({last})</h2>

@@ -945,15 +945,53 @@ def _dotted_keys(loc: str, value: Any) -> list[str]:  # noqa: ANN401 - a YAML va
     return [key for child, item in value.items() for key in _dotted_keys(f"{loc}.{child}", item)]
 
 
-def _format_validation_error(error: ValidationError, source: str) -> str:
-    lines = [f"invalid config {source}:"]
+def _field_path(loc: tuple[str | int, ...], values: Any, missing: bool) -> str:  # noqa: ANN401 - YAML values
+    """The dotted field of a pydantic error's `loc`: the keys and indices the input holds, without the union member
+    tags pydantic appends (`data.train.str`, `data.train.DataSource`); a missing field's own name kept."""
+    parts: list[str] = []
+    for index, part in enumerate(loc):
+        present = (isinstance(values, dict) and part in values) or (
+            isinstance(values, list) and isinstance(part, int) and part < len(values))
+        if not present:
+            if missing and index == len(loc) - 1:
+                parts.append(f".{part}")
+            break
+        parts.append(f"[{part}]" if isinstance(part, int) else f".{part}")
+        values = values[part]
+    return "".join(parts).removeprefix(".")
+
+
+def _format_validation_error(error: ValidationError, source: str, values: dict[str, Any]) -> str:
+    """One line: every field that does not fit with what it got, `; `-separated; the alternatives of a union field
+    (`data.train`: a string, a mapping or a list) as one `or` clause; an unknown key with rlpipe's field for it."""
+    messages: dict[str, list[str]] = {}
+    got: dict[str, str] = {}
     for item in error.errors():
-        field = ".".join(str(part) for part in item["loc"])
-        lines.append(f"  {field}: {item['msg']} (got {item.get('input')!r})")
+        field = _field_path(item["loc"], values, item["type"] == "missing")
         if item["type"] == "extra_forbidden":  # a peer's name (TRL, verl) or a misspelling: name rlpipe's field
-            hints = {hint_for(key, config_fields()) for key in _dotted_keys(field, item.get("input"))} - {""}
-            lines += [f"    {hint}" for hint in sorted(hints)]
-    return "\n".join(lines)
+            hints = sorted({hint_for(key, config_fields()) for key in _dotted_keys(field, item.get("input"))} - {""})
+            messages.setdefault(field, []).append("unknown field" + "".join(f", {hint}" for hint in hints))
+            continue
+        messages.setdefault(field, []).append(item["msg"])
+        # a section's own check names the values it judged; a missing field has nothing to show
+        if item["type"] != "missing" and not (item["type"] == "value_error" and isinstance(item.get("input"), dict)):
+            got[field] = f" (got {item.get('input')!r})"
+    clauses = [f"{field + ': ' if field else ''}{' or '.join(dict.fromkeys(texts))}{got.get(field, '')}"
+               for field, texts in messages.items()]
+    return f"invalid config {source}: {'; '.join(clauses)}"
+
+
+def _describe_yaml_error(error: yaml.YAMLError) -> str:
+    """PyYAML's error as one clause with 1-based line and column, e.g. `line 3, column 10: did not find expected
+    ',' or ']' (while parsing a flow sequence started at line 2, column 7)`."""
+    if not isinstance(error, yaml.MarkedYAMLError) or error.problem_mark is None:
+        return " ".join(str(error).split())
+    mark = error.problem_mark
+    text = f"line {mark.line + 1}, column {mark.column + 1}: {error.problem}"
+    context = error.context_mark
+    if error.context and context is not None and (context.line, context.column) != (mark.line, mark.column):
+        return f"{text} ({error.context} started at line {context.line + 1}, column {context.column + 1})"
+    return f"{text} ({error.context})" if error.context else text
 
 
 # libyaml's parser when PyYAML was built with it: the same documents, ~7x faster (2 ms against 14 ms for a run's
@@ -970,9 +1008,15 @@ def _parse_override(text: str) -> tuple[list[str], Any]:
     if "=" not in text:
         raise ConfigError(f"override {text!r} must look like section.field=value")
     dotted, raw = text.split("=", 1)
+    path = dotted.strip().split(".")
+    if not all(path):
+        raise ConfigError(f"override {text!r} must look like section.field=value")
     # YAML parses the value, so `train.lr=1e-5`, `generate.stop=["\n\n"]` and `data.max_test_prompts=null`
     # all mean what they look like.
-    return dotted.strip().split("."), read_yaml(raw)
+    try:
+        return path, read_yaml(raw)
+    except yaml.YAMLError as error:
+        raise ConfigError(f"override {text!r}: the value is not valid YAML: {_describe_yaml_error(error)}") from None
 
 
 def apply_overrides(values: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
@@ -992,7 +1036,7 @@ def parse_config(values: dict[str, Any], source: str = "<dict>") -> RunConfig:
     try:
         return RunConfig.model_validate(values)
     except ValidationError as error:
-        raise ConfigError(_format_validation_error(error, source)) from None
+        raise ConfigError(_format_validation_error(error, source, values)) from None
 
 
 def _yaml_mapping(text: str | bytes, source: str) -> dict[str, Any]:
@@ -1000,7 +1044,7 @@ def _yaml_mapping(text: str | bytes, source: str) -> dict[str, Any]:
     try:
         loaded = read_yaml(text)
     except yaml.YAMLError as error:
-        raise ConfigError(f"config file {source} is not valid YAML: {error}") from None
+        raise ConfigError(f"config file {source} is not valid YAML: {_describe_yaml_error(error)}") from None
     if loaded is not None and not isinstance(loaded, dict):
         raise ConfigError(f"config file {source} must hold a mapping at the top level")
     return loaded or {}
@@ -1016,6 +1060,9 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
             text = Path(path).read_text()
         except FileNotFoundError:
             raise ConfigError(f"config file {path} does not exist") from None
+        except (OSError, UnicodeDecodeError) as error:  # a directory, unreadable, not text
+            reason = error.strerror if isinstance(error, OSError) else "not UTF-8 text"
+            raise ConfigError(f"config file {path} cannot be read: {reason}") from None
         values = _yaml_mapping(text, source)
     values = apply_overrides(values, overrides or [])
     if overrides:

@@ -118,6 +118,11 @@ METRICS: tuple[Name, ...] = (
          "the share of the function's calls that failed (raised, timed out, NaN, not a number); TRL stops at the "
          "first, verl logs it: see `score.max_reward_error_fraction`"),
     Name("length/mean", "completions/mean_length", "response_length/mean", "tokens per response"),
+    Name("eval/<data_source>/pass_at_1", "", "val-core/<data_source>/reward/mean@N",
+         "held-out pass@1 per verl data_source, logged where a test file mixes sources (else `eval/<dataset>/...`, "
+         "the same figures); `/` in a source's name becomes `_`"),
+    Name("train/<data_source>/reward_mean", "", "",
+         "the training reward per data_source, logged with two or more sources"),
 )
 
 

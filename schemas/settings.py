@@ -38,11 +38,13 @@ HOME = Variable("RLPIPE_HOME", None, "the rlpipe checkout a Prefect worker runs 
 LANE_CPUS = Variable("RLPIPE_LANE_CPUS", None,
                      "CPU cores per lane for local stages, e.g. `rollout=0;train=1` or `rollout=0-3;train=4,5` "
                      "(taskset's pinning: a stand-in for two machines); unset: no pinning")
+VERBOSE = Variable("RLPIPE_VERBOSE", "0", "1: libraries' own log lines (vLLM's) on the console too, not only in each "
+                   "stage's log file (`rlpipe run --verbose` sets it)")
 # Set by the train stage for its DeepSpeed ranks, never by a person: "<pid>:<start time>" of the stage.
 DS_STAGE = Variable("RLPIPE_DS_STAGE", None, "set by the train stage for its DeepSpeed ranks (internal)")
 
 VARIABLES = (ROOT, CACHE, S3_ENDPOINT_URL, DISPATCH, DISPATCH_POLL_S, STAGE_LOCK_WAIT_S, STAGE_FORK, HOME, LANE_CPUS,
-             DS_STAGE)
+             VERBOSE, DS_STAGE)
 
 
 def cache_dir() -> Path:

@@ -8,7 +8,8 @@ iteration -1 in `base/eval.parquet`. A sample is correct when every test passed 
 The manifest's metrics hold one summary per dataset (keyed by dataset name; its intervals resample whole
 problem families where the prompts name one, see stages/evaluation/metrics.py; with generate.multi_turn also
 turns, tool calls per answer, tool error rate and solved-after-retry, grading each conversation's final
-answer) beside the engine figures the
+answer), and under `data_sources` one per verl `data_source` where the test prompts mix sources within a file
+(`splits_by_data_source`: verl reports validation per source), beside the engine figures the
 generate stage also records: backend, `deterministic`, `engine_start_seconds` apart from
 `generation_seconds`, tokens/s, and the overlong-prompt counts.
 """
@@ -20,7 +21,7 @@ import json
 import pyarrow as pa
 
 from schemas.errors import InputError
-from stages.evaluation.metrics import aggregate, clusters_of, multi_turn_summary
+from stages.evaluation.metrics import aggregate, clusters_of, multi_turn_summary, splits_by_data_source
 from stages.generation.agent_loop import (
     Conversation,
     ConversationStart,
@@ -58,6 +59,7 @@ def run(ctx: StageContext) -> None:
     turns: list[dict[str, object]] = []  # multi-turn: each sample's turn columns
     tool_seconds = 0.0
 
+    ctx.route_engine_logs()  # vLLM's lines to the stage's log file, unless --verbose
     engine = open_stage_engine(gen, model_dir, device, ctx.config.device, ctx.inputs["policy"].sha256,
                                ctx.layout.run_dir)
     backend = engine.backend
@@ -147,6 +149,10 @@ def run(ctx: StageContext) -> None:
         metrics[dataset] = aggregate([row for row in rows if row["dataset"] == dataset], ev.k, clusters)
         if multi_turn:
             metrics[dataset].update(multi_turn_summary([row for row in rows if row["dataset"] == dataset], mt.mode))
+    if (sources := splits_by_data_source(prompts)) is not None:  # verl's val-core/<data_source>/... figures
+        metrics["data_sources"] = {
+            source: aggregate([row for row in rows if sources[row["prompt_id"]] == source], ev.k, clusters)
+            for source in sorted(set(sources.values()))}
     ctx.write_table("eval", pa.Table.from_pylist(rows), metrics)
 
 

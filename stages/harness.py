@@ -38,7 +38,7 @@ from rich.markup import escape
 from schemas.config import ConfigError, InvalidRunId, RunConfig
 from schemas.contracts import ContractViolation, rejected_path, validate_table, validation_path
 from schemas.errors import InputError
-from schemas.settings import LANE_CPUS, cache_dir, lane_cpus
+from schemas.settings import LANE_CPUS, VERBOSE, cache_dir, lane_cpus
 from schemas.tables import TABLES, SchemaMismatch, conform
 from stages.registry import (
     LANES,
@@ -114,6 +114,19 @@ class StageContext:
     @property
     def key(self) -> str:
         return self.resolved.key
+
+    @property
+    def log_path(self) -> Path:
+        """This stage instance's log file for the libraries' own lines (vLLM's): `logs/<slug>.log` of the run."""
+        return self.layout.log_path(self.instance.slug)
+
+    def route_engine_logs(self) -> None:
+        """Called by a stage before it starts a generation engine: vLLM's log lines go to `log_path`, not the
+        console, unless RLPIPE_VERBOSE=1 (`rlpipe run --verbose`)."""
+        from stages.generation.vllm_backend import route_vllm_logs
+
+        if VERBOSE.get() != "1":
+            route_vllm_logs(self.log_path)
 
     @property
     def inputs(self) -> dict[str, Manifest]:
@@ -422,6 +435,8 @@ def run_stage(run: Run, target: StageInstance, work: Callable[[StageContext], No
     clear_failure(run.layout, target)  # an earlier attempt's failure record, now fixed
     rows = ", ".join(f"{m.rows} rows" if m.rows is not None else f"{m.bytes / 1e6:.0f} MB" for m in manifests)
     console.print(f"[green]✓ {target.label}[/] {rows} in {ctx.seconds():.1f}s")
+    if ctx.log_path.exists():  # where the engine's own lines went (route_engine_logs)
+        console.print(f"  [dim]vLLM's log: {ctx.log_path}[/]", soft_wrap=True)
     return manifests
 
 

@@ -7,6 +7,7 @@
     <root>/runs/<run_id>/iter=0003/round=01/<table>.parquet  rollouts, scores of a dynamic-sampling round
     <root>/runs/<run_id>/checkpoints/base/manifest.json      points at the base model directory
     <root>/runs/<run_id>/checkpoints/iter=0003/              HF model dir + optimizer.pt + manifest.json
+    <root>/runs/<run_id>/logs/generate@iter=0003.log          a stage's library log (vLLM's), local roots
 
 `iter=NNNN` is Hive-style so DuckDB reads `runs/*/iter=*/rollouts.parquet` with the iteration as a column.
 Round 0 of an iteration (the only one unless dynamic sampling asks for more) lives directly in `iter=NNNN/`;
@@ -17,11 +18,13 @@ Every output's manifest sits beside it (`<file>.manifest.json`, or `manifest.jso
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import fsspec
 
 from schemas.config import check_run_id
-from storage.fs import filesystem, join, normalize_root
+from schemas.settings import cache_dir
+from storage.fs import filesystem, is_remote, join, normalize_root
 
 BASE = -1  # the "iteration" of the base model: its checkpoint and its evaluation
 def iteration_name(iteration: int) -> str:
@@ -109,6 +112,13 @@ class RunLayout:
 
     def checkpoint_dir(self, iteration: int) -> str:
         return join(self.run_dir, "checkpoints", iteration_name(iteration))
+
+    def log_path(self, name: str) -> Path:
+        """A local log file of this run, `logs/<name>.log` (a stage's slug, e.g. `generate@iter=0003`): in the run's
+        folder under a local root; under a remote one in this machine's cache, `<cache>/logs/<run_id>/`, since a
+        log is appended line by line as it is written."""
+        folder = Path(cache_dir()) / "logs" / self.run_id if is_remote(self.root) else Path(self.run_dir) / "logs"
+        return folder / f"{name}.log"
 
     def lock_path(self) -> str:
         return join(self.run_dir, "run.lock")

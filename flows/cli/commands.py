@@ -1,7 +1,7 @@
 """The `rlpipe` command line.
 
-    rlpipe run [--config FILE] [--set section.field=value ...] [--run-id ID] [--root ROOT]
-    rlpipe resume RUN [--set ...] [--root ROOT]          rlpipe status RUN [--root ROOT]
+    rlpipe run [--config FILE] [--set section.field=value ...] [--run-id ID] [--root ROOT] [--debug] [--verbose]
+    rlpipe resume RUN [--set ...] [--root ROOT] [--debug] [--verbose]     rlpipe status RUN [--root ROOT]
     rlpipe fork RUN NEW --at K [--set ...] [--config FILE] [--root ROOT]
     rlpipe stage NAME --run RUN [--iter K] [--root ROOT]
     rlpipe sandbox serve [--config FILE] [--host 127.0.0.1] [--port 8080]
@@ -13,7 +13,8 @@ Everything that can be checked before a stage runs is checked first: the config,
 the reward functions, the trackers and (stages run here) the model. Errors name the file, line or field and exit
 with code 2, before anything is written. A stage of a new run that refuses its input (exit 2) before the base
 model is resolved leaves nothing worth resuming: its run directory is removed and the same `rlpipe run` starts
-over. A failed stage prints its one line, not Prefect's traceback of the flow (`--debug` keeps it). Prefect is
+over. A failed stage prints its one line, not Prefect's traceback of the flow (`--debug` keeps it); vLLM's own
+log lines go to each stage's log file under `runs/<run>/logs/`, not the console (`--verbose` keeps them). Prefect is
 imported only by `run`/`resume` (the flow process); every other command stays fast.
 """
 
@@ -22,6 +23,8 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from rich.console import Console
@@ -85,7 +88,34 @@ def _kept_nothing(run: Run) -> bool:
     return not run.fs.exists(manifest_path_for(run.layout.checkpoint_dir(BASE), "checkpoint"))
 
 
-def _drive(run: Run, debug: bool = False, new: bool = False) -> int:
+def _library_log_environment(run: Run, verbose: bool) -> dict[str, str]:
+    """Where vLLM's own log lines go, for every process this one starts: with `verbose` the console as well
+    (RLPIPE_VERBOSE=1); otherwise each engine stage's log file (stages/harness.py), and what vLLM logs while the
+    stage server imports it in `logs/stage-server.log`."""
+    from stages.generation.vllm_backend import vllm_logging_config
+
+    if verbose:
+        return {settings.VERBOSE.name: "1"}
+    config_path = vllm_logging_config(run.layout.log_path("stage-server"))
+    return {"VLLM_CONFIGURE_LOGGING": "1", "VLLM_LOGGING_CONFIG_PATH": str(config_path)}
+
+
+@contextmanager
+def _environment(values: dict[str, str]) -> Iterator[None]:
+    """`values` in os.environ (which every stage's environment copies) while the block runs, then as before."""
+    saved = {name: os.environ.get(name) for name in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+def _drive(run: Run, debug: bool = False, new: bool = False, verbose: bool = False) -> int:
     """Run the loop flow on `run`; `new`: this command created the run, so a refusal before its base model
     removes it (a rerun then starts cleanly over instead of meeting the refused config)."""
     from flows.cli.status import status_table
@@ -96,31 +126,32 @@ def _drive(run: Run, debug: bool = False, new: bool = False) -> int:
     from storage.sharing import verify_run_shares
 
     verify_run_shares(run.layout)  # a fork's shared outputs, re-hashed: lost or changed ones are refused by name
-    if resolve_dispatch(None) == "local":
-        # Started before Prefect is imported and its temporary server comes up, so that the stage server's
-        # imports (torch, Great Expectations, vLLM: ~10 s) overlap them; the loop flow reuses it. Prefect's
-        # variables are set first: the server's environment is the one every stage gets, so its libraries
-        # load as the stages' would, and its preloaded rlpipe modules are reused (flows/runner/forkserver.py).
-        configure_prefect()
-        forkserver.start(stage_environment(run.config))
-    try:
-        with run_lock(run.layout):  # taken once, here: the flow is handed the run this process drives
-            from flows.pipeline import loop_flow, quiet_stage_failures
+    with _environment(_library_log_environment(run, verbose)):
+        if resolve_dispatch(None) == "local":
+            # Started before Prefect is imported and its temporary server comes up, so that the stage server's
+            # imports (torch, Great Expectations, vLLM: ~10 s) overlap them; the loop flow reuses it. Prefect's
+            # variables are set first: the server's environment is the one every stage gets, so its libraries
+            # load as the stages' would, and its preloaded rlpipe modules are reused (flows/runner/forkserver.py).
+            configure_prefect()
+            forkserver.start(stage_environment(run.config))
+        try:
+            with run_lock(run.layout):  # taken once, here: the flow is handed the run this process drives
+                from flows.pipeline import loop_flow, quiet_stage_failures
 
-            if not debug:
-                quiet_stage_failures()
-            loop_flow(RunRef.driving(run))
-    except RunLocked as error:
-        _error(str(error))
-        return 3
-    except StageFailed as error:
-        if new and error.returncode == 2 and _kept_nothing(run):  # the run lease is released by now
-            run.fs.rm(run.layout.run_dir, recursive=True)
-            _error(f"{error}; nothing was kept (run directory removed): fix it and run again")
-            return 2
-        _error(f"{error}; fix it and run `rlpipe resume {run.run_id}` to go on from there")
-        return 2 if error.returncode == 2 else 1  # a stage's bad input is the run's bad input
-    console.print(status_table(run))
+                if not debug:
+                    quiet_stage_failures()
+                loop_flow(RunRef.driving(run))
+        except RunLocked as error:
+            _error(str(error))
+            return 3
+        except StageFailed as error:
+            if new and error.returncode == 2 and _kept_nothing(run):  # the run lease is released by now
+                run.fs.rm(run.layout.run_dir, recursive=True)
+                _error(f"{error}; nothing was kept (run directory removed): fix it and run again")
+                return 2
+            _error(f"{error}; fix it and run `rlpipe resume {run.run_id}` to go on from there")
+            return 2 if error.returncode == 2 else 1  # a stage's bad input is the run's bad input
+        console.print(status_table(run))
     return 0
 
 
@@ -134,7 +165,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     # the root: --root, else $RLPIPE_ROOT, else the config's
     layout = RunLayout.create(resolve_root(args.root, config), config.run_id)
     new = not layout.fs.exists(layout.config_path)
-    return _drive(Run.start(config, args.root), args.debug, new)
+    return _drive(Run.start(config, args.root), args.debug, new, args.verbose)
 
 
 def cmd_resume(args: argparse.Namespace) -> int:
@@ -145,7 +176,7 @@ def cmd_resume(args: argparse.Namespace) -> int:
         _validate_data(config)
         _check_model(config)
         run = Run.start(config, run.root, replace_config=True)
-    return _drive(run, args.debug)
+    return _drive(run, args.debug, verbose=args.verbose)
 
 
 def cmd_fork(args: argparse.Namespace) -> int:
@@ -294,6 +325,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--run-id")
     run.add_argument("--iterations", type=int)
     run.add_argument("--debug", action="store_true", help="print Prefect's traceback of a failed stage too")
+    run.add_argument("--verbose", action="store_true",
+                     help="print vLLM's own log lines too (else only in each stage's log file, runs/RUN/logs/)")
     common(run)
     run.set_defaults(func=cmd_run)
 
@@ -301,6 +334,8 @@ def build_parser() -> argparse.ArgumentParser:
     resume.add_argument("run")
     resume.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE")
     resume.add_argument("--debug", action="store_true", help="print Prefect's traceback of a failed stage too")
+    resume.add_argument("--verbose", action="store_true",
+                        help="print vLLM's own log lines too (else only in each stage's log file, runs/RUN/logs/)")
     common(resume)
     resume.set_defaults(func=cmd_resume)
 

@@ -1,5 +1,9 @@
 """`rlpipe status RUN`: a table of iteration × stage with done/missing, rows and seconds.
 
+Below it the training reward by iteration (and by verl `data_source` where the training prompts have two or more)
+and the held-out results per dataset (and per data_source where a test file mixes sources, as the evaluate stage
+recorded them).
+
 Extra dynamic-sampling rounds of an iteration (generate and score, `iter=k/round=RR/`) get a row of their
 own under it, `k.r`, for every round that left any output, finished or not. A stage instance the run's failure
 record names reads "failed (exit code N)", and a last line gives the stage and the reason (storage/failure.py).
@@ -16,9 +20,9 @@ from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
-from reports.html import MULTI_TURN_COLUMNS, multi_turn_cells
+from reports.html import MULTI_TURN_COLUMNS, data_source_label, multi_turn_cells
 from schemas.tables import BASELINE_SAMPLE_IDX, TABLES
-from stages.evaluation.metrics import clusters_of, paired_gains
+from stages.evaluation.metrics import clusters_of, data_sources_of, paired_gains
 from stages.registry import ITERATION_STAGES, RUN_STAGES, STAGES, StageState, instance, is_scheduled, stage_state
 from storage.failure import StageFailure, read_failure
 from storage.layout import BASE
@@ -62,10 +66,12 @@ def status_table(run: Run) -> Group:
                                          for s in ITERATION_STAGES])
     devices = device_table(run)
     functions = reward_function_table(run)
+    by_source = training_by_source_table(run)
     multi_turn = multi_turn_table(run)
     failed = [Text(f"✗ {failure.describe()}", style="red")] if failure else []  # the run's failure record
-    return Group(run_table, table, *([devices] if devices.row_count else []), training_table(run),
-                 *([functions] if functions.row_count else []), held_out_table(run),
+    rewards = [shown for shown in (by_source, functions) if shown.row_count]
+    return Group(run_table, table, *([devices] if devices.row_count else []), training_table(run), *rewards,
+                 held_out_table(run),
                  *([multi_turn] if multi_turn is not None else []), *failed)
 
 
@@ -96,6 +102,17 @@ def device_table(run: Run) -> Table:
     return table
 
 
+def training_rows(run: Run, iteration: int) -> list[dict]:
+    """The policy's scored samples of one iteration, every generation round (not remax's greedy rows)."""
+    rows = []
+    for round_idx in [0, *extra_rounds(run, iteration)]:
+        if stage_state(run, instance("score", iteration, round_idx)).done:
+            path = run.layout.table_path("scores", iteration, round_idx)
+            scores = read_table(run.fs, path, TABLES["scores"]).select(["prompt_id", "reward", "status", "sample_idx"])
+            rows += [row for row in scores.to_pylist() if row["sample_idx"] != BASELINE_SAMPLE_IDX]
+    return rows
+
+
 def training_table(run: Run) -> Table:
     """Training reward by iteration, from the scores tables of every generation round: samples, mean reward,
     share solved (status ok, every test passed), and the groups the batch kept (the others had no reward
@@ -104,13 +121,7 @@ def training_table(run: Run) -> Table:
     for column in ["iteration", "samples", "mean reward", "solved", "groups kept"]:
         table.add_column(column, justify="right")
     for k in range(run.config.iterations):
-        rows = []
-        for round_idx in [0, *extra_rounds(run, k)]:
-            if stage_state(run, instance("score", k, round_idx)).done:
-                path = run.layout.table_path("scores", k, round_idx)
-                scores = read_table(run.fs, path, TABLES["scores"]).select(["reward", "status", "sample_idx"])
-                # not remax's greedy rows
-                rows += [row for row in scores.to_pylist() if row["sample_idx"] != BASELINE_SAMPLE_IDX]
+        rows = training_rows(run, k)
         if not rows:
             continue
         batch = stage_state(run, instance("advantage", k))
@@ -119,6 +130,28 @@ def training_table(run: Run) -> Table:
         solved = sum(row["status"] == "ok" for row in rows) / len(rows)
         table.add_row(str(k), str(len(rows)), f"{sum(row['reward'] for row in rows) / len(rows):.3f}", f"{solved:.3f}",
                       kept)
+    return table
+
+
+def training_by_source_table(run: Run) -> Table:
+    """With training prompts from two or more verl `data_source`s (a row without one: its dataset), the training
+    reward of each by iteration: samples, mean reward, share solved. Empty for a run with one source."""
+    table = Table(title="training reward by data_source")
+    for column in ["iteration", "data_source", "samples", "mean reward", "solved"]:
+        table.add_column(column, justify="left" if column == "data_source" else "right")
+    if not run.fs.exists(run.layout.prompts_path):
+        return table
+    prompts = read_table(run.fs, run.layout.prompts_path, TABLES["prompts"]).to_pylist()
+    sources = data_sources_of([row for row in prompts if row["split"] == "train"])
+    if len(set(sources.values())) < 2:
+        return table
+    for k in range(run.config.iterations):
+        rows = training_rows(run, k)
+        for source in sorted({sources[row["prompt_id"]] for row in rows}):
+            mine = [row for row in rows if sources[row["prompt_id"]] == source]
+            solved = sum(row["status"] == "ok" for row in mine) / len(mine)
+            table.add_row(str(k), source, str(len(mine)), f"{sum(row['reward'] for row in mine) / len(mine):.3f}",
+                          f"{solved:.3f}")
     return table
 
 
@@ -148,7 +181,8 @@ def held_out_table(run: Run) -> Group:
     fits a terminal), the gains over the base model with paired bootstrap intervals over the same problems
     (from the eval tables): sampled pass@1, greedy accuracy, and the mean reward of the sampled answers (the
     partial credit the training reward gives, which moves before whole problems flip to solved). With more
-    than one held-out dataset, a last row pools them: the whole test split."""
+    than one held-out dataset, a last row pools them: the whole test split. Where the evaluate stage recorded
+    summaries per verl data_source (a test file mixing sources), each source has rows of its own in both."""
     ks = run.config.evaluate.k
     results = Table(title="held-out evaluation (95% bootstrap intervals: problems or families, and samples)")
     for column in ["checkpoint", "dataset", "prompts", "greedy", *[f"pass@{k}" for k in ks]]:
@@ -157,12 +191,16 @@ def held_out_table(run: Run) -> Group:
     for column in ["checkpoint", "dataset", "pass@1", "greedy", "reward"]:
         gains.add_column(column, no_wrap=column == "checkpoint")
     base_rows: dict[str, list[dict]] = {}
-    clusters: dict[str, str] = {}
-    if run.fs.exists(run.layout.prompts_path):
-        clusters = clusters_of(read_table(run.fs, run.layout.prompts_path, TABLES["prompts"]).to_pylist())
+    base_by_source: dict[str, list[dict]] = {}
+    prompts_rows = read_table(run.fs, run.layout.prompts_path, TABLES["prompts"]).to_pylist() if (
+        run.fs.exists(run.layout.prompts_path)) else []
+    clusters, sources = clusters_of(prompts_rows), data_sources_of(prompts_rows)
     for label, iteration, state in evaluated_checkpoints(run):
         rows = read_table(run.fs, run.layout.table_path("eval", iteration), TABLES["eval"]).to_pylist()
-        for dataset, summary in sorted(state.manifests[-1].metrics.items()):
+        metrics = state.manifests[-1].metrics
+        # the evaluate stage records per-data_source summaries only where they differ from the per-dataset ones
+        by_source = {data_source_label(name): summary for name, summary in metrics.get("data_sources", {}).items()}
+        for dataset, summary in [*sorted(metrics.items()), *by_source.items()]:
             if not (isinstance(summary, dict) and "prompts" in summary):
                 continue
             prompts = f"{summary['prompts']:.0f}"
@@ -170,10 +208,16 @@ def held_out_table(run: Run) -> Group:
                 prompts += f" ({summary['clusters']:.0f} families)"
             results.add_row(label, dataset, prompts, _number(summary.get("greedy_accuracy")),
                             *[_with_interval(summary, f"pass@{k}") for k in ks])
-            if iteration == BASE:
-                base_rows[dataset] = [row for row in rows if row["dataset"] == dataset]
-        if iteration != BASE:
-            for dataset, gain in checkpoint_gains(base_rows, rows, clusters):
+        source_rows = [{**row, "dataset": data_source_label(sources.get(row["prompt_id"], row["dataset"]))}
+                       for row in rows] if by_source else []
+        if iteration == BASE:
+            base_rows, base_by_source = _by_dataset(rows), _by_dataset(source_rows)
+        else:
+            compared = checkpoint_gains(base_rows, rows, clusters)
+            if by_source:  # each source on its own; pooled, they are the datasets' "all held out" row
+                compared += [gain for gain in checkpoint_gains(base_by_source, source_rows, clusters)
+                             if gain[0] != POOLED]
+            for dataset, gain in compared:
                 gains.add_row(label, dataset, *[_signed(*gain[name]) if name in gain else ""
                                                 for name in ("pass@1", "greedy", "reward")])
     return Group(results, gains) if gains.row_count else Group(results)
@@ -217,6 +261,16 @@ def _with_interval(summary: dict, metric: str) -> str:
     return f"{summary[metric]:.3f}{interval}"
 
 
+def _by_dataset(rows: list[dict]) -> dict[str, list[dict]]:
+    grouped: dict[str, list[dict]] = {}
+    for row in rows:
+        grouped.setdefault(row["dataset"], []).append(row)
+    return grouped
+
+
+POOLED = "all held out"  # the gains row of every held-out problem together
+
+
 def checkpoint_gains(
     base_rows: dict[str, list[dict]], rows: list[dict], clusters: dict[str, str]
 ) -> list[tuple[str, dict[str, tuple[float, float, float]]]]:
@@ -230,7 +284,7 @@ def checkpoint_gains(
         return per_dataset
     pooled_base = [row for dataset in compared for row in base_rows[dataset]]
     pooled = [row for row in rows if row["dataset"] in compared]
-    return [*per_dataset, ("all held out", paired_gains(pooled_base, pooled, clusters))]
+    return [*per_dataset, (POOLED, paired_gains(pooled_base, pooled, clusters))]
 
 
 def _signed(gain: float, low: float, high: float) -> str:

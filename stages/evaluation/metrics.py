@@ -163,6 +163,22 @@ def clusters_of(prompts: list[dict]) -> dict[str, str]:
     return {row["prompt_id"]: str(json.loads(row["metadata"]).get("family", row["prompt_id"])) for row in prompts}
 
 
+def data_sources_of(prompts: list[dict]) -> dict[str, str]:
+    """prompt_id -> its verl `data_source`, or its dataset where the row names none (pytasks, HumanEval): what a
+    verl reward function is given, and the catalog's `data_source` column. `prompts` are rows of a PROMPTS table."""
+    return {row["prompt_id"]: str(json.loads(row["metadata"]).get("data_source") or row["dataset"]) for row in prompts}
+
+
+def splits_by_data_source(prompts: list[dict]) -> dict[str, str] | None:
+    """`data_sources_of(prompts)` where grouping by data_source says more than grouping by dataset: two or more
+    sources that are not one per dataset (a verl file mixing gsm8k and MATH); None otherwise, so that a run with
+    one source, or with one source per file, shows no rows beside its per-dataset ones."""
+    sources = data_sources_of(prompts)
+    pairs = {(row["dataset"], sources[row["prompt_id"]]) for row in prompts}
+    datasets, names = {dataset for dataset, _ in pairs}, {source for _, source in pairs}
+    return None if len(names) < 2 or len(pairs) == len(datasets) == len(names) else sources
+
+
 def _cluster_array(prompt_ids: list[str], clusters: dict[str, str] | None) -> np.ndarray | None:
     return None if clusters is None else np.array([clusters.get(p, p) for p in prompt_ids])
 

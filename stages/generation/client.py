@@ -170,11 +170,14 @@ def start_server(
                 "--socket", str(address.socket_path), "--generate-config", cfg.model_dump_json(),
                 "--device", device, "--idle-timeout", str(idle_timeout_s or 0),
             ] + (["--watch-stdin"] if watch_stdin else [])
+            # vLLM's lines go to the server's own log (its output), not to the log file of the stage that started it
+            server_env = {name: value for name, value in (os.environ if env is None else env).items()
+                          if name != "VLLM_LOGGING_CONFIG_PATH"}
             with open(address.log_path, "ab") as log:
                 # Its own session: a signal to the stage's process group (a killed stage) does not reach it.
                 return subprocess.Popen(
                     command, stdin=subprocess.PIPE if watch_stdin else subprocess.DEVNULL, stdout=log,
-                    stderr=subprocess.STDOUT, pass_fds=(listener.fileno(),), env=env, start_new_session=True,
+                    stderr=subprocess.STDOUT, pass_fds=(listener.fileno(),), env=server_env, start_new_session=True,
                 )
         finally:
             listener.close()

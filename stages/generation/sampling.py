@@ -76,7 +76,8 @@ def generate_with_progress(
             nonlocal generated
             generated += tokens
             elapsed = time.monotonic() - started
-            progress.update(task, advance=done, rate=f"{generated / max(elapsed, 1e-9):.0f} tok/s")
+            # the tokens move before any request finishes (a batch that runs to max_new_tokens ends in one step)
+            progress.update(task, advance=done, rate=f"{generated:,} tok, {generated / max(elapsed, 1e-9):.0f} tok/s")
 
         samples = backend.generate(requests, sampling, progress=on_progress)
     if len(samples) != len(requests):

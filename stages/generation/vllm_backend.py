@@ -6,7 +6,10 @@ returns each sampled token's logprob under the distribution it was drawn from, a
 Every sample has its own seed (`SamplingParams(seed=...)`); on CPU chunked prefill is off so a prompt is never
 split, because rewinding a partly prefilled request's generator crashed the CPU engine. Prefix caching stays
 on but is emptied at every `generate` call, so a call computes what a fresh engine would. Requests are fed in
-windows to our own `LLMEngine.step` loop, which keeps the scheduler full and reports progress per request.
+windows to our own `LLMEngine.step` loop, which keeps the scheduler full and reports progress as each request
+finishes, and every PROGRESS_INTERVAL_S between, the tokens generated so far (a batch whose requests all run to
+max_new_tokens finishes in one step: its bar shows tokens and tok/s moving before that).
+vLLM's own log lines go to the stage's log file, not the console (`route_vllm_logs`; `--verbose` keeps them).
 `session()` opens the same loop to a caller (base.TurnSession: submit a request, step, collect the finished ones):
 the multi-turn agent loop's continuous batching across turns.
 Precision and compilation follow `generate.vllm_dtype` / `vllm_compile` ("auto": fp32 eager on CPU, bf16
@@ -22,7 +25,11 @@ too; another request list can change batch shapes and bf16 rounding. On GPU it i
 
 from __future__ import annotations
 
+import hashlib
+import json
+import logging
 import os
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -30,6 +37,10 @@ from typing import Any
 
 from schemas.config import ConfigError
 from stages.generation.base import GenerationRequest, ProgressCallback, Sample, SamplingSpec
+
+# The least time between two progress reports with no request finished (the warm engine sends each as a frame).
+PROGRESS_INTERVAL_S = 0.5
+VLLM_LOG_FORMAT = "%(levelname)s %(asctime)s [%(filename)s:%(lineno)d] %(message)s"
 
 # vLLM's own default step budget on CPU; a context longer than this raises the budget to max_model_len.
 CPU_MAX_NUM_BATCHED_TOKENS = 4096
@@ -123,6 +134,45 @@ def configure_cpu_compile_cache() -> None:
     start still took 695 s.
     """
     os.environ.setdefault("VLLM_USE_AOT_COMPILE", "0")
+
+
+def running_tokens(engine: Any) -> int:  # noqa: ANN401 - vllm's LLMEngine
+    """Tokens generated so far by the requests still running in `engine` (its output processor's count: the
+    offline entry point hands a request's output back only when it finishes)."""
+    states = engine.output_processor.request_states.values()
+    return sum(state.detokenizer.num_output_tokens() for state in states if state.detokenizer is not None)
+
+
+def vllm_logging_config(log_path: Path) -> Path:
+    """A logging config (dictConfig JSON) that sends the `vllm` logger's lines, INFO and up, to `log_path`
+    (appended; created at the first line): what VLLM_LOGGING_CONFIG_PATH names for vLLM to apply when it is
+    imported or starts an engine, in this process or an engine process of its own. The JSON is kept in this uid's
+    temporary folder, named by the log's path, so that a run's folder holds logs only."""
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    handler = {"class": "logging.FileHandler", "filename": str(log_path), "delay": True, "formatter": "vllm"}
+    config = {"version": 1, "disable_existing_loggers": False, "formatters": {"vllm": {"format": VLLM_LOG_FORMAT}},
+              "handlers": {"vllm": handler},
+              "loggers": {"vllm": {"handlers": ["vllm"], "level": "INFO", "propagate": False}}}
+    folder = Path(tempfile.gettempdir()) / f"rlpipe-vllm-logging-{os.getuid()}"
+    folder.mkdir(mode=0o700, exist_ok=True)
+    config_path = folder / f"{hashlib.sha256(str(log_path).encode()).hexdigest()[:16]}.json"
+    config_path.write_text(json.dumps(config))
+    return config_path
+
+
+def route_vllm_logs(log_path: Path) -> None:
+    """Send vLLM's log lines to `log_path` instead of the console, in this process and those it starts: the
+    environment names `vllm_logging_config(log_path)`, and the `vllm` logger's handlers are replaced now (the
+    stage server imported vLLM before this stage, with a console handler)."""
+    os.environ.update(VLLM_CONFIGURE_LOGGING="1", VLLM_LOGGING_CONFIG_PATH=str(vllm_logging_config(log_path)))
+    logger = logging.getLogger("vllm")
+    for existing in list(logger.handlers):
+        logger.removeHandler(existing)
+    file_handler = logging.FileHandler(log_path, delay=True)
+    file_handler.setFormatter(logging.Formatter(VLLM_LOG_FORMAT))
+    logger.addHandler(file_handler)
+    logger.setLevel(logging.INFO)
+    logger.propagate = False
 
 
 def context_length(max_prompt_tokens: int, max_new_tokens: int) -> int:
@@ -290,6 +340,7 @@ class VLLMBackend:
         results: dict[int, Sample] = {}
         pending = windows(len(requests), self.window)
         in_flight: dict[str, int] = {}
+        finished, finished_tokens, reported_tokens, reported = 0, 0, 0, time.monotonic()
         while True:
             # Top up before the engine runs dry, so the scheduler never waits on us between windows.
             if len(in_flight) < self.window // 2:
@@ -300,16 +351,17 @@ class VLLMBackend:
                 break
             if not engine.has_unfinished_requests():
                 raise RuntimeError(f"vLLM engine idle with {len(in_flight)} requests unanswered")
-            finished, tokens = 0, 0
-            for output in engine.step():
+            for output in engine.step():  # the offline engine returns a request's output when it finishes
                 if not output.finished:
                     continue
                 sample = to_sample(output.outputs[0])
                 results[in_flight.pop(output.request_id)] = sample
                 finished += 1
-                tokens += len(sample.token_ids)
-            if progress is not None and finished:
-                progress(finished, tokens)
+                finished_tokens += len(sample.token_ids)
+            if progress is not None and (finished or time.monotonic() - reported >= PROGRESS_INTERVAL_S):
+                generated = finished_tokens + running_tokens(engine)
+                progress(finished, generated - reported_tokens)
+                finished, reported_tokens, reported = 0, generated, time.monotonic()
         self.record_gpu_memory()
         return [results[i] for i in range(len(requests))]
 

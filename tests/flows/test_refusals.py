@@ -3,7 +3,8 @@ directory (or, for a stage that refused a new run before its base model, removes
 
 Each case runs the real command line in a child process on a temporary root, offline (HF_HUB_OFFLINE, a hub
 endpoint that refuses connections): model not cached, model directory that is not a model, bad data file, bad
-reward entry, tracker not installed, unknown tracker, config typo. A stage's own refusal inside the flow is run
+reward entry, tracker not installed, unknown tracker, a bad config file (wrong type, unknown field, YAML
+syntax, wrong shape, missing) and bad `--set` overrides. A stage's own refusal inside the flow is run
 once for real (`rlpipe resume` of a run whose model is not there: no pre-check without --set) to show Prefect's
 traceback is gone; the removal of a new run's directory is checked in-process with the flow replaced.
 """
@@ -81,12 +82,42 @@ def test_a_tracker_that_is_not_installed_is_refused(tmp_path: Path) -> None:
     assert not (tmp_path / "runs").exists()
 
 
-@pytest.mark.parametrize(("override", "field"), [("log.trackers=[neptune]", "log.trackers"),
-                                                 ("train.lrr=0.1", "train.lrr")])
-def test_a_bad_config_is_refused(tmp_path: Path, override: str, field: str) -> None:
-    result = rlpipe(tmp_path, "run", "--set", override)
-    assert result.returncode == 2 and "Traceback" not in result.stdout + result.stderr
-    assert field in result.stdout
+@pytest.mark.parametrize(("override", "expected"), [
+    ("log.trackers=[neptune]", "log.trackers[0]: Input should be"),
+    ("train.lrr=0.1", "train.lrr: unknown field, did you mean train.lr?"),
+    ("train.lr=fast", "train.lr: Input should be a valid number, unable to parse string as a number (got 'fast')"),
+    ("data.train=", "data.train: Input should be a valid string or Input should be a valid dictionary or instance of "
+                    "DataSource or Input should be a valid list (got None)"),
+    ("train.lr=[1", "override 'train.lr=[1': the value is not valid YAML: line 2, column 1: did not find expected "
+                    "',' or ']' (while parsing a flow sequence started at line 1, column 1)"),
+    ("train.lr", "override 'train.lr' must look like section.field=value"),
+    ("=3", "override '=3' must look like section.field=value"),
+])
+def test_a_bad_override_is_refused(tmp_path: Path, override: str, expected: str) -> None:
+    line = the_one_line(rlpipe(tmp_path, "run", "--set", override))
+    assert expected in line
+    assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.parametrize(("text", "expected"), [
+    ("train:\n  lr: fast\n", "invalid config {file}: train.lr: Input should be a valid number"),
+    ("train:\n  lrr: 0.1\ngenerate:\n  n_sample: 4\n", "invalid config {file}: generate.n_sample: unknown field, "
+     "did you mean generate.n_samples?; train.lrr: unknown field, did you mean train.lr?"),  # in the config's order
+    ("train:\n  lr: [1\n generate: x\n", "config file {file} is not valid YAML: line 3, column 10: did not find "
+     "expected ',' or ']' (while parsing a flow sequence started at line 2, column 7)"),
+    ("train:\n\tlr: 1\n", "config file {file} is not valid YAML: line 2, column 1: found character that cannot "
+     "start any token"),
+    ("- a list\n", "config file {file} must hold a mapping at the top level"),
+    (None, "config file {file} does not exist"),
+])
+def test_a_bad_config_file_is_refused(tmp_path: Path, text: str | None, expected: str) -> None:
+    """A config file with a wrong type, unknown fields, broken YAML (its line and column named), the wrong shape,
+    or no file at all: one line naming the file and the field, exit 2, no run directory."""
+    config = tmp_path / "my-config.yaml"
+    if text is not None:
+        config.write_text(text)
+    line = the_one_line(rlpipe(tmp_path, "run", "--config", str(config)))
+    assert line.startswith(expected.format(file=config)), line
     assert not (tmp_path / "runs").exists()
 
 

@@ -48,6 +48,8 @@ from stages.generation.server import (
     EngineHost,
     RequestRefused,
     ServerGone,
+    encode_requests,
+    handle,
     receive_message,
     send_message,
 )
@@ -137,6 +139,9 @@ class RecordingEngine:
     def generate(self, requests: list[GenerationRequest], sampling: SamplingSpec, progress: Any = None
                  ) -> list[Sample]:
         self.calls.append(f"generate {len(requests)}")
+        for i, _ in enumerate(requests):  # as vLLM's step loop: a report as each request finishes, i + 1 tokens
+            if progress is not None:
+                progress(1, i + 1)
         return [Sample([1], [-0.5], "x", "stop") for _ in requests]
 
     def close(self) -> None:
@@ -161,6 +166,28 @@ def serve_request(host: EngineHost, model_dir: Path, expected: str) -> None:
     host.load(model_dir, expected)
     host.generate([GenerationRequest([1, 2], 0)], SamplingSpec(), None)
     host.idle()
+
+
+def test_the_server_streams_a_progress_frame_per_report_before_its_answer(checkpoints: dict[str, Path]) -> None:
+    """A warm-engine generate: each progress report of the engine reaches the stage as its own frame, in order, while
+    the request runs (before the answer), so the stage's bar advances per finished request as in-process."""
+    from dataclasses import asdict
+
+    host = host_with([], sleep_mode=False)
+    base = checkpoints["base"]
+    message = {"op": "generate", "model_dir": str(base), "checkpoint_sha256": documented_hash(base),
+               "requests": encode_requests([GenerationRequest([1, 2], seed) for seed in range(3)]),
+               "sampling": asdict(SamplingSpec())}
+    server_end, stage_end = socket.socketpair()
+    with server_end, stage_end:
+        serving = threading.Thread(target=handle, args=(server_end, message, host))
+        serving.start()
+        frames = []
+        while "ok" not in (frame := receive_message(stage_end)):
+            frames.append(frame)
+        serving.join()
+    assert frames == [{"progress": [1, 1]}, {"progress": [1, 2]}, {"progress": [1, 3]}]
+    assert frame["ok"] and len(frame["samples"]) == 3
 
 
 def test_engine_starts_once_then_swaps_weights_in_place(checkpoints: dict[str, Path]) -> None:

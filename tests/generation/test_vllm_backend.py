@@ -62,6 +62,23 @@ def test_engine_runs_seeded_requests_beyond_one_step(vllm_backend, tokenizer, pr
     assert vllm_backend.engine_settings == {"dtype": "float32", "compiled": False, "tensor_parallel_size": 1}
 
 
+def test_progress_reports_tokens_before_any_request_finishes(vllm_backend, prompt_ids,  # noqa: ANN001
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """A batch whose requests run to max_new_tokens finishes in one step: the bar moves before that, on the tokens
+    generated so far (here reported every step); the reports still add up to every request and token."""
+    import stages.generation.vllm_backend
+
+    monkeypatch.setattr(stages.generation.vllm_backend, "PROGRESS_INTERVAL_S", 0.0)
+    requests = seeded(prompt_ids, 2)
+    calls: list[tuple[int, int]] = []
+    samples = vllm_backend.generate(requests, SamplingSpec(temperature=1.0, max_new_tokens=12),
+                                    progress=lambda done, tokens: calls.append((done, tokens)))
+    assert calls[0] == (0, len(requests))  # the first step: one token for each request, none finished yet
+    assert [done for done, _ in calls[:4]] == [0, 0, 0, 0] and all(tokens > 0 for _, tokens in calls[:4])
+    assert sum(done for done, _ in calls) == len(requests)
+    assert sum(tokens for _, tokens in calls) == sum(len(s.token_ids) for s in samples)
+
+
 def test_seeds_reproduce_across_calls(vllm_backend, prompt_ids) -> None:  # noqa: ANN001
     requests = seeded(prompt_ids, 3)
     spec = SamplingSpec(temperature=1.0, top_p=0.95, max_new_tokens=32)

@@ -102,10 +102,26 @@ def assert_engine_figures(metrics: dict) -> None:
         metrics["generated_tokens"] / metrics["generation_seconds"], rel=0.01)
 
 
+def console_log(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """What the first generate stage printed (its console)."""
+    return tmp_path_factory.getbasetemp() / "generate-1.log"
+
+
 @pytest.fixture(scope="module")
 def first_generate(vllm_run: RunLayout, tmp_path_factory: pytest.TempPathFactory) -> Manifest:
-    run_stage_process(vllm_run, "generate", tmp_path_factory.mktemp("logs") / "generate-1.log")
+    run_stage_process(vllm_run, "generate", console_log(tmp_path_factory))
     return output_manifest(vllm_run, "generate")
+
+
+def test_vllm_log_lines_go_to_the_stage_log_file_not_the_console(
+    vllm_run: RunLayout, first_generate: Manifest, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    stage_log = Path(vllm_run.run_dir) / "logs" / "generate@iter=0000.log"
+    engine_lines = [line for line in stage_log.read_text().splitlines() if line.startswith(("INFO ", "WARNING "))]
+    assert engine_lines, "vLLM logs at INFO when its engine starts"
+    console = console_log(tmp_path_factory).read_text(errors="replace")
+    assert not [line for line in console.splitlines() if line.startswith(("INFO ", "WARNING ", "(EngineCore"))]
+    assert f"vLLM's log: {stage_log}" in console.replace("\n", "")
 
 
 def test_generate_stage_on_vllm_writes_sampler_logprobs_and_engine_figures(

@@ -389,12 +389,19 @@ class SyntheticRun:
         return build_table("eval", {k: [r[k] for r in rows] for k in rows[0]}, len(rows))
 
     def eval_metrics(self, table: pa.Table) -> dict[str, Any]:
-        """The evaluate stage's manifest metrics: per held-out dataset, pass@k with its bootstrap interval."""
-        from stages.evaluation.metrics import aggregate  # numpy only
+        """The evaluate stage's manifest metrics: per held-out dataset, pass@k with its bootstrap interval; per
+        data_source too where the test prompts mix them (stages/evaluate.py)."""
+        from stages.evaluation.metrics import aggregate, splits_by_data_source  # numpy only
 
-        rows = table.to_pylist()
-        return {dataset: aggregate([r for r in rows if r["dataset"] == dataset], self.config.evaluate.k)
-                for dataset in sorted({r["dataset"] for r in rows})}
+        rows, ks = table.to_pylist(), self.config.evaluate.k
+        metrics: dict[str, Any] = {dataset: aggregate([r for r in rows if r["dataset"] == dataset], ks)
+                                   for dataset in sorted({r["dataset"] for r in rows})}
+        test = [row for row in self.prompts_table().to_pylist() if row["split"] == "test"]
+        if (sources := splits_by_data_source(test)) is not None:
+            metrics["data_sources"] = {
+                source: aggregate([r for r in rows if sources[r["prompt_id"]] == source], ks)
+                for source in sorted(set(sources.values()))}
+        return metrics
 
     def write_iteration(self, iteration: int) -> None:
         prompts = self.manifests[("prompts", BASE)].sha256
