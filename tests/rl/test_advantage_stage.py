@@ -71,7 +71,7 @@ def test_everything_equal_is_a_skipped_step():
 def test_overlong_shaping_and_truncation_mask():
     # max 100, buffer 20: length 90 -> -0.5, 100 -> -1 (and truncated).
     # Shaped a: [1 - 0.5, 1 - 1, 1] = [.5, 0, 1]. Filtering on the shaped reward keeps the group (all correct:
-    # the default filter_metric seq_reward, and acc, would drop it: test_dapo_filters_on_correctness_not_the_shaped_reward)
+    # the default seq_reward, and acc, would drop it: test_dapo_filters_on_correctness_not_the_shaped_reward)
     cfg = AdvantageConfig(
         estimator="mean_centered", overlong_buffer=20, mask_truncated=True, filter_metric="reward"
     )
