@@ -88,6 +88,10 @@ class Manifest:
     seconds: float = 0.0
     metrics: dict[str, Any] = field(default_factory=dict)
     files: dict[str, dict[str, Any]] = field(default_factory=dict)  # checkpoints: relative path -> bytes, sha256
+    # Retention (storage/retention.py): "" whole, "optimizer" its optimizer state deleted, "checkpoint" every file
+    # deleted; the deleted files move from `files` to `pruned_files`, so the size check vouches only for the rest.
+    pruned: str = ""
+    pruned_files: dict[str, dict[str, Any]] = field(default_factory=dict)
     manifest_version: int = MANIFEST_VERSION
 
     def to_json(self) -> bytes:
