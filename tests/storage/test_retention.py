@@ -28,6 +28,7 @@ from stages.retention import prune_checkpoints
 from storage.checkpoints import HASH_CACHE_NAME, verify_checkpoint
 from storage.fs import join
 from storage.layout import BASE, RunLayout, manifest_path_for
+from storage.lineage import lineage
 from storage.manifest import Manifest, read_manifest
 from storage.retention import CheckpointPruned, disk_usage, require_unpruned
 from storage.run import Run
@@ -158,7 +159,7 @@ def test_retention_keeps_the_base_the_evaluated_the_last_and_prunes_the_rest(
 ) -> None:
     """Proves: checkpoints 0 and 2 lose every file but their manifest, 1 (evaluated) only its optimizer state,
     3 (the last) and the base nothing; every stage stays done; the freed bytes are the deleted files' sizes on
-    disk before the pass; tables are untouched."""
+    disk before the pass; tables are untouched; `rlpipe status` and `rlpipe lineage` show the pruned ones."""
     layout = uninterrupted
     states = checkpoints(layout)
     assert {k: state[0] for k, state in states.items()} == {BASE: "", **FINAL}
@@ -181,6 +182,10 @@ def test_retention_keeps_the_base_the_evaluated_the_last_and_prunes_the_rest(
     console = Console(width=250, record=True)
     console.print(status_table(Run.at(layout)))
     assert "pruned 2 checkpoints, 1 optimizer states" in console.export_text()
+    chain = lineage(layout.root, layout.run_id, 3)  # `rlpipe lineage`: pruned is a state, not a problem
+    assert chain.problems == []
+    assert {n.entry.iteration: n.check for n in chain.nodes if n.entry.name == "checkpoint"} == {
+        BASE: "ok", 0: "pruned", 1: "ok", 2: "pruned", 3: "ok"}
 
 
 def test_using_a_pruned_checkpoint_is_refused_naming_its_iteration(uninterrupted: RunLayout, tmp_path: Path) -> None:
