@@ -66,8 +66,6 @@ def prune_checkpoints(run: Run) -> dict[int, str]:
     run.fs.invalidate_cache()  # other processes wrote the manifests this pass reads
     pruned = {}
     for iteration, level in retention_plan(run).items():
-        path = manifest_path_for(run.layout.checkpoint_dir(iteration), "checkpoint")
-        before = read_manifest(run.fs, path)
-        if prune_checkpoint(run.fs, path, level) is not None and before is not None and before.pruned != level:
+        if prune_checkpoint(run.fs, manifest_path_for(run.layout.checkpoint_dir(iteration), "checkpoint"), level):
             pruned[iteration] = level
     return pruned

@@ -56,24 +56,24 @@ def _to_delete(manifest: Manifest, level: str) -> dict[str, dict]:
     return {relative: info for relative, info in manifest.files.items() if is_optimizer_file(relative)}
 
 
-def prune_checkpoint(fs: fsspec.AbstractFileSystem, manifest_path: str, level: str) -> Manifest | None:
+def prune_checkpoint(fs: fsspec.AbstractFileSystem, manifest_path: str, level: str) -> dict[str, dict]:
     """Prune the checkpoint whose manifest is at `manifest_path` to `level` ("optimizer": its optimizer state;
-    "checkpoint": every file), manifest first, then the files; returns the new manifest (None: no manifest).
-    Idempotent: a checkpoint pruned that far already only has its leftovers deleted."""
+    "checkpoint": every file), manifest first, then the files. Returns the files newly marked pruned: none when
+    there is no manifest, when it was pruned that far already (its leftovers are still deleted), or when there is
+    nothing at that level (no optimizer state saved: nothing is marked, so nothing is refused)."""
     if level not in LEVELS:
         raise ValueError(f"prune level {level!r} is not one of {LEVELS}")
     manifest = read_manifest(fs, manifest_path)
     if manifest is None or manifest.kind != "checkpoint":
-        return None
-    deleting = _to_delete(manifest, level)
-    reached = max(LEVELS.index(level), LEVELS.index(manifest.pruned) if manifest.pruned else -1)
-    if deleting or manifest.pruned != LEVELS[reached]:
-        manifest.files = {r: info for r, info in manifest.files.items() if r not in deleting}
-        manifest.pruned_files = {**manifest.pruned_files, **deleting}
-        manifest.pruned = LEVELS[reached]
-        write_manifest(fs, manifest_path, manifest)  # (1): from here on the checkpoint is never used
+        return {}
+    marking = _to_delete(manifest, level)
+    if marking:  # only ever deeper: a wholly pruned one has no files left to mark
+        manifest.files = {r: info for r, info in manifest.files.items() if r not in marking}
+        manifest.pruned_files = {**manifest.pruned_files, **marking}
+        manifest.pruned = level
+        write_manifest(fs, manifest_path, manifest)  # (1): from here on the checkpoint is refused
     finish_pruning(fs, manifest)  # (2)
-    return manifest
+    return marking
 
 
 def finish_pruning(fs: fsspec.AbstractFileSystem, manifest: Manifest) -> list[str]:

@@ -26,11 +26,11 @@ from flows.runner.process import pending_stages
 from stages.registry import RUN_STAGES, iteration_stages
 from stages.retention import prune_checkpoints
 from storage.checkpoints import HASH_CACHE_NAME, verify_checkpoint
-from storage.fs import join
+from storage.fs import filesystem, join
 from storage.layout import BASE, RunLayout, manifest_path_for
 from storage.lineage import lineage
-from storage.manifest import Manifest, read_manifest
-from storage.retention import CheckpointPruned, disk_usage, require_unpruned
+from storage.manifest import Manifest, read_manifest, write_manifest
+from storage.retention import CheckpointPruned, disk_usage, prune_checkpoint, require_unpruned
 from storage.run import Run
 from tests.reliability import helpers as h
 from tests.storage.test_s3 import s3_endpoint, s3_root  # noqa: F401 - the moto fixtures
@@ -247,3 +247,23 @@ def test_retention_and_its_crash_drill_on_s3(
     console = Console(width=250, record=True)
     console.print(status_table(Run.at(reference)))
     assert "free on root n/a (S3)" in console.export_text()
+
+
+def test_a_checkpoint_saved_without_optimizer_state_is_never_marked(tmp_path: Path) -> None:
+    """Proves: pruning the optimizer state of a checkpoint that has none (train.save_optimizer false) marks
+    nothing, so a train stage may still start from it; pruning it whole then marks and deletes its two files."""
+    fs, directory = filesystem(str(tmp_path)), tmp_path / "checkpoints" / "iter=0002"
+    directory.mkdir(parents=True)
+    files = {}
+    for name, data in {"config.json": b"{}", "model.safetensors": b"w" * 100}.items():
+        (directory / name).write_bytes(data)
+        files[name] = {"bytes": len(data), "sha256": "-"}
+    manifest = Manifest(stage="train", key="k", kind="checkpoint", path=str(directory), sha256="s", bytes=102,
+                        files=files)
+    write_manifest(fs, str(directory / "manifest.json"), manifest)
+    assert prune_checkpoint(fs, str(directory / "manifest.json"), "optimizer") == {}
+    require_unpruned(read_manifest(fs, str(directory / "manifest.json")), optimizer=True)
+    assert sorted(prune_checkpoint(fs, str(directory / "manifest.json"), "checkpoint")) == sorted(files)
+    assert sorted(p.name for p in directory.iterdir()) == ["manifest.json"]
+    with pytest.raises(CheckpointPruned, match=r"checkpoint of iteration 2 .* it was pruned"):
+        require_unpruned(read_manifest(fs, str(directory / "manifest.json")))
