@@ -10,29 +10,38 @@ keeps its weights when any of these holds, and its optimizer state when the firs
   done: judged by that iteration's train stage, which is done only once every round it read is.
 The base model is never pruned, nor is anything newer than `last` (stale or being written). Every rule reads
 done-states, never file times, so an overlapped run (a train stage beside this pass) and a resume after a kill
-decide the same. A checkpoint pruned already only has its leftovers deleted (a pass killed half-way).
+decide the same. A checkpoint pruned already only has its leftovers deleted (a pass killed half-way); one that
+holds nothing but its manifest costs nothing (one listing of checkpoints/ a pass, on S3 too).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from functools import cache
 
 from stages.registry import instance, is_scheduled, stage_state
+from storage.fs import join
 from storage.layout import manifest_path_for
 from storage.manifest import read_manifest
 from storage.retention import LEVELS, prune_checkpoint
 from storage.run import Run
 
 
-def newest_trained(run: Run, done: Callable[[str, int], bool]) -> int | None:
-    """The newest iteration whose train stage is done for the current config, or None."""
-    return next((k for k in reversed(range(run.config.iterations)) if done("train", k)), None)
+def held_files(run: Run) -> dict[int, set[str]]:
+    """Iteration -> the names its checkpoint folder holds, from one listing of checkpoints/ (the base model and
+    scratch folders left out): a pass reads no manifest of a checkpoint that holds nothing but it."""
+    fs, folder = run.fs, join(run.layout.run_dir, "checkpoints")
+    prefix = fs._strip_protocol(folder) + "/"
+    held: dict[int, set[str]] = {}
+    for path in fs.find(folder):
+        name, _, relative = path.removeprefix(prefix).partition("/")
+        if name.startswith("iter=") and relative:
+            held.setdefault(int(name.removeprefix("iter=")), set()).add(relative)
+    return held
 
 
 def retention_plan(run: Run) -> dict[int, str]:
     """Iteration -> how far its checkpoint is to be pruned now ("optimizer" or "checkpoint"), for each checkpoint
-    below the newest trained one that is, or is to be, pruned; kept whole ones are absent."""
+    below the newest trained one that is to be pruned or still holds files a pruning marked; others are absent."""
     train, iterations = run.config.train, run.config.iterations
     if train.keep_checkpoints is None and train.keep_optimizer_states is None:
         return {}
@@ -41,9 +50,11 @@ def retention_plan(run: Run) -> dict[int, str]:
     def done(stage: str, iteration: int) -> bool:
         return stage_state(run, instance(stage, iteration)).done
 
-    last = newest_trained(run, done)
+    held = held_files(run)
+    # The newest checkpoint whose train stage is done for the current config: what a resume trains from.
+    last = next((k for k in sorted(held, reverse=True) if k < iterations and done("train", k)), None)
     plan: dict[int, str] = {}
-    for j in range(last if last is not None else 0):
+    for j in sorted(k for k in held if last is not None and k < last and held[k] != {"manifest.json"}):
         manifest = read_manifest(run.fs, manifest_path_for(run.layout.checkpoint_dir(j), "checkpoint"))
         if manifest is None:
             continue
