@@ -168,7 +168,6 @@ def standin_generate(ctx: StageContext, sleep_s: float = 0.0) -> None:
 def standin_train(ctx: StageContext) -> None:
     scratch = ctx.scratch_checkpoint_dir()
     _small_checkpoint(scratch, ctx.inputs["batch"].sha256)
-    (scratch / "optimizer.pt").write_bytes(b"adam" * 256)  # optimizer state, as a real train stage saves
     ctx.write_checkpoint(scratch)
     pause()
     row = {"run_id": ctx.run_id, "iteration": ctx.iteration, "step": 0, "epoch": 0, "skipped": False}

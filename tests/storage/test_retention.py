@@ -1,8 +1,8 @@
 """Checkpoint retention (train.keep_checkpoints, train.keep_optimizer_states) on real runs, local and on S3.
 
 The runs are the reliability drills' stand-in runs (tests/reliability/helpers.py: real prompts, score and
-advantage stages, stand-in model stages writing small checkpoints with an optimizer.pt through the real
-harness), four iterations with evaluate.every=2 (iterations 1 and 3 evaluated), keep_checkpoints=1 and
+advantage stages, stand-in model stages writing small checkpoints through the real harness, train's with an
+optimizer.pt), four iterations with evaluate.every=2 (iterations 1 and 3 evaluated), keep_checkpoints=1 and
 keep_optimizer_states=1. Retention is switched on after iteration 2 (as `rlpipe resume --set` would), so the
 pass after iteration 2 prunes checkpoint 0 whole and checkpoint 1's optimizer state (1 is evaluated), and the
 pass after iteration 3 prunes checkpoint 2 whole: worked out by hand from the rules in stages/retention.py.
@@ -23,6 +23,7 @@ from rich.console import Console
 
 from flows.cli.status import status_table
 from flows.runner.process import pending_stages
+from stages.harness import StageContext
 from stages.registry import RUN_STAGES, iteration_stages
 from stages.retention import prune_checkpoints
 from storage.checkpoints import HASH_CACHE_NAME, verify_checkpoint
@@ -64,13 +65,25 @@ print(steps[0])
 """
 
 
+def standin_train_with_optimizer(ctx: StageContext) -> None:
+    """The drills' stand-in train, whose checkpoint also holds an optimizer.pt, as a real train stage's does."""
+    publish = ctx.write_checkpoint
+
+    def with_optimizer(local_dir: Path, metrics: dict | None = None) -> Manifest:
+        (local_dir / "optimizer.pt").write_bytes(b"adam" * 256)
+        return publish(local_dir, metrics)
+
+    ctx.write_checkpoint = with_optimizer  # type: ignore[method-assign]
+    h.standin_train(ctx)
+
+
 def build(layout: RunLayout, iterations: range) -> None:
     """The run-level stages (first time), then each iteration's stages in order, in this process."""
     run = Run.at(layout)
     stages = [(stage, BASE) for stage in RUN_STAGES] if iterations.start == 0 else []
     stages += [(stage, k) for k in iterations for stage in iteration_stages(run.config, k)]
     for stage, k in stages:
-        run_stage_at(stage, layout, k, h.work_for(stage))
+        run_stage_at(stage, layout, k, standin_train_with_optimizer if stage == "train" else h.work_for(stage))
 
 
 def checkpoint_manifest(layout: RunLayout, iteration: int) -> Manifest:
