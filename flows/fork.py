@@ -29,6 +29,7 @@ from stages.registry import (
 )
 from storage.layout import RunLayout, StageInstance
 from storage.manifest import Manifest, output_damage, read_manifest
+from storage.retention import require_unpruned
 from storage.run import Run
 from storage.sharing import check_can_share, share_output
 
@@ -83,6 +84,8 @@ def _share(source: Run, new: Run, target: StageInstance) -> bool:
         return False
     if any(manifest.key != key for manifest in originals):
         return False
+    for manifest in originals:
+        require_unpruned(manifest)  # a checkpoint whose weights retention deleted: refused, naming its iteration
     outputs = outputs_of(target)
     for output, manifest in zip(outputs, originals, strict=True):
         # where the output is now (a run moved to another root keeps its manifests' recorded paths)

@@ -50,6 +50,7 @@ from flows.trackers import log_iterations  # noqa: E402
 from schemas import settings  # noqa: E402
 from schemas.config import ConfigError, load_config, parse_config  # noqa: E402
 from stages.registry import RUN_STAGES, instance, is_done_now, iteration_stages  # noqa: E402
+from stages.retention import prune_checkpoints  # noqa: E402
 from stages.rl.advantages import check_estimator_fits  # noqa: E402
 from storage.fs import filesystem, is_remote  # noqa: E402
 from storage.layout import BASE, StageInstance, iteration_name  # noqa: E402
@@ -175,6 +176,11 @@ def _run_iteration(run: Run, iteration: int | None, mode: str) -> list[StageOutc
 
 
 def _finish_iteration(run: Run, iteration: int) -> None:
+    # After the iteration's train and evaluation: the checkpoints train.keep_* no longer keep (stages/retention.py).
+    # Run on every pass, resumes included, so a pass a kill cut short is finished by the next.
+    for k, level in prune_checkpoints(run).items():
+        get_run_logger().info("run %s: pruned the %s of iteration %d", run.run_id,
+                              "optimizer state" if level == "optimizer" else "checkpoint", k)
     publish_iteration_artifacts(run, iteration)
     log_iterations(run, warn=get_run_logger().warning)  # log.trackers: each finished iteration once (step = k)
 

@@ -728,6 +728,18 @@ class TrainConfig(Section):
     save_optimizer: bool = Field(True, description="Keep optimizer state in the checkpoint, so the next "
                                  "iteration resumes it.")
     seed: int = Field(0, description="Seed of minibatch shuffling and training randomness.")
+    # Retention (stages/retention.py): when, not what; never part of a stage key (stages/registry.py).
+    keep_checkpoints: int | None = Field(
+        None, ge=1, description="Checkpoints whose weights are kept: the newest this many, plus always the base "
+        "model, every checkpoint the config evaluates and any an unfinished stage still reads; the others are "
+        "pruned after each iteration (their manifests and every table stay). null: keep all (verl's "
+        "max_actor_ckpt_to_keep, TRL's save_total_limit)."
+    )
+    keep_optimizer_states: int | None = Field(
+        1, ge=1, description="Checkpoints that keep their optimizer state (AdamW moments, about 2/3 of a "
+        "checkpoint): the newest this many, plus any whose next train stage has not finished; only the next "
+        "iteration's train reads it. null: keep all. A pruned one cannot seed a rerun of the next train stage."
+    )
 
     @model_validator(mode="after")
     def _offload_needs_zero(self) -> TrainConfig:

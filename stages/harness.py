@@ -60,6 +60,7 @@ from storage.fs import atomic_write_bytes, describe_os_error, is_remote, tempora
 from storage.layout import BASE, RunLayout, StageInstance
 from storage.manifest import Manifest, config_hash, output_damage, read_manifest, write_manifest
 from storage.process import end_process
+from storage.retention import require_unpruned
 from storage.run import Run, resolve_root
 from storage.sharing import refuse_lost_share
 from storage.tables import TableVersionError, read_table, write_table
@@ -349,14 +350,19 @@ def remove_stale_temporaries(ctx: StageContext) -> list[str]:
 
 def prepare_context(run: Run, target: StageInstance) -> StageContext:
     """Check the instance against the run's config (and the config's estimator against the rest of it, as the CLI
-    does where it loads a config) and resolve its inputs, once; raises ConfigError or MissingInput."""
+    does where it loads a config) and resolve its inputs, once; raises ConfigError, MissingInput, or
+    CheckpointPruned (an InputError) when a checkpoint it reads was pruned (storage/retention.py)."""
     check_estimator_fits(run.config)
     if not STAGES[target.stage].run_level and not 0 <= target.iteration < run.config.iterations:
         raise ConfigError(
             f"iteration {target.iteration} is outside 0..{run.config.iterations - 1} for run {run.run_id}"
         )
     check_round(STAGES[target.stage], run.config, target.round_idx)
-    return StageContext(run=run, instance=target, resolved=resolve_inputs(run, target))
+    resolved = resolve_inputs(run, target)
+    for manifest in resolved.manifests.values():  # a pruned input still counts for keys, never for reading
+        if manifest.kind == "checkpoint":
+            require_unpruned(manifest)
+    return StageContext(run=run, instance=target, resolved=resolved)
 
 
 def check_round(spec: StageSpec, config: RunConfig, round_idx: int) -> None:

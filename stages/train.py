@@ -42,6 +42,7 @@ from stages.rl.filters import is_skip_step
 from stages.rl.schedule import lr_at
 from stages.rl.session import TrainJob, peak_rss_mb, run_job
 from stages.rl.trainer import optimizer_steps
+from storage.retention import require_unpruned
 
 
 def _key(row: dict[str, Any]) -> tuple:
@@ -188,6 +189,7 @@ def reference_dir(ctx: StageContext) -> Path | None:
 
 def run(ctx: StageContext) -> None:
     cfg = ctx.config.train
+    require_unpruned(ctx.inputs["policy"], optimizer=True)  # Adam's moments carry over: never start them afresh
     if needed := ctx.inputs["batch"].metrics.get("groups_needed", 0):
         rounds = ctx.inputs["batch"].metrics.get("rounds", 1)
         raise InputError(

@@ -43,6 +43,9 @@ POLICY_PATTERNS = (
     "*.safetensors", "*.safetensors.index.json", "pytorch_model*.bin", "config.json", "generation_config.json",
     "tokenizer*", "special_tokens_map.json", "added_tokens.json", "vocab.json", "merges.txt", "chat_template.jinja",
 )
+# The optimizer state a train stage resumes from (stages/rl/checkpoint.py, critic.py, deepspeed_backend.py): only
+# the next train stage reads it, so retention may delete it from a checkpoint whose weights it keeps.
+OPTIMIZER_PATTERNS = ("optimizer.pt", "critic/optimizer.pt", "deepspeed/*")
 
 
 def sha256_local_file(path: Path) -> str:
@@ -230,6 +233,10 @@ class HashWhileWriting:
 
 def is_policy_file(relative: str) -> bool:
     return "/" not in relative and any(fnmatch.fnmatch(relative, pattern) for pattern in POLICY_PATTERNS)
+
+
+def is_optimizer_file(relative: str) -> bool:
+    return any(fnmatch.fnmatch(relative, pattern) for pattern in OPTIMIZER_PATTERNS)
 
 
 def digest_of_files(files: dict[str, dict[str, Any]]) -> str:

@@ -34,7 +34,7 @@ Verify = Literal["hash", "size", "none"]
 class Node:
     entry: CatalogEntry
     inputs: dict[str, str | None] = field(default_factory=dict)  # input name -> label of the node, None unresolved
-    check: str = "not checked"  # ok | missing | modified | unverified | not checked
+    check: str = "not checked"  # ok | missing | modified | unverified | pruned | not checked
     details: list[str] = field(default_factory=list)
     hashed_bytes: int = 0
 
@@ -191,8 +191,12 @@ def _check_checkpoint(node: Node, mode: Verify, warnings: list[str]) -> None:
             return
         _check_files(node, local_path, files, mode, local=True)
         return
+    if manifest.pruned == "checkpoint":  # retention deleted its files on purpose; its manifest is the record
+        node.check = "pruned"
+        warnings.append(f"{node.label} was pruned (train.keep_checkpoints): its files were not checked")
+        return
     directory = entry.url.removesuffix("/manifest.json")
-    _check_files(node, directory, manifest.files, mode, local=False)
+    _check_files(node, directory, manifest.files, mode, local=False)  # an optimizer-pruned one: what is left
 
 
 def verify(lineage: Lineage, mode: Verify = "hash") -> Lineage:

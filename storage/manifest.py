@@ -91,6 +91,10 @@ class Manifest:
     files: dict[str, dict[str, Any]] = field(default_factory=dict)  # checkpoints: relative path -> bytes, sha256
     # A fork's output shared with the run that computed it: {"run", "path"} there (storage/sharing.py)
     shared_from: dict[str, str] | None = None
+    # Retention (storage/retention.py): "" whole, "optimizer" its optimizer state deleted, "checkpoint" every file
+    # deleted; the deleted files move from `files` to `pruned_files`, so the size check vouches only for the rest.
+    pruned: str = ""
+    pruned_files: dict[str, dict[str, Any]] = field(default_factory=dict)
     manifest_version: int = MANIFEST_VERSION
 
     def to_json(self) -> bytes:

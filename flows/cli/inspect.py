@@ -323,7 +323,8 @@ def lineage_lines(result: Any) -> list[Text]:
     """One line per output, oldest first: check mark, output, what it is, hash, what it was made from."""
     from storage.lineage import describe
 
-    marks = {"ok": ("✓", "green"), "missing": ("✗", "red"), "modified": ("✗", "red"), "unverified": ("?", "yellow")}
+    marks = {"ok": ("✓", "green"), "missing": ("✗", "red"), "modified": ("✗", "red"), "unverified": ("?", "yellow"),
+             "pruned": ("-", "dim")}
     data = ", ".join(f"{k}={v}" for k, v in result.data.items() if k in ("train", "test"))
     title = f"lineage of run {result.run_id}, iteration {result.iteration}" + (f" (data: {data})" if data else "")
     lines = [Text(title, style="bold")]

@@ -8,6 +8,7 @@ Extra dynamic-sampling rounds of an iteration (generate and score, `iter=k/round
 own under it, `k.r`, for every round that left any output, finished or not. A stage instance the run's failure
 record names reads "failed (exit code N)", and a last line gives the stage and the reason (storage/failure.py).
 A fork's shared stage instance reads "shared from RUN" (`rlpipe fork`, storage/sharing.py).
+A `disk:` line gives what the run holds on its root, what retention pruned, and the root's free space.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from stages.evaluation.metrics import clusters_of, data_sources_of, paired_gains
 from stages.registry import ITERATION_STAGES, RUN_STAGES, STAGES, StageState, instance, is_scheduled, stage_state
 from storage.failure import StageFailure, read_failure
 from storage.layout import BASE
+from storage.retention import disk_usage
 from storage.run import Run
 from storage.tables import read_table
 
@@ -71,8 +73,22 @@ def status_table(run: Run) -> Group:
     failed = [Text(f"✗ {failure.describe()}", style="red")] if failure else []  # the run's failure record
     rewards = [shown for shown in (by_source, functions) if shown.row_count]
     return Group(run_table, table, *([devices] if devices.row_count else []), training_table(run), *rewards,
-                 held_out_table(run),
-                 *([multi_turn] if multi_turn is not None else []), *failed)
+                 held_out_table(run), *([multi_turn] if multi_turn is not None else []), disk_line(run), *failed)
+
+
+def _size(count: int) -> str:
+    return f"{count / 1e9:.2f} GB" if count >= 1e9 else f"{count / 1e6:.1f} MB"
+
+
+def disk_line(run: Run) -> Text:
+    """What the run holds on its root (tables and the rest; checkpoints, how many keep their weights), what
+    retention pruned (train.keep_checkpoints, keep_optimizer_states) and the root's free space (n/a on S3)."""
+    usage = disk_usage(run.layout, run.config.iterations)
+    pruned = f"{usage.checkpoints_pruned} checkpoints, {usage.optimizer_states_pruned} optimizer states"
+    free = "n/a (S3)" if usage.free_bytes is None else _size(usage.free_bytes)
+    return Text(f"disk: tables {_size(usage.table_bytes)} · checkpoints {_size(usage.checkpoint_bytes)} "
+                f"({usage.checkpoints_kept} kept) · pruned {pruned} ({_size(usage.pruned_bytes)} freed) · "
+                f"free on root {free}")
 
 
 MODEL_STAGES = ("generate", "train", "evaluate")

@@ -23,11 +23,12 @@ from flows.fork import Fork, fork
 from schemas.config import apply_overrides, load_config, parse_config
 from schemas.errors import InputError
 from stages import advantage, base_model, train
-from stages.registry import instance, stage_state
+from stages.registry import Output, instance, stage_state
 from storage.catalog import Catalog
 from storage.layout import BASE
 from storage.lineage import lineage, to_dict
 from storage.manifest import read_manifest
+from storage.retention import CheckpointPruned, prune_checkpoint
 from storage.run import Run
 from storage.sharing import verify_run_shares
 from tests.flows.test_refusals import rlpipe, the_one_line
@@ -158,6 +159,15 @@ def test_a_fork_that_would_share_a_pruned_checkpoint_is_refused(root: Path) -> N
                                          "is missing\\): it cannot be shared; fork at an earlier iteration than 0"):
         fork_of(kept.run, "from-kept", [])
     assert not Path(root / "runs" / "from-kept" / "config.yaml").exists()
+
+
+def test_a_fork_at_an_iteration_whose_checkpoint_retention_pruned_is_refused_by_iteration(root: Path) -> None:
+    pruned = fork_of(Run.open(str(root), "grpo"), "pruned", [])
+    prune_checkpoint(pruned.run.fs, Output("checkpoint", 0).manifest_path(pruned.run.layout), "checkpoint")
+    with pytest.raises(CheckpointPruned, match=r"the checkpoint of iteration 0 \(.*\) cannot be used: it was pruned "
+                                               r"\(train.keep_checkpoints\)"):
+        fork_of(pruned.run, "from-pruned", [])
+    assert not Path(root / "runs" / "from-pruned" / "config.yaml").exists()
 
 
 @pytest.mark.parametrize(("args", "line"), [
