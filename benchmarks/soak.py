@@ -1,0 +1,193 @@
+"""Soak: a long run of the tiny config on the warm engine, overlapped, with checkpoint retention; leaks show here.
+
+One real `rlpipe run` (driver, stage server, generation server, every stage a process) of `tests/e2e/tiny.yaml`'s
+sizes on vLLM with `generate.warm_engine: on`, `pipeline.max_staleness: 1` and `train.keep_checkpoints`. Every
+two seconds it samples the run's long-lived processes (the flow process, the stage server, the generation server:
+RSS, open file descriptors, threads) and counts every process of the run (their descendants, and any process
+carrying an environment marker the run inherits: one re-parented to init still carries it). Per iteration (a
+window that ends when that iteration's train manifest appears) it keeps the median of each figure, plus the disk
+under the root (all, and checkpoints) and a catalog query's time (open the catalog, mean reward of the last
+iteration). It prints the last iteration against iteration 10 as a ratio, with the targets: each at most 1.10 x,
+checkpoint disk bounded by the retention, and no process of the run left 10 s after it ends. Stages and sandbox
+workers come and go, so the process count is the median over a window, not a peak. Opening the catalog grows
+with the tables it lists (tables are never pruned): it is printed, and judged on the query alone.
+
+Run: `.venv/bin/python -m benchmarks.soak` (`--iterations 100`; `--help`). Measurements: docs/measurements.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections import defaultdict
+from pathlib import Path
+
+import psutil
+
+from storage.catalog import Catalog
+
+REPO = Path(__file__).resolve().parents[1]
+MARKER = "RLPIPE_SOAK_MARKER"
+ROLES = {"stage server": "rlpipe stage server", "generation server": "rlpipe generation server"}
+
+
+def run_overrides(args: argparse.Namespace) -> list[str]:
+    return [
+        f"iterations={args.iterations}", "threads=1", "device=cpu", "generate.backend=vllm",
+        "generate.warm_engine=on", "generate.prompts_per_iteration=2", "generate.n_samples=4",
+        "generate.max_new_tokens=40", "generate.temperature=1.0", "generate.vllm_kv_cache_gib=1",
+        "data.max_test_prompts=2", "evaluate.n_samples=1", "evaluate.k=[1]", "evaluate.max_new_tokens=40",
+        f"evaluate.every={args.evaluate_every}", "score.workers=1", "train.is_level=token",
+        "advantage.drop_zero_variance_groups=false", "train.micro_batch_tokens=1024",
+        f"train.keep_checkpoints={args.keep_checkpoints}", "pipeline.max_staleness=1", f"seed={args.seed}",
+    ]
+
+
+def run_processes(marker: str, flow_pid: int) -> list[psutil.Process]:
+    """Every live process of the run: the flow process's descendants, the two servers (found by title: a warm
+    generation server runs in a session of its own) and theirs, and whatever still carries the marker in its
+    environment (a process re-parented to init; setproctitle hides the environment of the retitled servers)."""
+    found: dict[int, psutil.Process] = {}
+    for process in psutil.process_iter():
+        try:
+            roots = [process] if process.pid == flow_pid or role_of(process, flow_pid) else []
+            if not roots and process.environ().get(MARKER) == marker:
+                roots = [process]
+            for member in roots + [child for root in roots for child in root.children(recursive=True)]:
+                if member.status() != psutil.STATUS_ZOMBIE:
+                    found[member.pid] = member
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    return list(found.values())
+
+
+def role_of(process: psutil.Process, flow_pid: int) -> str | None:
+    if process.pid == flow_pid:
+        return "flow process"
+    command = " ".join(process.cmdline())
+    return next((role for role, title in ROLES.items() if title in command), None)
+
+
+def sample(processes: list[psutil.Process], flow_pid: int) -> dict[str, float]:
+    """One reading: per long-lived role RSS (MiB), fds, threads; and the run's process count."""
+    figures: dict[str, float] = {"processes of the run": len(processes)}
+    for process in processes:
+        try:
+            role = role_of(process, flow_pid)
+            if role is None:
+                continue
+            with process.oneshot():
+                figures[f"{role} RSS MiB"] = process.memory_info().rss / 2**20
+                figures[f"{role} fds"] = process.num_fds()
+                figures[f"{role} threads"] = process.num_threads()
+        except psutil.NoSuchProcess:
+            continue
+    return figures
+
+
+def disk_mib(path: Path) -> float:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) / 2**20 if path.exists() else 0.0
+
+
+def catalog_seconds(root: Path, run_id: str) -> tuple[float, float]:
+    """(seconds to open the catalog, seconds for the last iteration's mean reward)."""
+    started = time.perf_counter()
+    with Catalog(str(root), [run_id], threads=1) as catalog:
+        opened = time.perf_counter()
+        catalog.rows("SELECT avg(reward) AS reward FROM scores WHERE iter = (SELECT max(iter) FROM scores)")
+        return opened - started, time.perf_counter() - opened
+
+
+def finished_iterations(run_dir: Path) -> int:
+    return len(list(run_dir.glob("iter=*/train_metrics.parquet.manifest.json")))
+
+
+def watch(marker: str, flow: subprocess.Popen, root: Path, run_id: str, rows: dict[int, dict[str, float]],
+          seen: dict[int, psutil.Process]) -> None:
+    """Sample until the run ends; close a window (one row) each time an iteration's train finishes. `seen` gets
+    every process of the run met on the way, to look for again at the end."""
+    run_dir = root / "runs" / run_id
+    window: defaultdict[str, list[float]] = defaultdict(list)
+    while flow.poll() is None:
+        processes = run_processes(marker, flow.pid)
+        seen.update({process.pid: process for process in processes})
+        for name, value in sample(processes, flow.pid).items():
+            window[name].append(value)
+        done = finished_iterations(run_dir)
+        if done > len(rows):
+            row = {name: statistics.median(values) for name, values in window.items()}
+            row["disk MiB"] = disk_mib(root)
+            row["checkpoint disk MiB"] = disk_mib(run_dir / "checkpoints")
+            row["catalog open s"], row["catalog query s"] = catalog_seconds(root, run_id)
+            rows[done - 1] = row
+            print(f"iteration {done - 1}: " + ", ".join(f"{k} {v:.1f}" for k, v in sorted(row.items())), flush=True)
+            window.clear()
+        time.sleep(2.0)
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--iterations", type=int, default=100)
+    parser.add_argument("--reference", type=int, default=10, help="the iteration every figure is compared with")
+    parser.add_argument("--keep-checkpoints", type=int, default=2, help="train.keep_checkpoints")
+    parser.add_argument("--evaluate-every", type=int, default=1000, help="evaluate.every (1000: only the last)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--root", help="keep the run here (default: a temporary directory, removed after)")
+    return parser.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
+    root = Path(args.root or tempfile.mkdtemp(prefix="rlpipe-soak-"))
+    root.mkdir(parents=True, exist_ok=True)
+    run_id, marker = "soak", uuid.uuid4().hex
+    print(f"soak: {args.iterations} iterations of the tiny config, warm engine, max_staleness 1, keep "
+          f"{args.keep_checkpoints} checkpoints; load {os.getloadavg()[0]:.2f}; run under {root}", flush=True)
+    command = [sys.executable, "-m", "flows.cli", "run", "--root", str(root), "--run-id", run_id]
+    for override in run_overrides(args):
+        command += ["--set", override]
+    log = root / "soak.log"
+    rows: dict[int, dict[str, float]] = {}
+    seen: dict[int, psutil.Process] = {}
+    started = time.monotonic()
+    with open(log, "wb") as handle:
+        flow = subprocess.Popen(command, cwd=REPO, stdout=handle, stderr=subprocess.STDOUT,
+                                env={**os.environ, MARKER: marker})
+        try:
+            watch(marker, flow, root, run_id, rows, seen)
+        except KeyboardInterrupt:
+            flow.send_signal(signal.SIGINT)
+            flow.wait(30)
+            raise
+    wall = time.monotonic() - started
+    time.sleep(10.0)
+    # a process seen during the run and still running (psutil compares its start time, so a reused pid is not it)
+    left = [process for process in seen.values() if process.is_running()] + [
+        process for process in run_processes(marker, flow.pid) if process.pid not in seen]
+    print(f"\nrun exited {flow.returncode} after {wall:.0f} s (log {log}); load {os.getloadavg()[0]:.2f}")
+    if args.reference not in rows or not rows:
+        raise SystemExit(f"no figures for iteration {args.reference}: the run finished {len(rows)} iterations")
+    last = max(rows)
+    print(f"\n{'figure':36} {'iter ' + str(args.reference):>12} {'iter ' + str(last):>12} {'ratio':>7}  target")
+    for name in sorted(rows[args.reference]):
+        before, after = rows[args.reference][name], rows[last].get(name, float("nan"))
+        ratio = after / before if before else float("nan")
+        target = "<= 1.10" if name not in ("disk MiB", "catalog open s") else "(grows with the tables)"
+        verdict = "" if target != "<= 1.10" or ratio <= 1.10 else "  OVER"
+        print(f"{name:36} {before:12.2f} {after:12.2f} {ratio:7.2f}  {target}{verdict}")
+    print(f"\nprocesses of the run left 10 s after it ended: {len(left)}"
+          + "".join(f"\n  {p.pid} {' '.join(p.cmdline())[:120]}" for p in left))
+    if not args.root:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
