@@ -59,7 +59,7 @@ def run(ctx: StageContext) -> None:
     tool_seconds = 0.0
 
     engine = open_stage_engine(gen, model_dir, device, ctx.config.device, ctx.inputs["policy"].sha256,
-                               ctx.layout.run_dir)
+                               ctx.layout.run_dir, ctx.layout.lock_path())
     backend = engine.backend
     plan: list[tuple[str, str, int]] = []  # (prompt_id, mode, sample_idx) per generated sample
     samples = []

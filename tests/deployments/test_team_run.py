@@ -35,6 +35,7 @@ from storage.layout import BASE, RunLayout
 from storage.run import Run, read_run_config
 from tests.reliability.helpers import table_rows
 from tests.support.ports import free_port
+from tests.support.processes import spawn_tied
 from tests.support.scratch import scratch_dir
 
 pytestmark = pytest.mark.slow
@@ -61,7 +62,7 @@ def start_moto(log_dir: Path) -> tuple[subprocess.Popen, str]:
     endpoint = f"http://127.0.0.1:{port}"
     command = [str(Path(sys.executable).parent / "moto_server"), "-H", "127.0.0.1", "-p", str(port)]
     with open(log_dir / "moto.log", "ab") as log:
-        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        process = spawn_tied(command, stdout=log, stderr=subprocess.STDOUT)
     for _ in range(240):
         try:
             httpx.get(endpoint, timeout=2)
@@ -138,9 +139,11 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     marker = uuid.uuid4().hex
     processes: list[subprocess.Popen] = []
     with scratch_dir(tmp_path_factory, "cluster") as logs, contextlib.ExitStack() as stop:
-        # `rlpipe server` stops its server and workers on SIGTERM; then anything left is killed outright.
+        # `rlpipe server` stops its server and workers on SIGTERM; after 5 s (Ctrl-C stops the suite within 10 s)
+        # it is killed, its reaper ends their groups, and anything left is killed outright. A pytest that is
+        # killed runs none of this: the two die with it (spawn_tied), and `rlpipe server`'s children with it.
         stop.callback(kill_marked, marker)
-        stop.callback(lambda: stop_processes(reversed(processes), grace_s=30))
+        stop.callback(lambda: stop_processes(reversed(processes), grace_s=5))
         moto, endpoint = start_moto(logs)
         processes.append(moto)
         port = free_port()
@@ -155,10 +158,10 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         }
         env.pop("RLPIPE_DISPATCH", None)
         with open(logs / "rlpipe-server.log", "ab") as log:
-            server = subprocess.Popen(
+            server = spawn_tied(
                 [sys.executable, "-m", "flows.cli", "server", "--port", str(port), "--home", str(logs / "server-home"),
                  "--no-ui", "--timeout", "400"],
-                env=env, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                env=env, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT,
             )
         processes.append(server)
 

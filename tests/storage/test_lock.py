@@ -26,6 +26,7 @@ from stages.registry import instance
 from storage.layout import RunLayout
 from storage.lock import RunLocked, S3Lease, StageLocked, run_lock, stage_lock, stage_lock_path
 from tests.support.ports import free_port
+from tests.support.processes import spawn_tied
 
 BUCKET = "rlpipe-locks"
 
@@ -85,8 +86,8 @@ print("ran" if ran else "skipped", flush=True)
 
 
 def spawn(script: str, *args: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-c", script, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True)
+    return spawn_tied([sys.executable, "-c", script, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                      text=True)
 
 
 def expect_line(process: subprocess.Popen, expected: str, timeout_s: float = 120) -> None:
@@ -112,7 +113,7 @@ def start_moto(log_dir: Path) -> tuple[subprocess.Popen, str]:
     endpoint = f"http://127.0.0.1:{port}"
     command = [str(Path(sys.executable).parent / "moto_server"), "-H", "127.0.0.1", "-p", str(port)]
     with open(log_dir / "moto.log", "ab") as log:
-        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        process = spawn_tied(command, stdout=log, stderr=subprocess.STDOUT)
     for _ in range(240):
         try:
             httpx.get(endpoint, timeout=2)
