@@ -15,7 +15,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -35,7 +34,7 @@ from storage.layout import BASE, RunLayout
 from storage.run import Run, read_run_config
 from tests.reliability.helpers import table_rows
 from tests.support.ports import free_port
-from tests.support.processes import spawn_tied
+from tests.support.processes import kill_marked, spawn_tied
 from tests.support.scratch import scratch_dir
 
 pytestmark = pytest.mark.slow
@@ -76,18 +75,6 @@ def start_moto(log_dir: Path) -> tuple[subprocess.Popen, str]:
     )
     client.create_bucket(Bucket=BUCKET)
     return process, endpoint
-
-
-def kill_marked(marker: str) -> None:
-    """SIGKILL any process still carrying this test's marker in its environment (flow runs, stages, sandboxes
-    that left their worker's process group); these are all descendants of processes this test started."""
-    needle = f"{MARKER_VARIABLE}={marker}".encode()
-    for environ in Path("/proc").glob("[0-9]*/environ"):
-        try:
-            if needle in environ.read_bytes().split(b"\0"):
-                os.kill(int(environ.parent.name), signal.SIGKILL)
-        except (OSError, ValueError):
-            continue
 
 
 def wait_for(condition: Any, timeout_s: float, what: str, interval_s: float = 1.0) -> Any:
@@ -142,7 +129,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         # `rlpipe server` stops its server and workers on SIGTERM; after 5 s (Ctrl-C stops the suite within 10 s)
         # it is killed, its reaper ends their groups, and anything left is killed outright. A pytest that is
         # killed runs none of this: the two die with it (spawn_tied), and `rlpipe server`'s children with it.
-        stop.callback(kill_marked, marker)
+        stop.callback(kill_marked, MARKER_VARIABLE, marker)
         stop.callback(lambda: stop_processes(reversed(processes), grace_s=5))
         moto, endpoint = start_moto(logs)
         processes.append(moto)

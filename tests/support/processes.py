@@ -1,5 +1,8 @@
 """Processes a test starts end with the test process, whatever ends it (issue 29: no orphan, ever).
 
+`marked_processes` finds every process carrying a test's marker in its environment (processes inherit it, so
+these are all descendants of what the test started, also those that left their group), `kill_marked` ends them.
+
 `spawn_tied` is `subprocess.Popen` in a session of its own (so the test can end the child's whole group, and a
 terminal's Ctrl-C reaches only pytest) with the kernel's parent-death signal set (storage/process.py): a pytest
 killed by SIGTERM or SIGKILL, whose fixtures' teardown never runs, still takes the child along. What the child
@@ -10,7 +13,9 @@ run-lease watch).
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
+from pathlib import Path
 from typing import Any
 
 from storage.process import die_with_parent
@@ -19,3 +24,27 @@ from storage.process import die_with_parent
 def spawn_tied(command: list[str], **popen: Any) -> subprocess.Popen:
     """`subprocess.Popen(command, **popen)` leading a session of its own, and dead with this process."""
     return subprocess.Popen(command, start_new_session=True, preexec_fn=die_with_parent(os.getpid()), **popen)
+
+
+def marked_processes(variable: str, marker: str) -> list[int]:
+    """Pids of the running processes (zombies excluded) whose environment has `variable=marker`."""
+    needle = f"{variable}={marker}".encode()
+    pids = []
+    for environ in Path("/proc").glob("[0-9]*/environ"):
+        try:
+            if needle in environ.read_bytes().split(b"\0"):
+                stat = (environ.parent / "stat").read_text()
+                if stat.rsplit(")", 1)[1].split()[0] != "Z":
+                    pids.append(int(environ.parent.name))
+        except (OSError, ValueError, IndexError):
+            continue
+    return pids
+
+
+def kill_marked(variable: str, marker: str) -> None:
+    """SIGKILL every process `marked_processes` finds."""
+    for pid in marked_processes(variable, marker):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            continue
