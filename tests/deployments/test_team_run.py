@@ -126,11 +126,11 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     marker = uuid.uuid4().hex
     processes: list[subprocess.Popen] = []
     with scratch_dir(tmp_path_factory, "cluster") as logs, contextlib.ExitStack() as stop:
-        # `rlpipe server` stops its server and workers on SIGTERM; after 5 s (Ctrl-C stops the suite within 10 s)
+        # `rlpipe server` stops its server and workers on SIGTERM; after 3 s (Ctrl-C stops the suite within 10 s)
         # it is killed, its reaper ends their groups, and anything left is killed outright. A pytest that is
         # killed runs none of this: the two die with it (spawn_tied), and `rlpipe server`'s children with it.
         stop.callback(kill_marked, MARKER_VARIABLE, marker)
-        stop.callback(lambda: stop_processes(reversed(processes), grace_s=5))
+        stop.callback(lambda: stop_processes(reversed(processes), grace_s=3))
         moto, endpoint = start_moto(logs)
         processes.append(moto)
         port = free_port()
