@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from email.utils import parsedate_to_datetime
 from functools import lru_cache
-from typing import Any
+from typing import Any, Literal
 
 from schemas import settings
 from storage.fs import is_remote, join
@@ -40,6 +40,8 @@ from storage.layout import RunLayout, StageInstance
 log = logging.getLogger(__name__)
 
 DEFAULT_TTL_S = 120.0
+# What `lease_state` finds: someone holds the lock; nobody does; its holder died holding it.
+LeaseState = Literal["held", "free", "abandoned"]
 
 
 class RunLocked(RuntimeError):
@@ -403,7 +405,7 @@ def run_lock(layout: RunLayout, ttl_s: float = DEFAULT_TTL_S, wait_s: float = 0.
         yield
 
 
-def lease_state(path: str) -> str:
+def lease_state(path: str) -> LeaseState:
     """Whether anyone holds the lock at `path` (a local lock file or an S3 lease URL), read without touching it:
     "held", "free" (released, or never taken), or "abandoned": its holder died holding it (a record names a
     process of this host that is gone, or an S3 lease expired). A holder on another host holds a local lock

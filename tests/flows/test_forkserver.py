@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from flows.runner import forkserver
+from tests.support.processes import spawn_tied
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the fork server is Linux-only")
 
@@ -210,7 +211,7 @@ def test_the_server_and_its_running_stage_end_when_its_caller_is_killed(probe_di
     """A flow process killed with SIGKILL while a stage runs leaves neither the stage server nor the stage
     behind: the stage gets SIGTERM at once (the probe dies of it), and both are gone within 10 s."""
     pid_file = probe_dir / "server.pid"
-    caller = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+    caller = spawn_tied([sys.executable, "-c", textwrap.dedent(f"""
         import os, sys, threading, time
         sys.path.insert(0, {str(Path(__file__).resolve().parents[2])!r})
         from flows.runner import forkserver
@@ -228,7 +229,8 @@ def test_the_server_and_its_running_stage_end_when_its_caller_is_killed(probe_di
         caller.wait()
         deadline = time.monotonic() + 10
         while any(Path(f"/proc/{pid}").exists() and _state(pid) != "Z" for pid in (server_pid, stage_pid)):
-            assert time.monotonic() < deadline, f"outlived the caller by 10 s: {[(pid, _state(pid)) for pid in (server_pid, stage_pid)]}"
+            states = {"server": _state(server_pid), "stage": _state(stage_pid)}
+            assert time.monotonic() < deadline, f"outlived the caller by 10 s: {states}"
             time.sleep(0.2)
     finally:
         caller.kill()

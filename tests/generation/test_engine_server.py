@@ -24,8 +24,6 @@ import math
 import os
 import signal
 import socket
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -56,7 +54,7 @@ from stages.generation.server import (
     send_message,
 )
 from storage.layout import RunLayout
-from tests.support.processes import spawn_tied
+from tests.support.processes import start_run_driver
 
 # ---------------------------------------------------------------------------------------------------------
 # Wire format
@@ -349,25 +347,6 @@ def test_an_idle_server_ends_by_itself(tmp_path: Path) -> None:
     assert ping(address) is None and "ends: idle" in address.log_path.read_text()
 
 
-# Holds the run lease of run `r` under root argv[1] until stdin says "release" (then exits normally) or it is killed.
-DRIVER = """
-import sys
-from storage.layout import RunLayout
-from storage.lock import run_lock
-with run_lock(RunLayout.create(sys.argv[1], "r")):
-    print("driving", flush=True)
-    sys.stdin.readline()
-print("released", flush=True)
-"""
-
-
-def start_driver(root: Path) -> subprocess.Popen:
-    driver = spawn_tied([sys.executable, "-c", DRIVER, str(root)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                        text=True)
-    assert driver.stdout is not None and driver.stdout.readline().strip() == "driving"
-    return driver
-
-
 @pytest.mark.slow
 def test_a_server_follows_its_run_driver_and_ends_soon_after_it_is_killed(tmp_path: Path) -> None:
     """The server is given the run lease (as a stage gives it). Its first driver releases the lease as a run
@@ -376,7 +355,7 @@ def test_a_server_follows_its_run_driver_and_ends_soon_after_it_is_killed(tmp_pa
     process, ends the server within 60 s (the issue's bound; one read of the lease, RUN_LEASE_POLL_S, here)."""
     cfg = GenerateConfig()
     layout = RunLayout.create(str(tmp_path), "r")
-    first = start_driver(tmp_path)
+    first = start_run_driver(str(tmp_path), "r")
     address = server_address(layout.run_dir, cfg, "cpu")
     server = start_server(address, cfg, "cpu", idle_timeout_s=None, run_lock=layout.lock_path())
     assert server is not None
@@ -384,7 +363,7 @@ def test_a_server_follows_its_run_driver_and_ends_soon_after_it_is_killed(tmp_pa
         pid = ping(address)["pid"]  # waits for the server's imports; it read the lease (held) as it began serving
         assert first.communicate("release\n", timeout=30)[0].strip() == "released" and first.returncode == 0
         time.sleep(RUN_LEASE_POLL_S + 2)
-        second = start_driver(tmp_path)
+        second = start_run_driver(str(tmp_path), "r")
         time.sleep(RUN_LEASE_POLL_S + 2)
         assert ping(address)["pid"] == pid == server.pid
         second.kill()

@@ -2,6 +2,7 @@
 
 `marked_processes` finds every process carrying a test's marker in its environment (processes inherit it, so
 these are all descendants of what the test started, also those that left their group), `kill_marked` ends them.
+`start_run_driver` stands in for a flow process: it holds a run's lease until told to release it, or killed.
 
 `spawn_tied` is `subprocess.Popen` in a session of its own (so the test can end the child's whole group, and a
 terminal's Ctrl-C reaches only pytest) with the kernel's parent-death signal set (storage/process.py): a pytest
@@ -15,6 +16,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -48,3 +50,24 @@ def kill_marked(variable: str, marker: str) -> None:
             os.kill(pid, signal.SIGKILL)
         except OSError:
             continue
+
+
+# Holds the lease of run argv[2] under root argv[1] until stdin says "release" (then exits normally) or it is killed.
+RUN_DRIVER = """
+import sys
+from storage.layout import RunLayout
+from storage.lock import run_lock
+with run_lock(RunLayout.create(sys.argv[1], sys.argv[2])):
+    print("driving", flush=True)
+    sys.stdin.readline()
+print("released", flush=True)
+"""
+
+
+def start_run_driver(root: str, run_id: str) -> subprocess.Popen:
+    """A process that holds the run lease as a flow process does (it returns once it holds it); write
+    "release" and a newline to its stdin to have it release the lease and exit."""
+    driver = spawn_tied([sys.executable, "-c", RUN_DRIVER, root, run_id], stdin=subprocess.PIPE,
+                        stdout=subprocess.PIPE, text=True)
+    assert driver.stdout is not None and driver.stdout.readline().strip() == "driving"
+    return driver
