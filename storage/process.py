@@ -26,6 +26,9 @@ from collections.abc import Callable
 from typing import NoReturn
 
 PR_SET_PDEATHSIG = 1
+# Looked up once, here: between fork and exec a child only calls it (a dlopen there could wait forever on a lock
+# another thread of the parent held when it forked). Linux only: elsewhere children get no parent-death signal.
+_prctl = getattr(ctypes.CDLL(None), "prctl", None)
 
 
 def end_process(code: int) -> NoReturn:
@@ -46,7 +49,8 @@ def die_with_parent(parent: int) -> Callable[[], None]:
     started it ends (the kernel's parent-death signal), or at once if that already happened."""
 
     def arm() -> None:
-        ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        if _prctl is not None:
+            _prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
         if os.getppid() != parent:
             os._exit(1)
 

@@ -36,7 +36,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from schemas import settings
-from storage.process import end_process
+from storage.process import die_with_parent, end_process
 
 # Loaded once by the server; each is skipped when it is not installed (vLLM is an extra).
 PRELOAD = (
@@ -176,7 +176,7 @@ def run(command: list[str], env: dict[str, str]) -> int:
     """Run a stage command: forked from the active server when one serves `env`, else `subprocess.run`."""
     if _server is not None and _server.serves(env) and command[1:2] == ["-m"]:
         return _server.run(command, env)
-    return subprocess.run(command, env=env).returncode
+    return subprocess.run(command, env=env, preexec_fn=die_with_parent(os.getpid())).returncode  # dies with the flow
 
 
 # ---------------------------------------------------------------------------------------------------------
