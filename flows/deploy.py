@@ -151,7 +151,8 @@ class GroupReaper:
     """A small process that outlives its starter only to end the process groups it was told about: the
     pipe it reads from is held by the starter alone (not inherited by any child), so its end of input comes
     exactly when the starter is gone, by exit, exception, signal or SIGKILL. It runs in a session of its own
-    (a terminal's Ctrl-C does not reach it) and ignores SIGINT, SIGTERM and SIGHUP."""
+    (a terminal's Ctrl-C does not reach it) and ignores SIGINT, SIGTERM and SIGHUP. SIGKILL follows SIGTERM
+    after `grace_s`, 5 s by default: nothing outlives its starter by more than 10 s (docs/reliability.md)."""
 
     def __init__(self, grace_s: float = 5.0) -> None:
         self.process = subprocess.Popen([sys.executable, "-c", _REAPER, str(grace_s)], stdin=subprocess.PIPE,
