@@ -49,7 +49,7 @@ def test_a_killed_starter_takes_the_process_groups_it_started_along() -> None:
     """SIGKILL of the starter: its child (the group's leader) dies of its parent-death signal, and the sleeper the
     child left in its group, which has none, is ended by the reaper; the reaper then exits."""
     starter = spawn_tied([sys.executable, "-c", STARTER], cwd=REPO_ROOT, stdout=subprocess.PIPE, text=True,
-                               env={**os.environ, "PYTHONPATH": str(REPO_ROOT)}, start_new_session=True)
+                         env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
     assert starter.stdout is not None
     started = json.loads(starter.stdout.readline())
     deadline = time.monotonic() + 10
