@@ -17,7 +17,6 @@ starter is gone, even when that was a SIGKILL, which no `finally` sees.
 from __future__ import annotations
 
 import copy
-import ctypes
 import os
 import signal
 import socket
@@ -33,6 +32,7 @@ import yaml
 
 from schemas import settings
 from schemas.config import ConfigError, read_yaml
+from storage.process import die_with_parent
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 PREFECT_YAML = REPO_ROOT / "deployments" / "prefect.yaml"
@@ -114,24 +114,12 @@ def client_environment(api_url: str, home: Path | None = None, extra: dict[str, 
     return env
 
 
-PR_SET_PDEATHSIG = 1
-
-
-def _die_with_parent(parent: int) -> None:
-    """In a child between fork and exec: SIGKILL when the thread that started it ends (the kernel's
-    parent-death signal), or at once if that already happened."""
-    ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    if os.getppid() != parent:
-        os._exit(1)
-
-
 def _spawn(command: list[str], env: dict[str, str], log_path: Path | None, cwd: Path = REPO_ROOT) -> subprocess.Popen:
     output = open(log_path, "ab") if log_path else subprocess.DEVNULL  # noqa: SIM115 - the child owns it
-    parent = os.getpid()
     try:
         # A process group of its own, so that stopping it stops everything it started; dead with its parent.
         return subprocess.Popen(command, env=env, cwd=cwd, stdout=output, stderr=subprocess.STDOUT,
-                                start_new_session=True, preexec_fn=lambda: _die_with_parent(parent))
+                                start_new_session=True, preexec_fn=die_with_parent(os.getpid()))
     finally:
         if log_path:
             output.close()
@@ -163,9 +151,10 @@ class GroupReaper:
     """A small process that outlives its starter only to end the process groups it was told about: the
     pipe it reads from is held by the starter alone (not inherited by any child), so its end of input comes
     exactly when the starter is gone, by exit, exception, signal or SIGKILL. It runs in a session of its own
-    (a terminal's Ctrl-C does not reach it) and ignores SIGINT, SIGTERM and SIGHUP."""
+    (a terminal's Ctrl-C does not reach it) and ignores SIGINT, SIGTERM and SIGHUP. SIGKILL follows SIGTERM
+    after `grace_s`, 5 s by default: nothing outlives its starter by more than 10 s (docs/reliability.md)."""
 
-    def __init__(self, grace_s: float = 15.0) -> None:
+    def __init__(self, grace_s: float = 5.0) -> None:
         self.process = subprocess.Popen([sys.executable, "-c", _REAPER, str(grace_s)], stdin=subprocess.PIPE,
                                         stdout=subprocess.DEVNULL, start_new_session=True)
 

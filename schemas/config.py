@@ -291,7 +291,8 @@ class GenerateConfig(Section):
         1800.0,
         gt=0.0,
         description="A generation server exits after this many seconds without a request (the run's end stops it "
-        "too); keep it above the longest train stage, or the next stage pays a new engine start.",
+        "too, and so does its driver's death, within 10 s); keep it above the longest train stage, or the next stage "
+        "pays a new engine start.",
     )
     multi_turn: MultiTurnConfig = Field(
         default_factory=MultiTurnConfig, description="Multi-turn rollouts (section)."

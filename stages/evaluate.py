@@ -61,7 +61,7 @@ def run(ctx: StageContext) -> None:
 
     ctx.route_engine_logs()  # vLLM's lines to the stage's log file, unless --verbose
     engine = open_stage_engine(gen, model_dir, device, ctx.config.device, ctx.inputs["policy"].sha256,
-                               ctx.layout.run_dir)
+                               ctx.layout.run_dir, ctx.layout.lock_path())
     backend = engine.backend
     plan: list[tuple[str, str, int]] = []  # (prompt_id, mode, sample_idx) per generated sample
     samples = []

@@ -139,7 +139,7 @@ def run(ctx: StageContext) -> None:
     # The run's warm engine (loaded with this checkpoint in place) or one of the stage's own (client.py).
     ctx.route_engine_logs()  # vLLM's lines to the stage's log file, unless --verbose
     engine = open_stage_engine(cfg, model_dir, device, ctx.config.device, ctx.inputs["policy"].sha256,
-                               ctx.layout.run_dir)
+                               ctx.layout.run_dir, ctx.layout.lock_path())
     backend = engine.backend
     multi_turn = cfg.multi_turn.mode != "off"
     loop_figures: dict[str, Any] = {}

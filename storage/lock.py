@@ -9,12 +9,14 @@ safe by conditional writes: acquire with `If-None-Match: *`, take over an expire
 every ttl/3) with `If-Match: <etag>`, release with a DELETE `If-Match: <our etag>`; a failed renewal marks the
 lease lost and leaving the block raises `LeaseLost`. Expiry is judged on the server's clock alone (`Date` minus
 `Last-Modified`), and every body carries a random token, so a retried request whose first attempt succeeded
-is recognised as ours. One process may nest the same lock (holds are counted per path). The guarantees this
-gives: docs/reliability.md, "Leases".
+is recognised as ours. One process may nest the same lock (holds are counted per path). A local lock file is
+emptied at release, so that `lease_state` can tell a released lock from one whose holder died holding it (the
+generation server follows the run's driver that way). The guarantees this gives: docs/reliability.md, "Leases".
 """
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import logging
@@ -29,7 +31,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from email.utils import parsedate_to_datetime
 from functools import lru_cache
-from typing import Any
+from typing import Any, Literal
 
 from schemas import settings
 from storage.fs import is_remote, join
@@ -38,6 +40,8 @@ from storage.layout import RunLayout, StageInstance
 log = logging.getLogger(__name__)
 
 DEFAULT_TTL_S = 120.0
+# What `lease_state` finds: someone holds the lock; nobody does; its holder died holding it.
+LeaseState = Literal["held", "free", "abandoned"]
 
 
 class RunLocked(RuntimeError):
@@ -157,6 +161,10 @@ def _local_lock(path: str, wait_s: float, poll_s: float, refuse: Callable[[str],
     try:
         yield
     finally:
+        # An empty file is a lock released: a record left behind names a holder that died holding it (lease_state).
+        with contextlib.suppress(OSError):
+            handle.seek(0)
+            handle.truncate()
         handle.close()  # closing the last descriptor releases the flock
 
 
@@ -395,6 +403,51 @@ def run_lock(layout: RunLayout, ttl_s: float = DEFAULT_TTL_S, wait_s: float = 0.
 
     with lease(layout.root, layout.lock_path(), ttl_s=ttl_s, wait_s=wait_s, refuse=refuse):
         yield
+
+
+def lease_state(path: str) -> LeaseState:
+    """Whether anyone holds the lock at `path` (a local lock file or an S3 lease URL), read without touching it:
+    "held", "free" (released, or never taken), or "abandoned": its holder died holding it (a record names a
+    process of this host that is gone, or an S3 lease expired). A holder on another host holds a local lock
+    as far as this host can tell. For a process that follows a run's driver (the generation server)."""
+    if is_remote(path):
+        observed = S3Lease(path, DEFAULT_TTL_S).read()
+        if observed is None:
+            return "free"
+        holder = observed.holder
+        if observed.expired:
+            return "abandoned"
+    else:
+        try:
+            with open(path) as handle:
+                holder = json.loads(handle.read() or "null")
+        except (FileNotFoundError, json.JSONDecodeError):
+            return "free"  # none, released, or a record being written this instant
+        if not isinstance(holder, dict):
+            return "free"
+    if holder.get("host") != socket.gethostname():
+        return "held"
+    return "held" if _process_alive_since(int(holder.get("pid", 0)), str(holder.get("since", ""))) else "abandoned"
+
+
+def _process_alive_since(pid: int, since: str) -> bool:
+    """Whether process `pid` of this host runs (not a zombie) and started no later than `since` (ISO time it took
+    a lock), so a pid reused by a later process does not count."""
+    import psutil
+
+    if pid <= 0:
+        return False
+    try:
+        process = psutil.Process(pid)
+        if process.status() == psutil.STATUS_ZOMBIE:
+            return False
+        started = process.create_time()
+    except (psutil.NoSuchProcess, ValueError):
+        return False
+    try:
+        return started <= datetime.fromisoformat(since).timestamp() + 1.0  # create_time's rounding
+    except ValueError:
+        return True
 
 
 @contextmanager

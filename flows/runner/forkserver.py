@@ -9,7 +9,9 @@ socket), working directory and environment, `python -m` semantics (`__main__`, e
 line. It keeps the preloaded rlpipe modules only while their sources, working directory, environment and
 streams are as the server saw them; otherwise it imports the code as on disk. It skips the server's
 finalizers at exit. Variables read at import (`IMPORT_TIME_VARIABLES`) fix thread pools, so other values get a
-new server; the server runs no thread (a fork copies no held lock). Details: docs/architecture.md.
+new server; the server runs no thread (a fork copies no held lock). It ends with the flow (EOF on its stdin,
+also when the flow was killed), and so do the stages still running: SIGTERM, SIGKILL 5 s later. Details:
+docs/architecture.md.
 
 Used by `rlpipe run` and the `loop`/`iteration` flows in local dispatch (`stage_server`); plain
 `subprocess.run` elsewhere (dispatched stages, `RLPIPE_STAGE_FORK=0`, not Linux). Standard library only.
@@ -34,7 +36,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from schemas import settings
-from storage.process import end_process
+from storage.process import die_with_parent, end_process
 
 # Loaded once by the server; each is skipped when it is not installed (vLLM is an extra).
 PRELOAD = (
@@ -47,6 +49,8 @@ PROJECT_PACKAGES = ("stages", "schemas", "storage", "reports", "flows")
 IMPORT_TIME_VARIABLES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "PYTHONPATH", "CUDA_VISIBLE_DEVICES",
                          "VLLM_TARGET_DEVICE")
 MAX_REQUEST_BYTES = 1 << 20
+# Once the flow is gone, a stage still running has this long after SIGTERM before SIGKILL (issue 29: 10 s in all).
+STAGE_STOP_GRACE_S = 5.0
 
 
 def fork_enabled() -> bool:
@@ -72,8 +76,8 @@ class ForkServer:
         listener.bind(self.socket_path)
         listener.listen(64)
         self.started = time.monotonic()
-        # stdin is a pipe that only the server reads: when this process ends (even killed), it sees EOF and
-        # leaves once its running children are done.
+        # stdin is a pipe that only the server reads: when this process ends (even killed), it sees EOF, ends
+        # the stages still running (SIGTERM, SIGKILL after STAGE_STOP_GRACE_S) and leaves.
         self.process = subprocess.Popen(
             [sys.executable, "-m", "flows.runner.forkserver", str(listener.fileno())],
             stdin=subprocess.PIPE, pass_fds=(listener.fileno(),), env=self.env,
@@ -119,7 +123,7 @@ class ForkServer:
         return int(json.loads(message)[field])
 
     def close(self) -> None:
-        """Let the server go: it stops accepting and exits once its running children end."""
+        """Let the server go: it stops accepting, ends the stages still running and exits."""
         if self.process.stdin is not None and not self.process.stdin.closed:
             self.process.stdin.close()
         with contextlib.suppress(subprocess.TimeoutExpired):
@@ -172,7 +176,7 @@ def run(command: list[str], env: dict[str, str]) -> int:
     """Run a stage command: forked from the active server when one serves `env`, else `subprocess.run`."""
     if _server is not None and _server.serves(env) and command[1:2] == ["-m"]:
         return _server.run(command, env)
-    return subprocess.run(command, env=env).returncode
+    return subprocess.run(command, env=env, preexec_fn=die_with_parent(os.getpid())).returncode  # dies with the flow
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -336,8 +340,16 @@ def serve(listener: socket.socket) -> None:
     selector.register(sys.stdin.fileno(), selectors.EVENT_READ, "caller")
     children: dict[int, socket.socket] = {}
     accepting = True
+    kill_at: float | None = None  # once the caller is gone: when what is still running gets SIGKILL
     while accepting or children:
-        for key, _ in selector.select():
+        timeout = None if kill_at is None else max(0.0, kill_at - time.monotonic())
+        events = selector.select(timeout)
+        if kill_at is not None and time.monotonic() >= kill_at:
+            for pid in children:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            kill_at = time.monotonic() + STAGE_STOP_GRACE_S  # reaped through the SIGCHLD wakeup
+        for key, _ in events:
             if key.data == "request":
                 connection, _ = listener.accept()
                 try:
@@ -374,7 +386,14 @@ def serve(listener: socket.socket) -> None:
                 selector.unregister(sys.stdin.fileno())
                 listener.close()
                 accepting = False
+                # The flow is done or gone (killed: nobody waits for these stages' outcome): a stage still
+                # running gets SIGTERM, then SIGKILL after STAGE_STOP_GRACE_S, so none outlives its flow.
+                for pid in children:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGTERM)
+                kill_at = time.monotonic() + STAGE_STOP_GRACE_S
 
 
 if __name__ == "__main__":
     serve(socket.socket(fileno=int(sys.argv[1])))
+    end_process(0)  # no module teardown of torch, vLLM, GX: the server is gone at once, as its stages are

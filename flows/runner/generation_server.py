@@ -5,7 +5,9 @@ flow: a run that never generates with vLLM (the HF backend, the stand-in drills)
 vLLM in one more process (6-8 s of a core here), and the stage that starts it is also what brings back a killed
 one. The `loop` flow stops it when the run ends (done, failed or interrupted), so its memory comes back at once
 rather than after `generate.warm_engine_idle_s`. With deployments the server lives on the gpu pool's machine,
-which this process cannot reach: there the idle timeout ends it. No Prefect here.
+which this process cannot reach: there the idle timeout ends it, or the run lease once its holder died (the
+server follows the run's driver, server.py `RunDriverWatch`; so does a local one whose flow was killed). No
+Prefect here.
 """
 
 from __future__ import annotations

@@ -6,8 +6,9 @@ server is found by its socket, `<tmp>/rlpipe-engines-<uid>/<key>.sock`, the key 
 generate section (less the warm_engine fields), the config's device and the interpreter: one engine per run and
 machine. A stage that finds no server starts one (a file lock keeps two stages from both doing it), detached
 in its own session with its output in `<key>.log`, so it outlives the stage; that is also how a killed server
-comes back, and how a worker of the gpu pool gets one. It ends after `warm_engine_idle_s` without requests or
-when the run's flow ends (`stop_server`). The engine itself starts at the first load, in the stage that asks.
+comes back, and how a worker of the gpu pool gets one. It ends after `warm_engine_idle_s` without requests,
+when the run's flow ends (`stop_server`), or soon after the run's driver dies (it watches the run lease). The
+engine itself starts at the first load, in the stage that asks.
 
 Trust: every answer names the checkpoint hash the server confirmed; a `WarmEngine` raises unless it is the
 stage's input's, and the manifest records it (`warm_engine.checkpoint_sha256`). "Memory allows" on CPU is a
@@ -149,11 +150,12 @@ def ping(address: ServerAddress) -> dict[str, Any] | None:
 
 def start_server(
     address: ServerAddress, cfg: GenerateConfig, device: str, idle_timeout_s: float | None,
-    env: dict[str, str] | None = None, watch_stdin: bool = False,
+    env: dict[str, str] | None = None, watch_stdin: bool = False, run_lock: str | None = None,
 ) -> subprocess.Popen | None:
     """Start a server at `address` unless one listens there already (then None). The socket is bound here and
     passed in, so requests queue while the server imports vLLM. `device`: torch's name for the stage's device
-    in `env` (the server claims it again, so a `cuda:N` stage's narrowed GPU stays the server's)."""
+    in `env` (the server claims it again, so a `cuda:N` stage's narrowed GPU stays the server's). `run_lock`: the
+    run's lease, whose driver the server follows (it ends once that died: server.py `RunDriverWatch`)."""
     with file_lock(address.lock_path):
         existing = connect(address)
         if existing is not None:
@@ -169,7 +171,7 @@ def start_server(
                 sys.executable, "-m", "stages.generation.server", "--listen-fd", str(listener.fileno()),
                 "--socket", str(address.socket_path), "--generate-config", cfg.model_dump_json(),
                 "--device", device, "--idle-timeout", str(idle_timeout_s or 0),
-            ] + (["--watch-stdin"] if watch_stdin else [])
+            ] + (["--watch-stdin"] if watch_stdin else []) + (["--run-lock", run_lock] if run_lock else [])
             # vLLM's lines go to the server's own log (its output), not to the log file of the stage that started it
             server_env = {name: value for name, value in (os.environ if env is None else env).items()
                           if name != "VLLM_LOGGING_CONFIG_PATH"}
@@ -263,8 +265,8 @@ class WarmEngine:
     name = "vllm"
 
     def __init__(self, address: ServerAddress, cfg: GenerateConfig, device: str, model_dir: Path,
-                 checkpoint_sha256: str) -> None:
-        self.address, self.cfg, self.device = address, cfg, device
+                 checkpoint_sha256: str, run_lock: str | None = None) -> None:
+        self.address, self.cfg, self.device, self.run_lock = address, cfg, device, run_lock
         self.model_dir, self.checkpoint_sha256 = Path(model_dir), checkpoint_sha256
         self.server: dict[str, Any] = {}
         self.engine_ids: list[str] = []
@@ -285,7 +287,8 @@ class WarmEngine:
             answer = request(self.address, message, progress)
         except ServerGone:
             # None there (first use, killed, idle exit): start one (unless another stage just did) and ask again.
-            if start_server(self.address, self.cfg, self.device, self.cfg.warm_engine_idle_s) is not None:
+            if start_server(self.address, self.cfg, self.device, self.cfg.warm_engine_idle_s,
+                            run_lock=self.run_lock) is not None:
                 self.server_starts += 1
             answer = request(self.address, message, progress)
         if not answer["ok"]:
@@ -382,7 +385,8 @@ class WarmSession:
         engine = self.engine
         self.connection = connect(engine.address)
         if self.connection is None:  # none there (killed, idle exit): start one, as WarmEngine._call does
-            if start_server(engine.address, engine.cfg, engine.device, engine.cfg.warm_engine_idle_s) is not None:
+            if start_server(engine.address, engine.cfg, engine.device, engine.cfg.warm_engine_idle_s,
+                            run_lock=engine.run_lock) is not None:
                 engine.server_starts += 1
             self.connection = connect(engine.address)
         if self.connection is None:
@@ -477,11 +481,12 @@ def warm_engine_refusal(cfg: GenerateConfig, backend_name: str, device: str, ser
 
 
 def open_stage_engine(cfg: GenerateConfig, model_dir: Path, device: Device, device_setting: str,
-                      checkpoint_sha256: str, scope: str) -> StageEngine:
+                      checkpoint_sha256: str, scope: str, run_lock: str | None = None) -> StageEngine:
     """The backend of a generate or evaluate stage: the run's warm engine loaded with `model_dir` (whose content
     hash must be `checkpoint_sha256`) when `generate.warm_engine` allows, else `make_backend` as before. In `auto`
     a server that cannot serve (it fails to start, refuses the checkpoint's layout) means an engine of the
-    stage's own; with `on` it is an error. A checkpoint whose hash is not its manifest's is an error always."""
+    stage's own; with `on` it is an error. A checkpoint whose hash is not its manifest's is an error always.
+    A server started here follows the driver of the run whose lease is `run_lock` (start_server)."""
     from stages.generation import make_backend, resolve_backend_name
 
     reason = "generate.warm_engine is off" if cfg.warm_engine == "off" else None
@@ -491,7 +496,7 @@ def open_stage_engine(cfg: GenerateConfig, model_dir: Path, device: Device, devi
                                      ping(address), model_dir)
         if reason is None:
             try:
-                return StageEngine(WarmEngine(address, cfg, device.torch, model_dir, checkpoint_sha256))
+                return StageEngine(WarmEngine(address, cfg, device.torch, model_dir, checkpoint_sha256, run_lock))
             except (ServerGone, WarmEngineError) as error:
                 if cfg.warm_engine == "on" or getattr(error, "refused", None) == "hash_mismatch":
                     raise

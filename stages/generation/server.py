@@ -16,7 +16,8 @@ On a GPU the engine starts with vLLM's sleep mode and sleeps (level 1: weights t
 between requests, so a train stage on the same GPU gets its memory; it wakes at the next request. Untested on
 GPU here. On CPU vLLM has no sleep mode: the engine stays up (client.py decides whether memory allows).
 The server exits at `shutdown`, after `--idle-timeout` seconds without a request, when stdin ends (`--watch-stdin`),
-or after an engine error (the next stage starts a fresh one).
+when the run's driver is gone (`--run-lock`: its lease's holder died, `RunDriverWatch`), or after an engine error
+(the next stage starts a fresh one).
 """
 
 from __future__ import annotations
@@ -47,6 +48,8 @@ MAX_FRAME_BYTES = 1 << 32
 VOLATILE_CONFIG_KEYS = frozenset({"transformers_version", "_name_or_path", "torch_dtype", "dtype", "use_cache"})
 WEIGHT_PATTERNS = (".safetensors", ".safetensors.index.json", ".bin")
 SLEEP_LEVEL = 1  # weights kept in host memory: a wake-up for the same checkpoint needs no reload
+# How often the server reads its run's lease: it ends within this (plus a request in progress) of its driver's death.
+RUN_LEASE_POLL_S = 10.0
 
 
 class ServerGone(ConnectionError):
@@ -334,15 +337,50 @@ def serve_connection(connection: socket.socket, host: EngineHost) -> str:
                 host.idle()
 
 
-def serve(listener: socket.socket, host: EngineHost, idle_timeout_s: float | None, watch_stdin: bool) -> str:
-    """Serve requests until shutdown, idle timeout, stdin EOF or an engine error; why it ended."""
+class RunDriverWatch:
+    """The run this server serves, followed through its run lease (storage/lock.py `lease_state`), read every
+    RUN_LEASE_POLL_S between requests. Once it has seen the run driven, a lease whose holder died (a SIGKILLed
+    flow process; with S3, a lease expired) means the run is gone, and so is the server. A lease released (a
+    run that ended, a scheduled trigger's iteration done) leaves the idle timeout in charge, and a new driver
+    (a resumed run, the next trigger) is followed as the first was. A server of stages run by hand, with no
+    driver, never sees one: the idle timeout alone ends it."""
+
+    def __init__(self, lock_path: str) -> None:
+        self.lock_path = lock_path
+        self.seen_driven = False
+        self.next_check = time.monotonic()
+
+    def run_gone(self) -> bool:
+        if time.monotonic() < self.next_check:
+            return False
+        self.next_check = time.monotonic() + RUN_LEASE_POLL_S
+        from storage.lock import lease_state
+
+        try:
+            state = lease_state(self.lock_path)
+        except Exception as error:  # noqa: BLE001 - storage unreachable for now: judged at the next check
+            print(f"generation server: cannot read the run lease {self.lock_path}: {error}", flush=True)
+            return False
+        self.seen_driven = self.seen_driven or state == "held"
+        return self.seen_driven and state == "abandoned"
+
+
+def serve(listener: socket.socket, host: EngineHost, idle_timeout_s: float | None, watch_stdin: bool,
+          run: RunDriverWatch | None = None) -> str:
+    """Serve requests until shutdown, idle timeout, stdin EOF, the run's driver gone or an engine error; why it
+    ended."""
     selector = selectors.DefaultSelector()
     selector.register(listener, selectors.EVENT_READ, "request")
     if watch_stdin:
         selector.register(sys.stdin.fileno(), selectors.EVENT_READ, "caller")
     last_request = time.monotonic()
     while True:
+        if run is not None and run.run_gone():
+            return "run gone"
         timeout = None if not idle_timeout_s else max(0.0, last_request + idle_timeout_s - time.monotonic())
+        if run is not None:
+            timeout = max(0.0, min(timeout if timeout is not None else RUN_LEASE_POLL_S,
+                                   run.next_check - time.monotonic()))
         events = selector.select(timeout)
         if not events and idle_timeout_s and time.monotonic() - last_request >= idle_timeout_s:
             return "idle"
@@ -386,6 +424,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", required=True, help="the config's device, as this process's environment sees it")
     parser.add_argument("--idle-timeout", type=float, default=0.0, help="seconds without a request before exiting")
     parser.add_argument("--watch-stdin", action="store_true", help="exit when stdin reaches EOF (the caller ended)")
+    parser.add_argument("--run-lock", help="the run's lease (path or URL): exit once its driver is gone")
     args = parser.parse_args(argv)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is for the driver; the server ends by its own rules
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
@@ -404,7 +443,8 @@ def main(argv: list[str] | None = None) -> int:
         host = EngineHost(start_vllm_engine(args.generate_config, device.torch, sleep_mode_available(device.torch)),
                           sleep_mode=sleep_mode_available(device.torch))
         print(f"generation server {os.getpid()} ready on {args.socket} (device {device.name})", flush=True)
-        reason = serve(listener, host, args.idle_timeout or None, args.watch_stdin)
+        reason = serve(listener, host, args.idle_timeout or None, args.watch_stdin,
+                       RunDriverWatch(args.run_lock) if args.run_lock else None)
     finally:
         with contextlib.suppress(OSError):
             if os.stat(args.socket).st_ino == bound_inode:  # not yet replaced by a newer server's socket
@@ -413,7 +453,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"generation server {os.getpid()} ends: {reason}", flush=True)
         if host is not None:
             host.close()
-    return 0 if reason in ("shutdown", "idle", "caller gone") else 1
+    return 0 if reason in ("shutdown", "idle", "caller gone", "run gone") else 1
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ import pytest
 
 from flows.deploy import api_url_for, wait_healthy
 from tests.support.ports import free_port
+from tests.support.processes import spawn_tied
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -47,8 +48,8 @@ time.sleep(600)
 def test_a_killed_starter_takes_the_process_groups_it_started_along() -> None:
     """SIGKILL of the starter: its child (the group's leader) dies of its parent-death signal, and the sleeper the
     child left in its group, which has none, is ended by the reaper; the reaper then exits."""
-    starter = subprocess.Popen([sys.executable, "-c", STARTER], cwd=REPO_ROOT, stdout=subprocess.PIPE, text=True,
-                               env={**os.environ, "PYTHONPATH": str(REPO_ROOT)}, start_new_session=True)
+    starter = spawn_tied([sys.executable, "-c", STARTER], cwd=REPO_ROOT, stdout=subprocess.PIPE, text=True,
+                         env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
     assert starter.stdout is not None
     started = json.loads(starter.stdout.readline())
     deadline = time.monotonic() + 10
@@ -69,10 +70,10 @@ def test_rlpipe_server_killed_outright_leaves_no_process(tmp_path: Path) -> None
     env = {**os.environ, "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "DO_NOT_TRACK": "1"}
     env.pop("PREFECT_API_URL", None)
     with open(tmp_path / "rlpipe-server.log", "ab") as log:
-        server = subprocess.Popen(
+        server = spawn_tied(
             [sys.executable, "-m", "flows.cli", "server", "--port", str(port), "--home", str(tmp_path / "home"),
              "--workers", "cpu", "--no-ui", "--timeout", "300"],
-            cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+            cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
         )
     try:
         wait_healthy(api_url_for("127.0.0.1", port), 300, server)

@@ -15,7 +15,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -35,6 +34,7 @@ from storage.layout import BASE, RunLayout
 from storage.run import Run, read_run_config
 from tests.reliability.helpers import table_rows
 from tests.support.ports import free_port
+from tests.support.processes import kill_marked, spawn_tied
 from tests.support.scratch import scratch_dir
 
 pytestmark = pytest.mark.slow
@@ -61,7 +61,7 @@ def start_moto(log_dir: Path) -> tuple[subprocess.Popen, str]:
     endpoint = f"http://127.0.0.1:{port}"
     command = [str(Path(sys.executable).parent / "moto_server"), "-H", "127.0.0.1", "-p", str(port)]
     with open(log_dir / "moto.log", "ab") as log:
-        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        process = spawn_tied(command, stdout=log, stderr=subprocess.STDOUT)
     for _ in range(240):
         try:
             httpx.get(endpoint, timeout=2)
@@ -75,18 +75,6 @@ def start_moto(log_dir: Path) -> tuple[subprocess.Popen, str]:
     )
     client.create_bucket(Bucket=BUCKET)
     return process, endpoint
-
-
-def kill_marked(marker: str) -> None:
-    """SIGKILL any process still carrying this test's marker in its environment (flow runs, stages, sandboxes
-    that left their worker's process group); these are all descendants of processes this test started."""
-    needle = f"{MARKER_VARIABLE}={marker}".encode()
-    for environ in Path("/proc").glob("[0-9]*/environ"):
-        try:
-            if needle in environ.read_bytes().split(b"\0"):
-                os.kill(int(environ.parent.name), signal.SIGKILL)
-        except (OSError, ValueError):
-            continue
 
 
 def wait_for(condition: Any, timeout_s: float, what: str, interval_s: float = 1.0) -> Any:
@@ -138,9 +126,11 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     marker = uuid.uuid4().hex
     processes: list[subprocess.Popen] = []
     with scratch_dir(tmp_path_factory, "cluster") as logs, contextlib.ExitStack() as stop:
-        # `rlpipe server` stops its server and workers on SIGTERM; then anything left is killed outright.
-        stop.callback(kill_marked, marker)
-        stop.callback(lambda: stop_processes(reversed(processes), grace_s=30))
+        # `rlpipe server` stops its server and workers on SIGTERM; after 3 s (Ctrl-C stops the suite within 10 s)
+        # it is killed, its reaper ends their groups, and anything left is killed outright. A pytest that is
+        # killed runs none of this: the two die with it (spawn_tied), and `rlpipe server`'s children with it.
+        stop.callback(kill_marked, MARKER_VARIABLE, marker)
+        stop.callback(lambda: stop_processes(reversed(processes), grace_s=3))
         moto, endpoint = start_moto(logs)
         processes.append(moto)
         port = free_port()
@@ -155,10 +145,10 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         }
         env.pop("RLPIPE_DISPATCH", None)
         with open(logs / "rlpipe-server.log", "ab") as log:
-            server = subprocess.Popen(
+            server = spawn_tied(
                 [sys.executable, "-m", "flows.cli", "server", "--port", str(port), "--home", str(logs / "server-home"),
                  "--no-ui", "--timeout", "400"],
-                env=env, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                env=env, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT,
             )
         processes.append(server)
 

@@ -22,6 +22,7 @@ from flows.runner.process import run_plan
 from schemas.config import load_config
 from stages.registry import LANES, outputs_of
 from storage.layout import RunLayout
+from tests.support.processes import spawn_tied
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(2700)]
 
@@ -58,8 +59,8 @@ def test_an_overlapped_run_killed_while_both_lanes_run_resumes_to_a_strict_runs_
     sets = [arg for override in OVERRIDES for arg in ("--set", override)]
     log = tmp_path / "run.log"
     with open(log, "wb") as handle:
-        driver = subprocess.Popen(rlpipe_command("run", "--config", str(CONFIG), *sets), env=env,
-                                  start_new_session=True, stdout=handle, stderr=subprocess.STDOUT)
+        driver = spawn_tied(rlpipe_command("run", "--config", str(CONFIG), *sets), env=env, stdout=handle,
+                            stderr=subprocess.STDOUT)
         try:
             deadline, lanes = time.monotonic() + 1500, set()
             while lanes != set(LANES) and driver.poll() is None and time.monotonic() < deadline:

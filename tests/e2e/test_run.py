@@ -24,6 +24,7 @@ import pytest
 from safetensors import safe_open
 
 from storage.run import Run
+from tests.support.processes import spawn_tied
 from tests.support.scratch import scratch_dir
 from tests.support.table_digests import run_digests
 
@@ -191,9 +192,9 @@ def test_sigkill_during_train_then_config_change_resume(finished_run: Path) -> N
     run_dir = finished_run / "runs" / "tiny"
     before = manifests(run_dir)
     env = {**os.environ, "RLPIPE_ROOT": str(finished_run)}
-    driver = subprocess.Popen(
+    driver = spawn_tied(
         [sys.executable, "-m", "flows.cli", "resume", "tiny", "--set", "train.lr=2e-5"],
-        env=env, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )
     try:
         _wait_for_stage_process("train", timeout_s=300)

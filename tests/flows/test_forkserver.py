@@ -1,7 +1,7 @@
 """The stage fork server (flows/runner/forkserver.py): a forked stage behaves like `subprocess.run([python, "-m", ...])`
 (exit status, signals, the caller's descriptors, directory, environment and command line), starts with the
 heavy libraries imported, keeps rlpipe's preloaded code only while it is what a fresh import would give, runs
-its own finalizers but not the server's, and the server ends when its caller does."""
+its own finalizers but not the server's, and the server ends when its caller does, its running stages too."""
 
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from flows.runner import forkserver
+from tests.support.processes import spawn_tied
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the fork server is Linux-only")
 
@@ -206,31 +207,40 @@ def test_other_import_time_variables_are_not_served(server: forkserver.ForkServe
     assert not server.serves(dict(server.env, OMP_NUM_THREADS="4"))  # thread pools are sized at import
 
 
-def test_the_server_ends_when_its_caller_is_killed(tmp_path: Path) -> None:
-    """A flow process killed with SIGKILL leaves no stage server behind (its running stages, if any, finish)."""
-    pid_file = tmp_path / "server.pid"
-    caller = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
-        import os, sys, time
+def test_the_server_and_its_running_stage_end_when_its_caller_is_killed(probe_dir: Path) -> None:
+    """A flow process killed with SIGKILL while a stage runs leaves neither the stage server nor the stage
+    behind: the stage gets SIGTERM at once (the probe dies of it), and both are gone within 10 s."""
+    pid_file = probe_dir / "server.pid"
+    caller = spawn_tied([sys.executable, "-c", textwrap.dedent(f"""
+        import os, sys, threading, time
         sys.path.insert(0, {str(Path(__file__).resolve().parents[2])!r})
         from flows.runner import forkserver
         server = forkserver.start(dict(os.environ))
         open({str(pid_file)!r}, "w").write(str(server.process.pid))
-        time.sleep(600)
-    """)])
+        forkserver.run([sys.executable, "-m", "probe_stage", "sleep", "600"], dict(os.environ))
+    """)], cwd=probe_dir, stdout=subprocess.DEVNULL)
     try:
-        deadline = time.monotonic() + 60
-        while not pid_file.exists() or not pid_file.read_text():
-            assert time.monotonic() < deadline, "the caller did not start a server"
-            time.sleep(0.1)
-        server_pid = int(pid_file.read_text())
+        deadline = time.monotonic() + 120  # the server's imports come first
+        while not pid_file.exists() or not pid_file.read_text() or not (stages := _children(int(pid_file.read_text()))):
+            assert time.monotonic() < deadline, "the caller did not start a stage"
+            time.sleep(0.2)
+        server_pid, (stage_pid,) = int(pid_file.read_text()), stages
         caller.kill()
         caller.wait()
-        deadline = time.monotonic() + 120  # it finishes its imports first
-        while Path(f"/proc/{server_pid}").exists() and _state(server_pid) != "Z":
-            assert time.monotonic() < deadline, "the stage server outlived its caller"
+        deadline = time.monotonic() + 10
+        while any(Path(f"/proc/{pid}").exists() and _state(pid) != "Z" for pid in (server_pid, stage_pid)):
+            states = {"server": _state(server_pid), "stage": _state(stage_pid)}
+            assert time.monotonic() < deadline, f"outlived the caller by 10 s: {states}"
             time.sleep(0.2)
     finally:
         caller.kill()
+
+
+def _children(pid: int) -> list[int]:
+    try:
+        return [int(child) for child in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    except OSError:
+        return []
 
 
 def _state(pid: int) -> str:

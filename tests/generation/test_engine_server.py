@@ -12,7 +12,8 @@
   with the real one, so a socket answering with the protocol stands in);
 - the memory rule of `auto` on CPU, on hand-computed figures;
 - a real server process (no engine yet): found by ping, a SIGKILLed one is replaced, `stop_server` and the idle
-  timeout end it, and the flow's address for a run is the stage's.
+  timeout end it, and the flow's address for a run is the stage's; it follows the run's driver through the run
+  lease (a released lease leaves it up, a new driver is followed) and ends soon after that driver is killed.
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ from stages.generation.client import (
     stop_server,
 )
 from stages.generation.server import (
+    RUN_LEASE_POLL_S,
     EngineHost,
     RequestRefused,
     ServerGone,
@@ -53,6 +55,8 @@ from stages.generation.server import (
     receive_message,
     send_message,
 )
+from storage.layout import RunLayout
+from tests.support.processes import start_run_driver
 
 # ---------------------------------------------------------------------------------------------------------
 # Wire format
@@ -350,7 +354,6 @@ def test_a_killed_server_is_replaced_and_stop_ends_it(tmp_path: Path) -> None:
     assert second is not None and ping(address)["pid"] == second.pid != first.pid
 
     from flows.runner.generation_server import stop_run_server
-    from storage.layout import RunLayout
     from storage.run import Run
 
     layout = RunLayout.create(str(tmp_path), run.run_id)
@@ -369,6 +372,36 @@ def test_an_idle_server_ends_by_itself(tmp_path: Path) -> None:
     assert process is not None and ping(address)["pid"] == process.pid
     assert process.wait(timeout=60) == 0
     assert ping(address) is None and "ends: idle" in address.log_path.read_text()
+
+
+@pytest.mark.slow
+def test_a_server_follows_its_run_driver_and_ends_soon_after_it_is_killed(tmp_path: Path) -> None:
+    """The server is given the run lease (as a stage gives it). Its first driver releases the lease as a run
+    that ends does: the server stays (the idle timeout is in charge then); a second driver (a resumed run) takes
+    the lease and the server, still up after two reads of it, serves it; SIGKILL of that driver, as of a flow
+    process, ends the server within 60 s (the issue's bound; one read of the lease, RUN_LEASE_POLL_S, here)."""
+    cfg = GenerateConfig()
+    layout = RunLayout.create(str(tmp_path), "r")
+    first = start_run_driver(str(tmp_path), "r")
+    address = server_address(layout.run_dir, cfg, "cpu")
+    server = start_server(address, cfg, "cpu", idle_timeout_s=None, run_lock=layout.lock_path())
+    assert server is not None
+    try:
+        pid = ping(address)["pid"]  # waits for the server's imports; it read the lease (held) as it began serving
+        assert first.communicate("release\n", timeout=30)[0].strip() == "released" and first.returncode == 0
+        time.sleep(RUN_LEASE_POLL_S + 2)
+        second = start_run_driver(str(tmp_path), "r")
+        time.sleep(RUN_LEASE_POLL_S + 2)
+        assert ping(address)["pid"] == pid == server.pid
+        second.kill()
+        second.wait()
+        killed = time.monotonic()
+        assert server.wait(timeout=60) == 0
+        print(f"the server ended {time.monotonic() - killed:.1f} s after its run's driver was killed")
+        assert "ends: run gone" in address.log_path.read_text()
+    finally:
+        server.kill()
+        server.wait()
 
 
 def test_warm_engine_reads_a_bare_yaml_on_and_off() -> None:

@@ -14,6 +14,7 @@ samples x 16 tokens, 1 test prompt). In order:
    the warm engine's samples equal those of a fresh engine started on that copy, and differ from the base's.
    A directory whose hash is not the expected one is refused.
 6. The flow's `stop_run_server` finds the stage-started server by the run and ends it.
+7. The run's driver is SIGKILLed after a generate stage: the server, engine and all, ends within 60 s.
 """
 
 from __future__ import annotations
@@ -240,3 +241,30 @@ def process_ended(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
     except FileNotFoundError:
         return True
+
+
+def test_a_killed_runs_warm_engine_ends_within_a_minute(warm_run, tmp_path: Path) -> None:  # noqa: ANN001
+    """Issue 29: the run's driver (a process holding the run lease, as a flow process does) is SIGKILLed after a
+    generate stage left the warm engine up: the server, engine and all, exits within 60 s (one read of the
+    lease, 10 s), not after `warm_engine_idle_s`."""
+    import psutil
+
+    from tests.support.processes import start_run_driver
+
+    layout, sources = warm_run
+    configure(layout, sources, "generate.warm_engine=on")
+    if (previous := output_manifest(layout, "generate")) is not None:  # None when run alone
+        remove_rollouts(layout, previous)
+    driver = start_run_driver(layout.root, layout.run_id)
+    try:
+        record = run_stage_process(layout, "generate", tmp_path / "generate.log").metrics["warm_engine"]
+        rss_gib = psutil.Process(record["server_pid"]).memory_info().rss / (1 << 30)
+    finally:
+        driver.kill()
+        driver.wait()
+    killed = time.monotonic()
+    while not process_ended(record["server_pid"]):
+        assert time.monotonic() - killed < 60, "the warm engine outlived its run's driver by 60 s"
+        time.sleep(0.2)
+    print(f"warm engine ({rss_gib:.1f} GiB RSS) ended {time.monotonic() - killed:.1f} s after its run's driver")
+

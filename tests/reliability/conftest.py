@@ -19,6 +19,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.processes import spawn_tied
+
 BUCKET = "rlpipe-drill"
 _CPU: dict[str, tuple[float, float]] = {}
 
@@ -130,8 +132,7 @@ class Moto:
         env = {**os.environ, "MOTO_ENABLE_RECORDING": "1", "MOTO_RECORDER_FILEPATH": str(self.recording)}
         command = [str(Path(sys.executable).parent / "moto_server"), "-H", "127.0.0.1", "-p", str(self.port)]
         with open(self.log_dir / "moto.log", "ab") as log:
-            self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                            start_new_session=True)
+            self.process = spawn_tied(command, stdout=log, stderr=subprocess.STDOUT, env=env)
         deadline = time.monotonic() + 120
         while True:
             try:

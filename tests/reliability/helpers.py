@@ -33,6 +33,7 @@ from storage.checkpoints import verify_checkpoint
 from storage.layout import BASE, RunLayout
 from storage.manifest import Manifest, read_manifest, sha256_file
 from storage.run import Run
+from tests.support.processes import spawn_tied
 from tests.support.stages import run_stage_at
 
 REPO = Path(__file__).resolve().parents[2]
@@ -233,8 +234,7 @@ def run(command: list[str], root: str | Path, timeout: float = 600, **extra_env:
 def spawn(command: list[str], root: str | Path, log: Path, **extra_env: str) -> subprocess.Popen:
     """A process in a session of its own (so its whole group can be killed), output to `log`."""
     handle = open(log, "wb")  # noqa: SIM115 - closed by the caller through `finish`
-    process = subprocess.Popen(command, env=env_for(root, **extra_env), cwd=REPO, stdout=handle,
-                               stderr=subprocess.STDOUT, start_new_session=True)
+    process = spawn_tied(command, env=env_for(root, **extra_env), cwd=REPO, stdout=handle, stderr=subprocess.STDOUT)
     process.log_handle = handle  # type: ignore[attr-defined]
     return process
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 import math
 import os
 import re
-import subprocess
 import sys
 import threading
 import time
@@ -30,6 +29,7 @@ from stages.rl.deepspeed_backend import READY, REPO_ROOT, SHM_DIR, DeepSpeedLaun
 from stages.rl.session import TrainJob, run_job
 from storage.layout import RunLayout
 from tests.reliability import helpers as h
+from tests.support.processes import spawn_tied
 
 from .pipeline_helpers import run_iteration, save_tiny_model
 
@@ -220,7 +220,7 @@ def test_ranks_end_when_the_train_stage_is_killed_alone(tmp_path: Path) -> None:
     make_job(tmp_path, "ds", policy, backend="deepspeed", processes=2).dump(job_path)
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
     shm_before = _shm_buffers()
-    stage = subprocess.Popen([sys.executable, "-c", STAGE, str(job_path)], cwd=REPO_ROOT, env=env)
+    stage = spawn_tied([sys.executable, "-c", STAGE, str(job_path)], cwd=REPO_ROOT, env=env)
     try:
         h.wait_for(lambda: _ranks_ready(Path(f"{job_path}.log")) or stage.poll() is not None, 300, what="the ranks")
         assert stage.poll() is None, Path(f"{job_path}.log").read_text()[-3000:]

@@ -15,6 +15,7 @@ from torch.utils.file_baton import FileBaton
 
 from schemas.config import TrainConfig
 from stages.rl.deepspeed_backend import launch_timeout, remove_stale_build_locks
+from tests.support.processes import spawn_tied
 
 
 def test_the_launch_timeout_is_the_setting_or_sized_from_the_job() -> None:
@@ -37,7 +38,7 @@ time.sleep(600)
 
 
 def hold(lock: Path) -> subprocess.Popen:
-    holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(lock)], stdout=subprocess.PIPE, text=True)
+    holder = spawn_tied([sys.executable, "-c", HOLDER, str(lock)], stdout=subprocess.PIPE, text=True)
     assert holder.stdout is not None and holder.stdout.readline() == "held\n"
     return holder
 

@@ -25,6 +25,7 @@ from storage.layout import RunLayout, manifest_path_for
 from storage.manifest import read_manifest, write_manifest
 from storage.tables import write_table
 from tests.support.ports import free_port
+from tests.support.processes import spawn_tied
 from tests.support.synthetic_runs import SyntheticRun, SyntheticSpec, prompt_id_for, write_synthetic_run
 
 
@@ -264,8 +265,8 @@ def s3_endpoint() -> Iterator[str]:
     if not server.exists():
         pytest.skip("moto_server is not installed (pip install 'moto[server]')")
     port = free_port()
-    process = subprocess.Popen([str(server), "-H", "127.0.0.1", "-p", str(port)],
-                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    process = spawn_tied([str(server), "-H", "127.0.0.1", "-p", str(port)], stdout=subprocess.DEVNULL,
+                         stderr=subprocess.DEVNULL)
     endpoint = f"http://127.0.0.1:{port}"
     saved = {k: os.environ.get(k) for k in ("RLPIPE_S3_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY",
                                             "AWS_DEFAULT_REGION")}

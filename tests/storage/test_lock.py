@@ -12,11 +12,13 @@ import fcntl
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
 import time
 from collections.abc import Iterator
+from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
@@ -24,8 +26,9 @@ import pytest
 from flows.deploy import stop_processes
 from stages.registry import instance
 from storage.layout import RunLayout
-from storage.lock import RunLocked, S3Lease, StageLocked, run_lock, stage_lock, stage_lock_path
+from storage.lock import RunLocked, S3Lease, StageLocked, lease_state, run_lock, stage_lock, stage_lock_path
 from tests.support.ports import free_port
+from tests.support.processes import spawn_tied
 
 BUCKET = "rlpipe-locks"
 
@@ -85,8 +88,8 @@ print("ran" if ran else "skipped", flush=True)
 
 
 def spawn(script: str, *args: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-c", script, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True)
+    return spawn_tied([sys.executable, "-c", script, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                      text=True)
 
 
 def expect_line(process: subprocess.Popen, expected: str, timeout_s: float = 120) -> None:
@@ -112,7 +115,7 @@ def start_moto(log_dir: Path) -> tuple[subprocess.Popen, str]:
     endpoint = f"http://127.0.0.1:{port}"
     command = [str(Path(sys.executable).parent / "moto_server"), "-H", "127.0.0.1", "-p", str(port)]
     with open(log_dir / "moto.log", "ab") as log:
-        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        process = spawn_tied(command, stdout=log, stderr=subprocess.STDOUT)
     for _ in range(240):
         try:
             httpx.get(endpoint, timeout=2)
@@ -339,3 +342,42 @@ def test_racing_for_an_expired_s3_lease_has_one_winner(s3_root: str, tmp_path: P
     time.sleep(ttl + 2)  # expired: every trigger below sees a stale lease and tries to take it over at once
     outcomes = race(s3_root, tmp_path, processes, count=4, check_done=True, ttl=ttl)
     assert sorted(outcomes) == ["ran", "skipped", "skipped", "skipped"]
+
+
+def test_lease_state_tells_a_held_a_released_and_an_abandoned_lease_apart(root: str, processes: list) -> None:
+    """What the generation server reads to follow its run's driver: a lease released as a `with` block ends is
+    free as one never taken; one held by a live process is held, and abandoned once that was SIGKILLed (on S3
+    at once, before expiry: the holder is a dead process of this host)."""
+    layout = RunLayout.create(root, "r")
+    path = layout.lock_path()
+    assert lease_state(path) == "free"
+    with run_lock(layout):
+        assert lease_state(path) == "held"
+    assert lease_state(path) == "free"
+    holder = spawn(HOLDER, root, "run", "3600", "3600")
+    processes.append(holder)
+    expect_line(holder, "acquired")
+    assert lease_state(path) == "held"
+    os.killpg(holder.pid, signal.SIGKILL)
+    holder.wait()
+    assert lease_state(path) == "abandoned"
+
+
+def test_lease_state_of_records_it_cannot_check_by_pid(tmp_path: Path, s3_root: str) -> None:
+    """A local record of another host is held as far as this host can tell; one naming this process but taken
+    before it started is a pid reused, so its holder died; an S3 lease of another host counts until it expires."""
+    path = tmp_path / "run.lock"
+    since = datetime.now(UTC).isoformat()
+    path.write_text(json.dumps({"host": "elsewhere", "pid": os.getpid(), "since": since}))
+    assert lease_state(str(path)) == "held"
+    path.write_text(json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "since": since}))
+    assert lease_state(str(path)) == "held"
+    before_this_process = "2000-01-01T00:00:00+00:00"
+    path.write_text(json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "since": before_this_process}))
+    assert lease_state(str(path)) == "abandoned"
+    url = RunLayout.create(s3_root, "r").lock_path()
+    elsewhere = {"host": "elsewhere", "pid": 1, "since": since, "token": "t", "ttl_s": 1.0}
+    assert S3Lease(url, ttl_s=1.0, me=elsewhere).try_acquire() is None
+    assert lease_state(url) == "held"
+    time.sleep(2.5)  # Last-Modified has one-second resolution
+    assert lease_state(url) == "abandoned"

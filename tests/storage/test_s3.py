@@ -38,6 +38,7 @@ from storage.manifest import Manifest, output_intact, read_manifest, write_manif
 from storage.run import Run
 from storage.tables import read_table, write_table
 from tests.support.ports import free_port
+from tests.support.processes import spawn_tied
 from tests.support.stages import run_stage_at, start_run
 
 BUCKET = "rlpipe-test"
@@ -52,7 +53,7 @@ def start_moto(log_dir: Path) -> tuple[subprocess.Popen, str]:
     endpoint = f"http://127.0.0.1:{port}"
     command = [str(Path(sys.executable).parent / "moto_server"), "-H", "127.0.0.1", "-p", str(port)]
     with open(log_dir / "moto.log", "ab") as log:
-        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        process = spawn_tied(command, stdout=log, stderr=subprocess.STDOUT)
     for _ in range(240):
         try:
             httpx.get(endpoint, timeout=2)
