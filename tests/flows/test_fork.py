@@ -20,20 +20,19 @@ from rich.console import Console
 
 from flows.cli.status import status_table
 from flows.fork import Fork, fork
-from schemas.config import apply_overrides, load_config, parse_config
+from schemas.config import apply_overrides, parse_config
 from schemas.errors import InputError
-from stages import advantage, base_model, train
+from stages import advantage, train
 from stages.registry import Output, instance, stage_state
 from storage.catalog import Catalog
-from storage.layout import BASE
 from storage.lineage import lineage, to_dict
 from storage.manifest import read_manifest
 from storage.retention import CheckpointPruned, prune_checkpoint
 from storage.run import Run
 from storage.sharing import verify_run_shares
 from tests.flows.test_refusals import rlpipe, the_one_line
-from tests.rl.pipeline_helpers import N_PROMPTS, N_SAMPLES, run_iteration, save_tiny_model, write_prompts
-from tests.support.stages import run_stage_at, start_run
+from tests.rl.pipeline_helpers import N_PROMPTS, N_SAMPLES, run_iteration, start_tiny_run
+from tests.support.stages import run_stage_at
 
 SHARED_AT_0 = ["prompts", "base_model", "generate iter=0", "score iter=0"]
 
@@ -43,12 +42,7 @@ def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Run `grpo` (2 iterations configured, iteration 0 done), and its fork `rloo` at 0 with advantage and train
     computed."""
     tmp = tmp_path_factory.mktemp("fork")
-    model_dir = save_tiny_model(tmp / "tiny-model")
-    config = load_config(None, ["run_id=grpo", f"model.name_or_path={model_dir}", "iterations=2", "threads=1",
-                                "generate.max_new_tokens=8"])
-    layout = start_run(config, str(tmp / "root"))
-    run_stage_at("prompts", layout, BASE, write_prompts)
-    run_stage_at("base_model", layout, BASE, base_model.run)
+    layout = start_tiny_run(tmp, "grpo", iterations=2)
     run_iteration(layout, 0)
     forked = fork_of(Run.at(layout), "rloo", ["advantage.estimator=rloo"])
     assert [target.label for target in forked.shared] == SHARED_AT_0

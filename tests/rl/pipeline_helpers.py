@@ -9,14 +9,14 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
-from schemas.config import TrainConfig
+from schemas.config import TrainConfig, load_config
 from schemas.tables import SINGLE_TURN_ROLLOUT
-from stages import advantage, train
+from stages import advantage, base_model, train
 from stages.harness import StageContext
 from stages.registry import policy_step
 from stages.rl.trainer import PolicyTrainer, TorchStepper, TrainSample, make_adamw
-from storage.layout import RunLayout
-from tests.support.stages import run_stage_at
+from storage.layout import BASE, RunLayout
+from tests.support.stages import run_stage_at, start_run
 
 from .conftest import make_tiny_model
 
@@ -45,6 +45,18 @@ def write_prompts(ctx: StageContext) -> None:
         for i in range(N_PROMPTS)
     ]
     ctx.write_table("prompts", pa.Table.from_pylist(rows))
+
+
+def start_tiny_run(directory: Path, run_id: str, iterations: int) -> RunLayout:
+    """A run on the tiny Llama under `directory` (its model in tiny-model/, the root in root/) with its prompts and
+    base model stages done: what run_iteration needs."""
+    model_dir = save_tiny_model(directory / "tiny-model")
+    config = load_config(None, [f"run_id={run_id}", f"model.name_or_path={model_dir}", f"iterations={iterations}",
+                                "threads=1", "generate.max_new_tokens=8"])
+    layout = start_run(config, str(directory / "root"))
+    run_stage_at("prompts", layout, BASE, write_prompts)
+    run_stage_at("base_model", layout, BASE, base_model.run)
+    return layout
 
 
 def write_policy_rollouts(ctx: StageContext, sample_indices: list[int], seed: int) -> None:
