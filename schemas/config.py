@@ -731,10 +731,11 @@ class TrainConfig(Section):
     seed: int = Field(0, description="Seed of minibatch shuffling and training randomness.")
     # Retention (stages/retention.py): when, not what; never part of a stage key (stages/registry.py).
     keep_checkpoints: int | None = Field(
-        None, ge=1, description="Checkpoints whose weights are kept: the newest this many, plus always the base "
-        "model, every checkpoint the config evaluates and any an unfinished stage still reads; the others are "
-        "pruned after each iteration (their manifests and every table stay). null: keep all (verl's "
-        "max_actor_ckpt_to_keep, TRL's save_total_limit)."
+        1, ge=1, description="Checkpoints whose weights are kept: the newest this many, plus always the base "
+        "model, every checkpoint the config evaluates (`evaluate.every`) and any an unfinished stage still reads; "
+        "the others are pruned after each iteration (their manifests and every table stay). Every iteration "
+        "writes a checkpoint, so a run's disk grows by one per iteration unless this bounds it. null: keep all "
+        "(the default of verl's max_actor_ckpt_to_keep and TRL's save_total_limit, which save every N steps)."
     )
     keep_optimizer_states: int | None = Field(
         1, ge=1, description="Checkpoints that keep their optimizer state (AdamW moments, about 2/3 of a "

@@ -106,7 +106,8 @@ NAMES: tuple[Name, ...] = (
     Name("train.dtype", "bf16", "actor_rollout_ref.actor.fsdp_config.mixed_precision"),
     Name("train.keep_checkpoints", "save_total_limit", "trainer.max_actor_ckpt_to_keep / "
          "trainer.max_critic_ckpt_to_keep", "rlpipe also keeps the base model, every evaluated checkpoint and any "
-         "an unfinished stage reads; the critic is in the checkpoint; null keeps all (verl's default too)"),
+         "an unfinished stage reads; the critic is in the checkpoint; defaults: rlpipe 1 (a checkpoint every "
+         "iteration), verl and TRL keep all (null here)"),
     Name("train.keep_optimizer_states", "", "",
          "default 1: only the newest checkpoint keeps its optimizer state (TRL's save_only_model drops it from all)"),
     Name("evaluate.every", "eval_steps", "trainer.test_freq"),

@@ -2,9 +2,9 @@
 
 The runs are the reliability drills' stand-in runs (tests/reliability/helpers.py: real prompts, score and
 advantage stages, stand-in model stages writing small checkpoints through the real harness, train's with an
-optimizer.pt), four iterations with evaluate.every=2 (iterations 1 and 3 evaluated), keep_checkpoints=1 and
-keep_optimizer_states=1. Retention is switched on after iteration 2 (as `rlpipe resume --set` would), so the
-pass after iteration 2 prunes checkpoint 0 whole and checkpoint 1's optimizer state (1 is evaluated), and the
+optimizer.pt), four iterations with evaluate.every=2 (iterations 1 and 3 evaluated) and the default
+keep_checkpoints=1 and keep_optimizer_states=1. The first pass runs after iteration 2 (stand-in runs are built
+without the flow): it prunes checkpoint 0 whole and checkpoint 1's optimizer state (1 is evaluated), and the
 pass after iteration 3 prunes checkpoint 2 whole: worked out by hand from the rules in stages/retention.py.
 
 The crash drill SIGKILLs a pruning pass (a fresh interpreter) before each of its steps in turn (every manifest
@@ -39,7 +39,7 @@ from tests.support.stages import run_stage_at
 from tests.support.table_digests import run_digests
 
 ITERATIONS = 4
-RETENTION = ("iterations=4", "evaluate.every=2", "train.keep_checkpoints=1", "train.keep_optimizer_states=1")
+RETENTION = ("iterations=4", "evaluate.every=2")  # the defaults: keep_checkpoints 1, keep_optimizer_states 1
 FINAL = {0: "checkpoint", 1: "optimizer", 2: "checkpoint", 3: ""}  # by hand, see the module docstring
 
 KILL_SCRIPT = """
