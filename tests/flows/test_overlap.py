@@ -163,15 +163,15 @@ def test_overlap_beats_strict_with_balanced_lanes() -> None:
 class Stages:
     """A thread pool standing in for the flow's task runner: each stage sleeps, records its span."""
 
-    def __init__(self, fail: str | None = None) -> None:
+    def __init__(self, fail: str | None = None, slow: str | None = None) -> None:
         self.pool = ThreadPoolExecutor(4)
         self.spans: dict[str, tuple[float, float]] = {}
-        self.fail = fail
+        self.fail, self.slow = fail, slow
         self.lock = threading.Lock()
 
     def run(self, target: StageInstance) -> str:
         start = time.monotonic()
-        time.sleep(0.05)
+        time.sleep(1.0 if target.label == self.slow else 0.05)
         with self.lock:
             self.spans[target.label] = (start, time.monotonic())
         if target.label == self.fail:
@@ -196,7 +196,8 @@ def test_drive_runs_two_lanes_at_once_and_hooks_in_iteration_order() -> None:
 
 
 def test_a_failed_stage_stops_new_starts_lets_the_running_one_finish_then_raises() -> None:
-    stages, hooks = Stages(fail="advantage iter=0"), []
+    # generate 1 outlasts advantage 0 by far, so the failure comes while it runs, however loaded the machine
+    stages, hooks = Stages(fail="advantage iter=0", slow="generate iter=1"), []
     plan = overlap_plan(config(1, iterations=3), 3)
     with pytest.raises(RuntimeError, match="advantage iter=0 failed"):
         drive(plan, stages.submit, iteration_done=hooks.append)
