@@ -81,6 +81,7 @@ class StageContext:
     metrics: dict[str, Any] = field(default_factory=dict)
     written: list[tuple[Output, Manifest]] = field(default_factory=list)
     scratch: list[Path] = field(default_factory=list)
+    undo_at_end: list[Callable[[], None]] = field(default_factory=list)  # process state a stage changed
     claimed: bool = False
 
     @property
@@ -127,7 +128,7 @@ class StageContext:
         from stages.generation.vllm_backend import route_vllm_logs
 
         if VERBOSE.get() != "1":
-            route_vllm_logs(self.log_path)
+            self.undo_at_end.append(route_vllm_logs(self.log_path))
 
     @property
     def inputs(self) -> dict[str, Manifest]:
@@ -437,6 +438,8 @@ def run_stage(run: Run, target: StageInstance, work: Callable[[StageContext], No
     finally:
         for directory in ctx.scratch:  # published ones were moved or uploaded already
             shutil.rmtree(directory, ignore_errors=True)
+        for undo in reversed(ctx.undo_at_end):
+            undo()
     manifests = finish(ctx)
     clear_failure(run.layout, target)  # an earlier attempt's failure record, now fixed
     rows = ", ".join(f"{m.rows} rows" if m.rows is not None else f"{m.bytes / 1e6:.0f} MB" for m in manifests)

@@ -31,7 +31,7 @@ import logging
 import os
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -160,12 +160,17 @@ def vllm_logging_config(log_path: Path) -> Path:
     return config_path
 
 
-def route_vllm_logs(log_path: Path) -> None:
+def route_vllm_logs(log_path: Path) -> Callable[[], None]:
     """Send vLLM's log lines to `log_path` instead of the console, in this process and those it starts: the
     environment names `vllm_logging_config(log_path)`, and the `vllm` logger's handlers are replaced now (the
-    stage server imported vLLM before this stage, with a console handler)."""
-    os.environ.update(VLLM_CONFIGURE_LOGGING="1", VLLM_LOGGING_CONFIG_PATH=str(vllm_logging_config(log_path)))
+    stage server imported vLLM before this stage, with a console handler). Returns what puts the environment
+    and the logger back, for the stage's end: a stage run inside a longer-lived process (a test) must not leave
+    vLLM writing to its run's folder after that is gone."""
+    names = ("VLLM_CONFIGURE_LOGGING", "VLLM_LOGGING_CONFIG_PATH")
+    saved_env = {name: os.environ.get(name) for name in names}
     logger = logging.getLogger("vllm")
+    saved_logger = (list(logger.handlers), logger.level, logger.propagate)
+    os.environ.update(VLLM_CONFIGURE_LOGGING="1", VLLM_LOGGING_CONFIG_PATH=str(vllm_logging_config(log_path)))
     for existing in list(logger.handlers):
         logger.removeHandler(existing)
     file_handler = logging.FileHandler(log_path, delay=True)
@@ -173,6 +178,22 @@ def route_vllm_logs(log_path: Path) -> None:
     logger.addHandler(file_handler)
     logger.setLevel(logging.INFO)
     logger.propagate = False
+
+    def restore() -> None:
+        logger.removeHandler(file_handler)
+        file_handler.close()
+        handlers, level, propagate = saved_logger
+        for handler in handlers:
+            logger.addHandler(handler)
+        logger.setLevel(level)
+        logger.propagate = propagate
+        for name, value in saved_env.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+    return restore
 
 
 def context_length(max_prompt_tokens: int, max_new_tokens: int) -> int:
