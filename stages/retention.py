@@ -19,7 +19,7 @@ from __future__ import annotations
 from functools import cache
 
 from stages.registry import instance, is_scheduled, stage_state
-from storage.fs import join
+from storage.fs import join, listing_prefix
 from storage.layout import manifest_path_for
 from storage.manifest import read_manifest
 from storage.retention import LEVELS, prune_checkpoint
@@ -30,7 +30,7 @@ def held_files(run: Run) -> dict[int, set[str]]:
     """Iteration -> the names its checkpoint folder holds, from one listing of checkpoints/ (the base model and
     scratch folders left out): a pass reads no manifest of a checkpoint that holds nothing but it."""
     fs, folder = run.fs, join(run.layout.run_dir, "checkpoints")
-    prefix = fs._strip_protocol(folder) + "/"
+    prefix = listing_prefix(fs, folder)
     held: dict[int, set[str]] = {}
     for path in fs.find(folder):
         name, _, relative = path.removeprefix(prefix).partition("/")

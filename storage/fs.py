@@ -58,6 +58,12 @@ def join(*parts: str) -> str:
     return "/".join(part.strip("/") if i else part.rstrip("/") for i, part in enumerate(parts))
 
 
+def listing_prefix(fs: fsspec.AbstractFileSystem, folder: str) -> str:
+    """How `fs.find(folder)` names what is under `folder`, up to the relative path: without the URL's protocol
+    (`bucket/key/` on S3), with a trailing slash."""
+    return fs._strip_protocol(folder).rstrip("/") + "/"
+
+
 def temporary_prefix(path: str) -> str:
     """Name prefix of the temporaries written on the way to `path` (`.<name>.tmp-`): the next attempt of the
     stage that owns `path` recognises what a killed attempt left behind by it."""

@@ -20,8 +20,8 @@ import fsspec
 
 from schemas.errors import InputError
 from storage.checkpoints import is_optimizer_file
-from storage.fs import is_remote, join
-from storage.layout import RunLayout
+from storage.fs import is_remote, join, listing_prefix
+from storage.layout import RunLayout, manifest_path_for
 from storage.manifest import Manifest, read_manifest, write_manifest
 
 LEVELS = ("optimizer", "checkpoint")  # what a prune deletes, the lesser first
@@ -80,7 +80,7 @@ def finish_pruning(fs: fsspec.AbstractFileSystem, manifest: Manifest) -> list[st
     """Delete whatever a pruned checkpoint still holds of its pruned files (all of them after a kill in
     between); a wholly pruned one keeps nothing but its manifest (a local hash cache goes too). One listing, so a
     checkpoint pruned long ago costs one request a pass. Returns what was deleted (as the listing names it)."""
-    folder = fs._strip_protocol(manifest.path) + "/"
+    folder = listing_prefix(fs, manifest.path)
     present = sorted(fs.find(manifest.path))
     if manifest.pruned == "checkpoint":
         deleting = [path for path in present if path != folder + "manifest.json"]
@@ -112,8 +112,7 @@ class DiskUsage:
 def disk_usage(layout: RunLayout, iterations: int) -> DiskUsage:
     """The run's files on its root (one listing), and its checkpoint manifests' pruned files."""
     fs = layout.fs
-    # a listing names objects without the URL's protocol (`bucket/key`)
-    checkpoints_dir = fs._strip_protocol(join(layout.run_dir, "checkpoints")) + "/"
+    checkpoints_dir = listing_prefix(fs, join(layout.run_dir, "checkpoints"))
     table_bytes = checkpoint_bytes = 0
     for path, info in fs.find(layout.run_dir, detail=True).items():
         if path.startswith(checkpoints_dir):
@@ -122,7 +121,7 @@ def disk_usage(layout: RunLayout, iterations: int) -> DiskUsage:
             table_bytes += int(info.get("size") or 0)
     kept = pruned = optimizer_pruned = pruned_bytes = 0
     for iteration in range(iterations):
-        manifest = read_manifest(fs, join(layout.checkpoint_dir(iteration), "manifest.json"))
+        manifest = read_manifest(fs, manifest_path_for(layout.checkpoint_dir(iteration), "checkpoint"))
         if manifest is None:
             continue
         pruned_bytes += sum(int(info["bytes"]) for info in manifest.pruned_files.values())
