@@ -29,6 +29,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from schemas.errors import InputError
+from schemas.tables import data_source_of
 from storage.catalog import Catalog
 from storage.manifest import code_version, git_commit
 
@@ -193,7 +194,7 @@ def verl_table(rows: list[dict[str, Any]]) -> pa.Table:
         # A verl row's extra_info as it came (a custom spec's columns hold it: the prompt id survives)
         extra_info = metadata.get("extra_info") or {"index": len(prompts), "split": "train"}
         prompts.append({
-            "data_source": metadata.get("data_source") or row["dataset"],
+            "data_source": data_source_of(metadata, row["dataset"]),
             "prompt": prompt_messages(row),
             "ability": metadata.get("ability") or ("code" if kind in CODE_KINDS else kind),
             "reward_model": verl_ground_truth(spec, metadata),

@@ -18,6 +18,8 @@ from math import comb
 
 import numpy as np
 
+from schemas.tables import data_source_of
+
 
 def pass_at_k(n: int, c: int, k: int) -> float:
     """Unbiased pass@k from n samples of which c are correct: 1 - C(n-c, k) / C(n, k) (Chen et al. 2021).
@@ -164,9 +166,8 @@ def clusters_of(prompts: list[dict]) -> dict[str, str]:
 
 
 def data_sources_of(prompts: list[dict]) -> dict[str, str]:
-    """prompt_id -> its verl `data_source`, or its dataset where the row names none (pytasks, HumanEval): what a
-    verl reward function is given, and the catalog's `data_source` column. `prompts` are rows of a PROMPTS table."""
-    return {row["prompt_id"]: str(json.loads(row["metadata"]).get("data_source") or row["dataset"]) for row in prompts}
+    """prompt_id -> its verl `data_source` (schemas.tables.data_source_of). `prompts` are rows of a PROMPTS table."""
+    return {row["prompt_id"]: data_source_of(json.loads(row["metadata"]), row["dataset"]) for row in prompts}
 
 
 def splits_by_data_source(prompts: list[dict]) -> dict[str, str] | None:

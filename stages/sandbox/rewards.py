@@ -39,6 +39,7 @@ from typing import Any
 
 from schemas.config import BUILTIN_REWARDS, VERIFIER_REWARDS, RewardEntry, ScoreConfig
 from schemas.errors import InputError
+from schemas.tables import data_source_of
 
 from ._runner import HEADER
 from .jobs import ScoreJob, ScoreResult
@@ -175,7 +176,7 @@ def ground_truth_of(spec: dict[str, Any], metadata: dict[str, Any]) -> Any:  # n
 def call_arguments(style: str, job: ScoreJob, row: RewardInput) -> dict[str, Any]:
     if style == "verl":
         return {
-            "data_source": row.metadata.get("data_source", row.dataset),
+            "data_source": data_source_of(row.metadata, row.dataset),
             "solution_str": job.response_text,
             "ground_truth": ground_truth_of(job.reward_spec, row.metadata),
             "extra_info": row.metadata.get("extra_info", row.metadata),
