@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import tempfile
 import time
 import uuid
 from dataclasses import dataclass
@@ -29,8 +30,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from schemas.errors import InputError
-from schemas.tables import data_source_of
+from schemas.tables import ROLLOUT_KEY, data_source_of
 from storage.catalog import Catalog
+from storage.fs import temporary_prefix
 from storage.manifest import code_version, git_commit
 
 EXPORT_FORMATS = ("sft", "dpo", "verl", "hf")
@@ -48,7 +50,7 @@ LEFT JOIN (SELECT run_id, prompt_id, dataset, messages, reward_spec, metadata FR
 WHERE s.run_id = $run
 """
 ORDER = "iteration, round, prompt_id, sample_idx"
-GROUP = ("run_id", "iteration", "round", "prompt_id")
+GROUP = ROLLOUT_KEY[:-1]  # a prompt's samples of one generation round: (run_id, iteration, round, prompt_id)
 CODE_KINDS = ("code_tests", "code_stdio", "code_call")
 
 
@@ -130,7 +132,7 @@ def response_messages(row: dict[str, Any]) -> list[dict[str, str]]:
 
 
 def _key(row: dict[str, Any]) -> dict[str, Any]:
-    return {name: row[name] for name in ("run_id", "iteration", "round", "prompt_id", "sample_idx")}
+    return {name: row[name] for name in ROLLOUT_KEY}
 
 
 def sft_table(rows: list[dict[str, Any]]) -> pa.Table:
@@ -212,7 +214,7 @@ WRITERS = {"sft": sft_table, "dpo": dpo_table, "verl": verl_table}
 def _write_atomically(out: Path, table: pa.Table, fmt: str, manifest: dict[str, Any], overwrite: bool) -> None:
     """Write into a temporary sibling folder, then rename it to `out` (replacing `out` only with `overwrite`)."""
     out.parent.mkdir(parents=True, exist_ok=True)
-    temporary = out.parent / f".{out.name}.tmp-{uuid.uuid4().hex[:8]}"
+    temporary = Path(tempfile.mkdtemp(prefix=temporary_prefix(str(out)), dir=out.parent))
     try:
         if fmt == "hf":
             import datasets
@@ -220,7 +222,6 @@ def _write_atomically(out: Path, table: pa.Table, fmt: str, manifest: dict[str, 
             datasets.disable_progress_bars()  # the command prints one line, not a bar per shard
             datasets.Dataset(table).save_to_disk(str(temporary))
         else:
-            temporary.mkdir()
             pq.write_table(table, temporary / DATA_FILE, compression="zstd")
         (temporary / MANIFEST_FILE).write_text(json.dumps(manifest, indent=2, default=str) + "\n")
         if overwrite and out.exists():
