@@ -8,6 +8,8 @@ not at import, so a test or a worker that sets one sees it. `rlpipe` documents t
 from __future__ import annotations
 
 import os
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -78,3 +80,30 @@ def lane_cpus() -> dict[str, set[int]]:
 
 def seconds(variable: Variable) -> float:
     return float(str(variable.get()))
+
+
+def set_environment(values: dict[str, str]) -> Callable[[], None]:
+    """Put `values` in os.environ (which every process started from now on copies); returns what puts each
+    variable back as it was (unset again if it was unset). A function, not a generator, so that nothing is
+    put back before it is called."""
+    saved = {name: os.environ.get(name) for name in values}
+    os.environ.update(values)
+
+    def restore() -> None:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+    return restore
+
+
+@contextmanager
+def environment(values: dict[str, str]) -> Iterator[None]:
+    """`values` in os.environ while the block runs (`set_environment`), then as before."""
+    restore = set_environment(values)
+    try:
+        yield
+    finally:
+        restore()

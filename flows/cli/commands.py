@@ -23,8 +23,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 from rich.console import Console
@@ -100,21 +98,6 @@ def _library_log_environment(run: Run, verbose: bool) -> dict[str, str]:
     return {"VLLM_CONFIGURE_LOGGING": "1", "VLLM_LOGGING_CONFIG_PATH": str(config_path)}
 
 
-@contextmanager
-def _environment(values: dict[str, str]) -> Iterator[None]:
-    """`values` in os.environ (which every stage's environment copies) while the block runs, then as before."""
-    saved = {name: os.environ.get(name) for name in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
-
-
 def _drive(run: Run, debug: bool = False, new: bool = False, verbose: bool = False) -> int:
     """Run the loop flow on `run`; `new`: this command created the run, so a refusal before its base model
     removes it (a rerun then starts cleanly over instead of meeting the refused config)."""
@@ -126,7 +109,7 @@ def _drive(run: Run, debug: bool = False, new: bool = False, verbose: bool = Fal
     from storage.sharing import verify_run_shares
 
     verify_run_shares(run.layout)  # a fork's shared outputs, re-hashed: lost or changed ones are refused by name
-    with _environment(_library_log_environment(run, verbose)):
+    with settings.environment(_library_log_environment(run, verbose)):
         if resolve_dispatch(None) == "local":
             # Started before Prefect is imported and its temporary server comes up, so that the stage server's
             # imports (torch, Great Expectations, vLLM: ~10 s) overlap them; the loop flow reuses it. Prefect's

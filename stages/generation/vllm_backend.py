@@ -25,6 +25,7 @@ too; another request list can change batch shapes and bf16 rounding. On GPU it i
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -36,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from schemas.config import ConfigError
+from schemas.settings import set_environment
 from stages.generation.base import GenerationRequest, ProgressCallback, Sample, SamplingSpec
 
 # The least time between two progress reports with no request finished (the warm engine sends each as a frame).
@@ -166,11 +168,11 @@ def route_vllm_logs(log_path: Path) -> Callable[[], None]:
     stage server imported vLLM before this stage, with a console handler). Returns what puts the environment
     and the logger back, for the stage's end: a stage run inside a longer-lived process (a test) must not leave
     vLLM writing to its run's folder after that is gone."""
-    names = ("VLLM_CONFIGURE_LOGGING", "VLLM_LOGGING_CONFIG_PATH")
-    saved_env = {name: os.environ.get(name) for name in names}
+    undo = contextlib.ExitStack()
+    undo.callback(set_environment({"VLLM_CONFIGURE_LOGGING": "1",
+                                   "VLLM_LOGGING_CONFIG_PATH": str(vllm_logging_config(log_path))}))
     logger = logging.getLogger("vllm")
     saved_logger = (list(logger.handlers), logger.level, logger.propagate)
-    os.environ.update(VLLM_CONFIGURE_LOGGING="1", VLLM_LOGGING_CONFIG_PATH=str(vllm_logging_config(log_path)))
     for existing in list(logger.handlers):
         logger.removeHandler(existing)
     file_handler = logging.FileHandler(log_path, delay=True)
@@ -179,7 +181,8 @@ def route_vllm_logs(log_path: Path) -> Callable[[], None]:
     logger.setLevel(logging.INFO)
     logger.propagate = False
 
-    def restore() -> None:
+    @undo.callback
+    def restore_logger() -> None:
         logger.removeHandler(file_handler)
         file_handler.close()
         handlers, level, propagate = saved_logger
@@ -187,13 +190,8 @@ def route_vllm_logs(log_path: Path) -> Callable[[], None]:
             logger.addHandler(handler)
         logger.setLevel(level)
         logger.propagate = propagate
-        for name, value in saved_env.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
 
-    return restore
+    return undo.close
 
 
 def context_length(max_prompt_tokens: int, max_new_tokens: int) -> int:
