@@ -84,18 +84,17 @@ def _share(source: Run, new: Run, target: StageInstance) -> bool:
         return False
     if any(manifest.key != key for manifest in originals):
         return False
-    for manifest in originals:
-        require_unpruned(manifest)  # a checkpoint whose weights retention deleted: refused, naming its iteration
     outputs = outputs_of(target)
-    for output, manifest in zip(outputs, originals, strict=True):
-        # where the output is now (a run moved to another root keeps its manifests' recorded paths)
-        manifest = replace(manifest, path=output.path(source.layout))
+    # where each output is now (a run moved to another root keeps its manifests' recorded paths)
+    located = [replace(manifest, path=output.path(source.layout)) for output, manifest in zip(outputs, originals,
+                                                                                                strict=True)]
+    for manifest in located:
+        require_unpruned(manifest)  # a checkpoint whose weights retention deleted: refused, naming its iteration
         if (damage := output_damage(source.fs, manifest)) is not None:
             raise InputError(f"run {source.run_id}'s {target.label} output is lost or pruned ({damage}): it "
                              f"cannot be shared; fork at an earlier iteration than {target.iteration}")
-    for output, manifest in zip(outputs, originals, strict=True):
-        share_output(new.fs, replace(manifest, path=output.path(source.layout)), source.run_id,
-                     output.path(new.layout))
+    for output, manifest in zip(outputs, located, strict=True):
+        share_output(new.fs, manifest, source.run_id, output.path(new.layout))
     return True
 
 
