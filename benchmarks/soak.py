@@ -32,6 +32,7 @@ from pathlib import Path
 
 import psutil
 
+from schemas.config import ConfigError
 from storage.catalog import Catalog
 
 REPO = Path(__file__).resolve().parents[1]
@@ -51,17 +52,30 @@ def run_overrides(args: argparse.Namespace) -> list[str]:
     ]
 
 
-def run_processes(marker: str, flow_pid: int) -> list[psutil.Process]:
-    """Every live process of the run: the flow process's descendants, the two servers (found by title: a warm
-    generation server runs in a session of its own) and theirs, and whatever still carries the marker in its
-    environment (a process re-parented to init; setproctitle hides the environment of the retitled servers)."""
+def engine_socket(root: Path, run_id: str) -> str | None:
+    """The socket the run's generation server listens on (stages/generation/client.py `server_address`), once the
+    run's config is written; None before."""
+    from stages.generation.client import server_address
+    from storage.run import Run
+
+    try:
+        run = Run.open(str(root), run_id)
+    except ConfigError:
+        return None
+    return str(server_address(run.layout.run_dir, run.config.generate, run.config.device).socket_path)
+
+
+def run_processes(marker: str, flow_pid: int, socket_path: str | None) -> list[psutil.Process]:
+    """Every live process of the run and their descendants: the flow process (the stage server is its child),
+    the generation server (a session of its own, its command line retitled: found by the socket it listens on),
+    and whatever still carries the marker in its environment (one re-parented to init; setproctitle hides the
+    environment of the retitled servers). Another run's servers on the machine are never counted."""
+    listening = {c.pid for c in psutil.net_connections("unix") if socket_path and c.laddr == socket_path}
     found: dict[int, psutil.Process] = {}
     for process in psutil.process_iter():
         try:
-            roots = [process] if process.pid == flow_pid or role_of(process, flow_pid) else []
-            if not roots and process.environ().get(MARKER) == marker:
-                roots = [process]
-            for member in roots + [child for root in roots for child in root.children(recursive=True)]:
+            ours = process.pid in (flow_pid, *listening) or process.environ().get(MARKER) == marker
+            for member in [process, *process.children(recursive=True)] if ours else []:
                 if member.status() != psutil.STATUS_ZOMBIE:
                     found[member.pid] = member
         except (psutil.NoSuchProcess, psutil.AccessDenied):
@@ -70,6 +84,7 @@ def run_processes(marker: str, flow_pid: int) -> list[psutil.Process]:
 
 
 def role_of(process: psutil.Process, flow_pid: int) -> str | None:
+    """Which long-lived process of the run this is (by title among `run_processes`), or None."""
     if process.pid == flow_pid:
         return "flow process"
     command = " ".join(process.cmdline())
@@ -116,8 +131,10 @@ def watch(marker: str, flow: subprocess.Popen, root: Path, run_id: str, rows: di
     every process of the run met on the way, to look for again at the end."""
     run_dir = root / "runs" / run_id
     window: defaultdict[str, list[float]] = defaultdict(list)
+    socket_path = None
     while flow.poll() is None:
-        processes = run_processes(marker, flow.pid)
+        socket_path = socket_path or engine_socket(root, run_id)  # the run's config is read once it exists
+        processes = run_processes(marker, flow.pid, socket_path)
         seen.update({process.pid: process for process in processes})
         for name, value in sample(processes, flow.pid).items():
             window[name].append(value)
@@ -171,7 +188,7 @@ def main() -> None:
     time.sleep(10.0)
     # a process seen during the run and still running (psutil compares its start time, so a reused pid is not it)
     left = [process for process in seen.values() if process.is_running()] + [
-        process for process in run_processes(marker, flow.pid) if process.pid not in seen]
+        process for process in run_processes(marker, flow.pid, engine_socket(root, run_id)) if process.pid not in seen]
     print(f"\nrun exited {flow.returncode} after {wall:.0f} s (log {log}); load {os.getloadavg()[0]:.2f}")
     if args.reference not in rows or not rows:
         raise SystemExit(f"no figures for iteration {args.reference}: the run finished {len(rows)} iterations")
