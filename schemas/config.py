@@ -337,6 +337,14 @@ VERIFIER_REWARDS = ("code_tests", "code_stdio", "code_call", "math")
 BUILTIN_REWARDS = (*VERIFIER_REWARDS, "think_format")
 
 
+def data_source_of(metadata: dict[str, Any], dataset: str) -> str:
+    """A prompt's verl `data_source`, from its PROMPTS row's metadata (a verl row's own), else its dataset
+    (pytasks, HumanEval): what a verl reward function is given, and the catalog's `data_source` column. Here, not in
+    schemas.tables: the sandbox worker imports it and must not import pyarrow (its threads would refuse the worker
+    the user namespace of its scratch tmpfs)."""
+    return metadata.get("data_source") or dataset
+
+
 class RewardEntry(BaseModel):
     """One term of the reward: a built-in or a user function, and its weight."""
 

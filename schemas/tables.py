@@ -51,12 +51,6 @@ _KEY_FIELDS: list[tuple[str, pa.DataType]] = [
     ("sample_idx", pa.int32()),
 ]
 
-def data_source_of(metadata: dict[str, Any], dataset: str) -> str:
-    """A prompt's verl `data_source`, from its PROMPTS row's metadata (a verl row's own), else its dataset
-    (pytasks, HumanEval): what a verl reward function is given, and the catalog's `data_source` column."""
-    return metadata.get("data_source") or dataset
-
-
 PROMPTS = TableSchema(
     name="prompts",
     version=1,

@@ -29,8 +29,9 @@ import duckdb
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from schemas.config import data_source_of
 from schemas.errors import InputError
-from schemas.tables import ROLLOUT_KEY, data_source_of
+from schemas.tables import ROLLOUT_KEY
 from storage.catalog import Catalog
 from storage.fs import temporary_prefix
 from storage.manifest import code_version, git_commit

@@ -18,7 +18,7 @@ from math import comb
 
 import numpy as np
 
-from schemas.tables import data_source_of
+from schemas.config import data_source_of
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -166,7 +166,7 @@ def clusters_of(prompts: list[dict]) -> dict[str, str]:
 
 
 def data_sources_of(prompts: list[dict]) -> dict[str, str]:
-    """prompt_id -> its verl `data_source` (schemas.tables.data_source_of). `prompts` are rows of a PROMPTS table."""
+    """prompt_id -> its verl `data_source` (schemas.config.data_source_of). `prompts` are rows of a PROMPTS table."""
     return {row["prompt_id"]: data_source_of(json.loads(row["metadata"]), row["dataset"]) for row in prompts}
 
 

@@ -37,9 +37,8 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-from schemas.config import BUILTIN_REWARDS, VERIFIER_REWARDS, RewardEntry, ScoreConfig
+from schemas.config import BUILTIN_REWARDS, VERIFIER_REWARDS, RewardEntry, ScoreConfig, data_source_of
 from schemas.errors import InputError
-from schemas.tables import data_source_of
 
 from ._runner import HEADER
 from .jobs import ScoreJob, ScoreResult

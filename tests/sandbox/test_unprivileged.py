@@ -265,3 +265,18 @@ def test_rlimit_nproc_bounds_the_job_in_bwrap_mode(report: dict):
     forks = int(message.split("got '")[1].split("\\n")[0])
     assert 1 <= forks <= MAX_PROCESSES
     assert report["fork_count_leftover"] == 0
+
+
+def test_the_worker_starts_single_threaded():
+    """A sandbox worker enters the user namespace of its scratch tmpfs itself, which the kernel refuses a
+    process with more than one thread (EINVAL): its imports must start none. pyarrow's import starts OpenBLAS's
+    threads; a one-line import of schemas.tables into the worker's modules once cost bubblewrap its tmpfs."""
+    code = (
+        "import sys, stages.sandbox.worker\n"
+        "threads = open('/proc/self/status').read().split('Threads:')[1].split()[0]\n"
+        "print(threads, sorted(m for m in ('numpy', 'pyarrow', 'polars', 'torch') if m in sys.modules))\n"
+    )
+    env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "PYTHONPATH": PROJECT_ROOT}
+    done = subprocess.run([sys.executable, "-c", code], env=env, cwd=PROJECT_ROOT, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split(maxsplit=1) == ["1", "[]\n"]
