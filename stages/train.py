@@ -29,7 +29,6 @@ from typing import Any
 
 import pyarrow as pa
 import torch  # noqa: F401 - imported first so the harness sets torch's thread count (stages/harness.py)
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from schemas.errors import InputError
 from schemas.tables import ROLLOUT_KEY
@@ -42,6 +41,7 @@ from stages.rl.filters import is_skip_step
 from stages.rl.schedule import lr_at
 from stages.rl.session import TrainJob, peak_rss_mb, run_job
 from stages.rl.trainer import optimizer_steps
+from storage.progress import progress_bar
 from storage.retention import require_unpruned
 
 
@@ -134,9 +134,7 @@ def step_progress(total: int, label: str) -> Iterator[Callable[[dict], None]]:
     """A progress bar over `total` optimizer steps; yields the callback each step's metrics row goes to. It shows
     the step's loss and KL (to the sampling policy; to the reference too when the loss has it) and tokens/s over
     the steps so far (tokens forwarded / seconds of the steps)."""
-    with Progress(TextColumn(f"[bold]{label}[/]"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                  TextColumn("{task.fields[stats]}"), transient=False) as progress:
-        task = progress.add_task(label, total=total, stats="")
+    with progress_bar(label, total) as advance:
         totals = {"tokens": 0.0, "seconds": 0.0}
 
         def on_step(row: dict) -> None:
@@ -146,7 +144,7 @@ def step_progress(total: int, label: str) -> Iterator[Callable[[dict], None]]:
             kl_ref = row.get("kl_ref")
             to_ref = f" · KL ref {kl_ref:.2e}" if kl_ref and math.isfinite(kl_ref) else ""  # 0: no KL term
             stats = f"loss {row['loss']:+.4f} · KL {row['approx_kl']:.2e}{to_ref} · {rate:.0f} tok/s"
-            progress.update(task, advance=1, stats=stats)
+            advance(1, stats)
 
         yield on_step
 

@@ -34,18 +34,17 @@ import json
 import re
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
-
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from schemas.config import MultiTurnConfig, ScoreConfig
 from schemas.errors import InputError
 from stages.generation.base import Backend, GenerationRequest, Sample, SamplingSpec, TurnSession, sessions
 from stages.generation.sampling import generate_with_progress
+from storage.progress import progress_bar
 
 if TYPE_CHECKING:
     from stages.sandbox.rewards import RewardInput
@@ -523,7 +522,7 @@ def _run_continuous(open_session: Callable[[], AbstractContextManager[TurnSessio
     threads = tool.threads if tool is not None else 4
     started = time.monotonic()
     with (open_session() as session, ThreadPoolExecutor(threads, thread_name_prefix="turn") as pool,
-          _conversation_progress(label, len(conversations)) as progress):
+          progress_bar(label, len(conversations)) as progress):
 
         def submit_turn(key: int) -> None:
             c = conversations[key]
@@ -570,14 +569,6 @@ def _run_continuous(open_session: Callable[[], AbstractContextManager[TurnSessio
                     else:
                         progress()
     figures["generation_seconds"] = time.monotonic() - started - figures[waiting_key]
-
-
-@contextmanager
-def _conversation_progress(label: str, total: int) -> Iterator[Callable[[], None]]:
-    """A progress bar over finished conversations, for the continuous loop (the per-turn loop shows one per turn)."""
-    with Progress(TextColumn(f"[bold]{label}[/]"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn()) as bar:
-        task = bar.add_task(label, total=total)
-        yield lambda: bar.update(task, advance=1)
 
 
 def _append_observation(c: Conversation, tokens: list[int], cfg: MultiTurnConfig) -> None:

@@ -46,8 +46,10 @@ class Sample:
     finish_reason: str  # "stop" (eos or a stop string) | "length"
 
 
-# Called after each finished chunk with (requests done, tokens generated in the chunk).
+# Called with (requests finished, tokens generated) since the last call: whenever a request finishes, and every
+# PROGRESS_INTERVAL_S between (a batch whose requests all run to max_new_tokens finishes in one step).
 ProgressCallback = Callable[[int, int], None]
+PROGRESS_INTERVAL_S = 0.5
 
 
 class Backend(Protocol):

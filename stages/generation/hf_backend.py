@@ -8,10 +8,11 @@ rollouts table promises (stages/generation/base.py).
 
 The loop is a plain KV-cache decode: left-padded batch, one forward for the prompts, then one per new token.
 Finished rows (eos/pad, a stop string, `max_new_tokens`) leave the batch and the cache, so a straggler does
-not drag them through every step. On a GPU (`device`) the loop, and each row's generator, live there, with one
-host transfer per step. Output conventions, shared with the vLLM backend: `token_ids` include the
-token that ended the sample (the model's decision to stop, scored like any action); `text` is the decoded
-response without special tokens, cut before the first stop string; `finish_reason` is "stop" or "length".
+not drag them through every step; progress is reported as each row finishes (stages/generation/base.py). On a
+GPU (`device`) the loop, and each row's generator, live there, with one host transfer per step. Output
+conventions, shared with the vLLM backend: `token_ids` include the token that ended the sample (the model's
+decision to stop, scored like any action); `text` is the decoded response without special tokens, cut before
+the first stop string; `finish_reason` is "stop" or "length".
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from stages.generation import base
 from stages.generation.base import GenerationRequest, ProgressCallback, Sample, SamplingSpec
 
 # The machines this runs on have 2 cores shared with other jobs; more threads than cores only thrash.
@@ -138,11 +140,9 @@ class HFBackend:
         order = batch_order(requests)
         for start in range(0, len(order), self.batch_size):
             chunk = order[start:start + self.batch_size]
-            done = self._generate_batch([requests[i] for i in chunk], chunk, sampling)
+            done = self._generate_batch([requests[i] for i in chunk], chunk, sampling, progress)
             for sample_index, sample in zip(chunk, done, strict=True):
                 samples[sample_index] = sample
-            if progress is not None:
-                progress(len(chunk), sum(len(s.token_ids) for s in done))
         return [s for s in samples if s is not None]
 
     def close(self) -> None:
@@ -153,7 +153,8 @@ class HFBackend:
 
     @torch.inference_mode()
     def _generate_batch(
-        self, requests: list[GenerationRequest], indices: list[int], sampling: SamplingSpec
+        self, requests: list[GenerationRequest], indices: list[int], sampling: SamplingSpec,
+        progress: ProgressCallback | None = None,
     ) -> list[Sample]:
         from transformers import DynamicCache
 
@@ -170,6 +171,7 @@ class HFBackend:
         out = self.model(input_ids=input_ids, attention_mask=mask, position_ids=positions,
                          past_key_values=cache, use_cache=True)
         next_position = positions[:, -1:] + 1
+        reported, unreported_tokens = time.monotonic(), 0
         for step in range(sampling.max_new_tokens):
             logprobs = processed_logprobs(out.logits[:, -1, :], sampling.temperature, sampling.top_k,
                                           sampling.top_p)
@@ -186,6 +188,11 @@ class HFBackend:
                 if self._finished(row, token, sampling, last_step=step == sampling.max_new_tokens - 1):
                     continue
                 keep.append(batch_row)
+            unreported_tokens += len(active)
+            finished = len(active) - len(keep)
+            if progress is not None and (finished or time.monotonic() - reported >= base.PROGRESS_INTERVAL_S):
+                progress(finished, unreported_tokens)
+                reported, unreported_tokens = time.monotonic(), 0
             if not keep:
                 break
             if len(keep) < len(active):

@@ -13,9 +13,8 @@ import json
 import time
 from dataclasses import dataclass
 
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
 from stages.generation.base import Backend, GenerationRequest, Sample, SamplingSpec
+from storage.progress import progress_bar
 
 
 @dataclass
@@ -66,18 +65,14 @@ def generate_with_progress(
 ) -> GenerationResult:
     started = time.monotonic()
     generated = 0
-    with Progress(
-        TextColumn(f"[bold]{label}[/]"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-        TextColumn("{task.fields[rate]}"), transient=False,
-    ) as progress:
-        task = progress.add_task(label, total=len(requests), rate="")
+    with progress_bar(label, len(requests)) as advance:
 
         def on_progress(done: int, tokens: int) -> None:
             nonlocal generated
             generated += tokens
             elapsed = time.monotonic() - started
             # the tokens move before any request finishes (a batch that runs to max_new_tokens ends in one step)
-            progress.update(task, advance=done, rate=f"{generated:,} tok, {generated / max(elapsed, 1e-9):.0f} tok/s")
+            advance(done, f"{generated:,} tok, {generated / max(elapsed, 1e-9):.0f} tok/s")
 
         samples = backend.generate(requests, sampling, progress=on_progress)
     if len(samples) != len(requests):

@@ -38,10 +38,9 @@ from typing import Any
 
 from schemas.config import ConfigError
 from schemas.settings import set_environment
+from stages.generation import base
 from stages.generation.base import GenerationRequest, ProgressCallback, Sample, SamplingSpec
 
-# The least time between two progress reports with no request finished (the warm engine sends each as a frame).
-PROGRESS_INTERVAL_S = 0.5
 VLLM_LOG_FORMAT = "%(levelname)s %(asctime)s [%(filename)s:%(lineno)d] %(message)s"
 
 # vLLM's own default step budget on CPU; a context longer than this raises the budget to max_model_len.
@@ -377,7 +376,7 @@ class VLLMBackend:
                 results[in_flight.pop(output.request_id)] = sample
                 finished += 1
                 finished_tokens += len(sample.token_ids)
-            if progress is not None and (finished or time.monotonic() - reported >= PROGRESS_INTERVAL_S):
+            if progress is not None and (finished or time.monotonic() - reported >= base.PROGRESS_INTERVAL_S):
                 generated = finished_tokens + running_tokens(engine)
                 progress(finished, generated - reported_tokens)
                 finished, reported_tokens, reported = 0, generated, time.monotonic()

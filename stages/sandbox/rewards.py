@@ -406,16 +406,13 @@ def score_with_progress(
     """`score` in a sandbox pool of its own, with a progress bar: what the score and evaluate stages run (`rows`:
     what reward functions read beyond each job's response). A reward entry that cannot be used is bad input."""
     # Imported here: the reward host (reward_host.py) imports this module and needs neither.
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    from storage.progress import progress_bar
 
     from .sandbox import Sandbox
 
-    with Sandbox.from_config(cfg) as sandbox, Progress(
-        TextColumn(f"[bold]{label}[/]"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn()
-    ) as progress:
-        task = progress.add_task(label, total=progress_total(cfg, jobs))
+    with Sandbox.from_config(cfg) as sandbox, progress_bar(label, progress_total(cfg, jobs)) as advance:
         try:
-            return score(sandbox, cfg, jobs, rows, progress=lambda done: progress.update(task, advance=done))
+            return score(sandbox, cfg, jobs, rows, progress=advance)
         except RewardSetupError as error:
             raise InputError(str(error)) from None
 

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import stages.generation.base
 from stages.generation import make_backend, resolve_backend_name
 from stages.generation.base import GenerationRequest, SamplingSpec
 from stages.generation.hf_backend import HFBackend, batch_order, find_stop, processed_logprobs
@@ -181,15 +182,28 @@ def test_greedy_equals_transformers_generate(backend: HFBackend, prompt_ids: lis
     assert summarize([s.logprobs for s in samples], recomputed)["max_abs"] < 1e-4
 
 
-def test_progress_reports_every_request_and_token(backend: HFBackend, prompt_ids: list[list[int]]) -> None:
+def test_progress_moves_as_each_request_finishes(backend: HFBackend, prompt_ids: list[list[int]],
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """With no time-based report, the bar moves at each step where a row finishes: expected calls worked out from
+    the samples' lengths alone (a row of length L finishes at step L; tokens since the last report are each row's
+    tokens between the two steps)."""
+    monkeypatch.setattr(stages.generation.base, "PROGRESS_INTERVAL_S", float("inf"))
     calls: list[tuple[int, int]] = []
-    spec = SamplingSpec(temperature=1.0, max_new_tokens=8)
-    requests = requests_for(prompt_ids, [1, 2])  # 8 requests, batch size 4: two progress calls
+    spec = SamplingSpec(temperature=1.0, max_new_tokens=12, stop=["e"])  # a stop string: rows end at many steps
+    requests = requests_for(prompt_ids, [1, 2])  # 8 requests, batch size 4
     samples = backend.generate(requests, spec, progress=lambda done, tokens: calls.append((done, tokens)))
-    assert len(samples) == 8
-    assert [done for done, _ in calls] == [4, 4]
-    assert sum(tokens for _, tokens in calls) == sum(len(s.token_ids) for s in samples)
-    assert all(len(s.token_ids) <= 8 for s in samples)
+    order = batch_order(requests)
+    expected = []
+    for start in range(0, len(order), 4):
+        lengths = [len(samples[i].token_ids) for i in order[start:start + 4]]
+        previous = 0
+        for length in sorted(set(lengths)):
+            tokens = sum(min(n, length) - min(n, previous) for n in lengths)
+            expected.append((lengths.count(length), tokens))
+            previous = length
+    assert len({len(s.token_ids) for s in samples}) > 2  # rows finish at different steps: more calls than batches
+    assert calls == expected
+    assert sum(done for done, _ in calls) == 8
 
 
 def test_make_backend_hf(model_dir: Path) -> None:

@@ -66,9 +66,9 @@ def test_progress_reports_tokens_before_any_request_finishes(vllm_backend, promp
                                                              monkeypatch: pytest.MonkeyPatch) -> None:
     """A batch whose requests run to max_new_tokens finishes in one step: the bar moves before that, on the tokens
     generated so far (here reported every step); the reports still add up to every request and token."""
-    import stages.generation.vllm_backend
+    import stages.generation.base
 
-    monkeypatch.setattr(stages.generation.vllm_backend, "PROGRESS_INTERVAL_S", 0.0)
+    monkeypatch.setattr(stages.generation.base, "PROGRESS_INTERVAL_S", 0.0)
     requests = seeded(prompt_ids, 2)
     calls: list[tuple[int, int]] = []
     samples = vllm_backend.generate(requests, SamplingSpec(temperature=1.0, max_new_tokens=12),
