@@ -117,7 +117,10 @@ def catalog_seconds(root: Path, run_id: str) -> tuple[float, float]:
     started = time.perf_counter()
     with Catalog(str(root), [run_id], threads=1) as catalog:
         opened = time.perf_counter()
-        catalog.rows("SELECT avg(reward) AS reward FROM scores WHERE iter = (SELECT max(iter) FROM scores)")
+        # The latest iteration from the manifests, then a literal filter: DuckDB reads that iteration's files alone
+        # (a subquery in the filter reads every file: 2.3x at 100 iterations, docs/usage.md "Inspecting a run").
+        (latest,) = catalog.rows("SELECT max(iter) AS iter FROM manifests WHERE name = 'scores'")
+        catalog.rows(f"SELECT avg(reward) AS reward FROM scores WHERE iter = {int(latest['iter'])}")
         return opened - started, time.perf_counter() - opened
 
 
