@@ -23,12 +23,15 @@ import fsspec
 import pytest
 from rich.console import Console
 
+from flows.artifacts import iteration_metrics
 from flows.cli.status import status_table
 from flows.fork import Fork, fork
+from reports.html import build_report
 from schemas.config import apply_overrides, parse_config
 from schemas.errors import InputError
 from schemas.tables import TABLES
 from stages import advantage, train
+from stages.data.export import export_run
 from stages.harness import StageContext
 from stages.registry import Output, instance, stage_state
 from storage.catalog import Catalog
@@ -168,13 +171,17 @@ def test_generate_and_score_are_shared_and_advantage_is_rloos(root: str) -> None
 
 
 def test_status_names_the_shared_stages(root: str) -> None:
+    rloo = Run.open(root, "rloo")
     console = Console(width=250, record=True)
-    console.print(status_table(Run.open(root, "rloo")))
+    console.print(status_table(rloo))
     text = console.export_text()
     assert text.count("shared from grpo") == len(SHARED_AT_0)
     assert "not scheduled" in text or "missing" in text  # evaluate_base: not computed by grpo, not shared
     # the training reward of iteration 0, read from the shared scores (0, 1, 0, 1: mean 0.5, half solved)
     assert re.search(r"│\s+0\s+│\s+8\s+│\s+0\.500\s+│\s+0\.500\s+│", text), text
+    # the iteration's numbers as the flow's artifacts give them, the reward from the shared scores
+    summaries = {(row["stage"], row["metric"]): row["value"] for row in iteration_metrics(rloo, 0)}
+    assert summaries[("score", "reward.mean")] == 0.5 and summaries[("advantage", "kept.rows")] == 8
 
 
 def test_the_catalog_reads_shared_rows_once_per_run_with_its_id(root: str) -> None:
@@ -198,6 +205,15 @@ def test_the_catalog_reads_shared_rows_once_per_run_with_its_id(root: str) -> No
     assert traced.ok, traced.problems
     origins = {node["label"]: (node["shared_from"] or {}).get("run") for node in to_dict(traced)["nodes"]}
     assert origins["iter=0000/rollouts"] == "grpo" and origins["iter=0000/batch"] is None
+
+
+def test_export_and_report_read_the_shared_rows(root: str, tmp_path: Path) -> None:
+    grpo, rloo = Run.open(root, "grpo"), Run.open(root, "rloo")
+    done = export_run(root, "rloo", "hf", tmp_path / "hf")
+    assert done.rows == N_PROMPTS * N_SAMPLES  # grpo's rollouts, once
+    assert done.manifest["inputs"]["iter=0000/rollouts"] == table_manifest(grpo, "rollouts").sha256
+    html = build_report(rloo.layout, rloo.config)
+    assert "the manifest's file is gone" not in html  # no shared table left out of the report as lost
 
 
 def test_a_fork_of_the_fork_shares_from_both(root: str) -> None:
@@ -288,7 +304,7 @@ def test_the_origin_pruning_a_checkpoint_its_fork_shares(root: str, tmp_path: Pa
     grpo = Run.open(root, "grpo")
     heir = fork_of(grpo, "heir", [])  # shares train iter=0: grpo's checkpoint 0
     directory = grpo.layout.checkpoint_dir(0)
-    with put_back(grpo.fs, [path for path in grpo.fs.find(directory)]):
+    with put_back(grpo.fs, grpo.fs.find(directory)):
         prune_checkpoint(grpo.fs, Output("checkpoint", 0).manifest_path(grpo.layout), "checkpoint")  # grpo's retention
         assert not grpo.fs.exists(join(directory, "model.safetensors"))
         if not is_remote(root):
