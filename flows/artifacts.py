@@ -27,6 +27,7 @@ import pyarrow.compute as pc
 from schemas.tables import BASELINE_SAMPLE_IDX, TABLES
 from stages.registry import instance, iteration_stages, round_inputs, stage_state
 from storage.fs import is_remote
+from storage.manifest import located
 from storage.run import Run
 from storage.tables import read_table
 
@@ -57,11 +58,12 @@ def _flatten(prefix: str, value: Any, depth: int = 0) -> list[tuple[str, float]]
 
 
 def _table_paths(run: Run, table: str, iteration: int) -> list[str]:
-    """Where `table` of `iteration` lives: one file, or, for the per-round tables (rollouts, scores), round 0
-    and every complete dynamic-sampling round (the rounds the batch is built from)."""
+    """Where `table` of `iteration` is read (a fork's share by reference: the origin's file): one file, or, for
+    the per-round tables (rollouts, scores), round 0 and every complete dynamic-sampling round (the rounds the batch
+    is built from)."""
     extra = round_inputs(run, "advantage", iteration)
     rounds = [output.round_idx for output in extra.values() if output.name == table]
-    return [run.layout.table_path(table, iteration, r) for r in [0, *rounds]]
+    return [located(run.fs, run.layout.table_path(table, iteration, r)) for r in [0, *rounds]]
 
 
 def _table_summaries(run: Run, iteration: int) -> list[tuple[str, str, float]]:

@@ -4,9 +4,10 @@ computes the same thing, and leaves the rest to an ordinary resume of NEW.
 A stage key hashes the config sections a stage reads and its inputs' content hashes, so "the same thing" is "the
 same key": each of RUN's stage instances up to K, in pipeline order (run-level stages, then per iteration,
 generation rounds included), gets the key NEW's config gives it over NEW's inputs (those shared just before it),
-and is shared (storage/sharing.py) when every output RUN has for it carries that key. An instance whose key
-differs is not shared, and so neither is anything that reads its output: GRPO vs RLOO on the same rollouts shares
-prompts, base model, generate and score, and computes advantage onward. A shared output that RUN has lost or
+and is shared when every output RUN has for it carries that key: at no copy, by hard links on a local root and
+by a manifest that refers to RUN's files on S3 (storage/sharing.py). An instance whose key differs is not shared,
+and so neither is anything that reads its output: GRPO vs RLOO on the same rollouts shares prompts, base model,
+generate and score, and computes advantage onward. A shared output that RUN has lost or
 pruned is refused by name (the key says it would be shared; the bytes are gone). NEW's config.yaml is written
 last, so a fork killed while sharing leaves a directory without one, which the next fork replaces.
 """
@@ -31,7 +32,7 @@ from storage.layout import RunLayout, StageInstance
 from storage.manifest import Manifest, output_damage, read_manifest
 from storage.retention import require_unpruned
 from storage.run import Run
-from storage.sharing import check_can_share, share_output
+from storage.sharing import share_output
 
 
 @dataclass(frozen=True)
@@ -85,9 +86,10 @@ def _share(source: Run, new: Run, target: StageInstance) -> bool:
     if any(manifest.key != key for manifest in originals):
         return False
     outputs = outputs_of(target)
-    # where each output is now (a run moved to another root keeps its manifests' recorded paths)
-    located = [replace(manifest, path=output.path(source.layout)) for output, manifest in zip(outputs, originals,
-                                                                                                strict=True)]
+    # where each output's bytes are now: its place in RUN (a run moved to another root keeps its manifests'
+    # recorded paths), or, for RUN's own share by reference, the origin's files its manifest names
+    located = [manifest if manifest.by_reference else replace(manifest, path=output.path(source.layout))
+               for output, manifest in zip(outputs, originals, strict=True)]
     for manifest in located:
         require_unpruned(manifest)  # a checkpoint whose weights retention deleted: refused, naming its iteration
         if (damage := output_damage(source.fs, manifest)) is not None:
@@ -101,7 +103,6 @@ def _share(source: Run, new: Run, target: StageInstance) -> bool:
 def check_fork(source: Run, config: RunConfig, at: int) -> RunLayout:
     """Where the new run goes, once the storage, the new run id and the iteration are checked; InputError naming
     the one that is wrong."""
-    check_can_share(source.root)
     layout = RunLayout.create(source.root, config.run_id)
     if layout.fs.exists(layout.config_path):
         raise InputError(f"run {config.run_id} already exists at {layout.run_dir}: fork into a new run id")

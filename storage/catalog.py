@@ -17,8 +17,9 @@ e.g. pytasks or HumanEval, gets its prompt's `dataset`, as a verl reward functio
 and whose size matches it are read (a Parquet file without one is partial or abandoned), so the catalog lists
 manifests first and hands DuckDB an explicit file list; `Catalog.skipped` says what was left out and why.
 On S3 the s3fs file system is registered with DuckDB, because DuckDB's httpfs extension would have to be
-downloaded. A fork's tables (`rlpipe fork`, storage/sharing.py) are its own files, hard links to the ones it
-shares, so a shared table's rows are read once per run that has it, each time with that run's `run_id`.
+downloaded. A fork's shared tables (`rlpipe fork`, storage/sharing.py) are its own files (hard links) on a local
+root, and on S3 the origin's files its manifests name (`Manifest.by_reference`): either way a shared table's rows
+are read once per run that has it, each time with that run's `run_id`.
 Views are plain SQL over `read_parquet([...])`: nothing loads at open; `refresh()` picks up
 outputs written since.
 """
@@ -71,7 +72,7 @@ class CatalogEntry:
     name: str  # table name, or "checkpoint"
     run_id: str
     iteration: int | None  # BASE (-1) for base/ and checkpoints/base, None for run-level tables (prompts)
-    url: str  # where the file is now (DuckDB-readable: a local path or s3://...)
+    url: str  # where the file is now (DuckDB-readable: a local path or s3://...); a checkpoint's manifest
     manifest: Manifest
     problem: str | None = None  # set for a table whose file is lost or no longer the manifest's size
     round_idx: int = 0  # generation round of a dynamic-sampling round's table (iter=NNNN/round=RR/)
@@ -79,6 +80,14 @@ class CatalogEntry:
     @property
     def label(self) -> str:
         return f"{self.run_id}/{self.where}/{self.name}"
+
+    @property
+    def files_url(self) -> str:
+        """Where the output's bytes are: the table file, or the checkpoint's directory (the origin's, for a fork's
+        checkpoint shared by reference)."""
+        if self.name != "checkpoint":
+            return self.url
+        return self.manifest.path if self.manifest.by_reference else self.url.removesuffix("/manifest.json")
 
     @property
     def where(self) -> str:
@@ -135,6 +144,14 @@ def _find(fs: fsspec.AbstractFileSystem, directory: str) -> dict[str, dict[str, 
             except FileNotFoundError:  # removed while we listed (a stage replacing its output)
                 continue
     return found
+
+
+def _stat(fs: fsspec.AbstractFileSystem, path: str) -> dict[str, Any] | None:
+    """{"size": bytes} of one file outside the listed runs (a fork's share by reference), or None when it is gone."""
+    try:
+        return {"size": fs.size(path)}
+    except FileNotFoundError:
+        return None
 
 
 def _cat(fs: fsspec.AbstractFileSystem, paths: list[str]) -> dict[str, bytes]:
@@ -201,11 +218,13 @@ def list_outputs(root: str, run_ids: list[str] | None = None) -> Listing:
             continue
         data_rel = rel.removesuffix(".manifest.json")
         listed_with_manifest.add(data_rel)
-        info = relative.get(data_rel)
-        entry = CatalogEntry(match.group("table"), run_id, iteration, _url(fs, f"{runs_dir}/{data_rel}"), manifest,
+        # A table manifest describes the file beside it, or, shared by reference, the origin's file it names
+        data = _strip(fs, manifest.path) if manifest.by_reference else f"{runs_dir}/{data_rel}"
+        info = found.get(data) or (_stat(fs, data) if manifest.by_reference else None)
+        entry = CatalogEntry(match.group("table"), run_id, iteration, _url(fs, data), manifest,
                              round_idx=int(match.group("round") or 0))
-        # A table manifest must describe the file beside it: present, and with the recorded size. Anything
-        # else is a lost file or one rewritten after its manifest: not read, and named by the lineage check.
+        # That file must be present, and with the recorded size. Anything else is a lost file or one rewritten
+        # after its manifest: not read, and named by the lineage check.
         if info is None:
             entry = replace(entry, problem="missing: the manifest's file is gone (lost output)")
         elif int(info.get("size", -1)) != manifest.bytes:

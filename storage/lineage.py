@@ -7,7 +7,8 @@ file on the chain against its manifest (a checkpoint file by file, the base mode
 this machine). Problems, each naming the file: missing (a manifest whose file is gone), modified (bytes that
 no longer hash to the manifest), unresolved input (an input hash no output of the run has any more: the
 input was rewritten since, so this output is stale and the flow would redo it). A fork's shared output is its
-own file (a hard link) whose manifest names the run it is shared from (`shared_from`), which lineage reports.
+own file (a hard link), or on S3 the origin's file its manifest refers to, and its manifest names the run it is
+shared from (`shared_from`), which lineage reports.
 """
 
 from __future__ import annotations
@@ -195,7 +196,7 @@ def _check_checkpoint(node: Node, mode: Verify, warnings: list[str]) -> None:
         node.check = "pruned"
         warnings.append(f"{node.label} was pruned (train.keep_checkpoints): its files were not checked")
         return
-    directory = entry.url.removesuffix("/manifest.json")
+    directory = entry.files_url
     _check_files(node, directory, manifest.files, mode, local=False)  # an optimizer-pruned one: what is left
 
 

@@ -12,6 +12,11 @@ the same bytes does not invalidate anything downstream; one that changes them in
 downstream. A fork (`rlpipe fork`) shares outputs by a manifest of its own with `shared_from`
 (storage/sharing.py).
 
+A manifest's `path` is where its output's bytes are: every reader reads them there. It is the output's own
+place in its run, except for a fork's output shared by reference (an object store, where there are no hard
+links): the files of the run that computed it (`Manifest.by_reference`); `located` gives a reader that starts
+from a run's layout the place to read.
+
 The code version in the key is the package version (not the git commit), so that resuming a run after a
 bug-fix commit does not redo finished iterations; the git commit is still recorded for audit.
 """
@@ -31,6 +36,7 @@ from typing import Any
 import fsspec
 
 from storage.fs import atomic_write_bytes
+from storage.layout import manifest_path_for
 
 MANIFEST_VERSION = 1
 
@@ -97,6 +103,12 @@ class Manifest:
     pruned_files: dict[str, dict[str, Any]] = field(default_factory=dict)
     manifest_version: int = MANIFEST_VERSION
 
+    @property
+    def by_reference(self) -> bool:
+        """A fork's output shared by reference (storage/sharing.py): `path` is the origin's file or directory,
+        and the fork's own place holds nothing but this manifest."""
+        return self.shared_from is not None and self.shared_from.get("path") == self.path
+
     def to_json(self) -> bytes:
         return json.dumps(asdict(self), indent=2, sort_keys=True).encode()
 
@@ -123,6 +135,13 @@ def read_manifest(fs: fsspec.AbstractFileSystem, manifest_path: str) -> Manifest
         return Manifest.from_json(data, manifest_path)
     except ValueError:
         return None
+
+
+def located(fs: fsspec.AbstractFileSystem, path: str, kind: str = "table") -> str:
+    """Where to read the output whose place in its run is `path` (a layout path): its manifest's `path` when that
+    is another run's file (a fork's share by reference), else `path` itself."""
+    manifest = read_manifest(fs, manifest_path_for(path, kind))
+    return manifest.path if manifest is not None and manifest.by_reference else path
 
 
 def output_damage(fs: fsspec.AbstractFileSystem, manifest: Manifest) -> str | None:

@@ -8,7 +8,9 @@ never used again, and the next pass deletes what is left (`prune_checkpoint` aga
 manifest keeps its content hash (`sha256`): the keys of the stages that read the checkpoint, and of the stage
 that wrote it, are built from it and stay valid, so no stage reruns because a checkpoint was pruned on purpose
 (`output_damage` checks only `files`). Using a pruned checkpoint is refused instead: `require_unpruned`.
-Which checkpoints to prune is the pipeline's policy (stages/retention.py); tables are never pruned.
+Which checkpoints to prune is the pipeline's policy (stages/retention.py); tables are never pruned. A run's
+retention does not know its forks: on S3, where a fork's shared checkpoint is the origin's files, the fork's next
+use refuses the pruned files by name (storage/sharing.py); a local fork keeps them (hard links).
 """
 
 from __future__ import annotations
@@ -79,7 +81,10 @@ def prune_checkpoint(fs: fsspec.AbstractFileSystem, manifest_path: str, level: s
 def finish_pruning(fs: fsspec.AbstractFileSystem, manifest: Manifest) -> list[str]:
     """Delete whatever a pruned checkpoint still holds of its pruned files (all of them after a kill in
     between); a wholly pruned one keeps nothing but its manifest (a local hash cache goes too). One listing, so a
-    checkpoint pruned long ago costs one request a pass. Returns what was deleted (as the listing names it)."""
+    checkpoint pruned long ago costs one request a pass. Returns what was deleted (as the listing names it). A
+    fork's checkpoint shared by reference deletes nothing: its files are the run's that computed them."""
+    if manifest.by_reference:
+        return []
     folder = listing_prefix(fs, manifest.path)
     present = sorted(fs.find(manifest.path))
     if manifest.pruned == "checkpoint":

@@ -1,14 +1,16 @@
-"""Outputs one run shares with another (`rlpipe fork`): hard links plus a manifest that says where they came from.
+"""Outputs one run shares with another (`rlpipe fork`): the origin's files, under a manifest of the fork's own.
 
-A fork's shared output is the origin's files hard-linked into the fork's own paths (a link is no copy: one set
-of blocks, two names), under the fork's own manifest: the origin's, with the fork's path and `shared_from` (the
-run that computed it and the file there). Every reader (stages, the catalog, lineage, status, reports) reads a
-fork's outputs where it reads any run's, so none of them changes. The origin's files may later be deleted or
-pruned: the fork keeps the data. What a link cannot survive is a change of the shared bytes in place (both names
-see it) or a lost name in the fork, so a fork's shared outputs are re-hashed when the fork is driven
-(`verify_shared`) and a stage whose shared output is damaged refuses to redo it (`refuse_lost_share`): rerunning
-it would silently replace the origin's data with other data. S3 has no hard links: a fork there is refused
-(`check_can_share`) until references in manifests are resolved by every reader.
+The fork's manifest for a shared output is the origin's with `shared_from` (the run that computed it and the file
+there; a share of a share keeps the first origin) and with `path` where the bytes are (storage/manifest.py: every
+reader reads an output at its manifest's `path`). On a local root they are hard links in the fork's own paths (a
+link is no copy: one set of blocks, two names), so the origin's files may later be deleted or pruned and the fork
+keeps the data. On an object store, which has no links, nothing is written but the manifest: its `path` is the
+origin's file or checkpoint directory (`Manifest.by_reference`), so the stages, checkpoint downloads, the catalog,
+lineage, status and retention all read the origin's objects without a copy. What neither survives: a change of the
+shared bytes in place, a lost name in the fork, and on S3 the origin's files deleted or pruned (the origin's
+retention does not know its forks). So a fork's shared outputs are re-hashed when the fork is driven
+(`verify_shared`), and a stage whose shared output is damaged refuses to redo it (`refuse_lost_share`): rerunning
+it would silently replace the origin's data with other data; the refusal names the missing file.
 """
 
 from __future__ import annotations
@@ -25,30 +27,32 @@ from storage.layout import RunLayout, manifest_path_for
 from storage.manifest import Manifest, output_damage, read_manifest, sha256_file, write_manifest
 
 
-def check_can_share(root: str) -> None:
-    """A fork needs hard links: a local storage root."""
-    if is_remote(root):
-        raise InputError(f"rlpipe fork needs a local storage root; {root} is an object store, which has no hard "
-                         "links (forks on S3 are not supported yet): start the new run with `rlpipe run` instead")
-
-
 def share_output(fs: fsspec.AbstractFileSystem, source: Manifest, source_run: str, destination: str) -> Manifest:
-    """Hard-link the output `source` describes (a table file, or every file of a checkpoint directory but its
-    manifest) to `destination`, and write the fork's manifest for it; returns that manifest. A share of a share
-    keeps the first origin: the run whose stage computed the bytes."""
-    if source.kind == "checkpoint":
-        os.makedirs(destination, exist_ok=True)
-        for parent, _, names in os.walk(source.path):
-            for name in names:
-                relative = os.path.relpath(os.path.join(parent, name), source.path)
-                if relative != "manifest.json":
-                    _link(os.path.join(source.path, relative), os.path.join(destination, relative))
-    else:
-        _link(source.path, destination)
+    """Share the output `source` describes (its `path` where its bytes are now) at `destination`, the fork's place
+    for it, and write the fork's manifest there; returns that manifest. Locally the table file, or every file of a
+    checkpoint directory but its manifest, is hard-linked to `destination`; on an object store the manifest refers
+    to `source.path`. A share of a share keeps the first origin: the run whose stage computed the bytes."""
     origin = source.shared_from or {"run": source_run, "path": source.path}
-    shared = replace(source, path=destination, shared_from=origin)
+    if is_remote(destination):  # by reference: the bytes stay where they are
+        shared = replace(source, shared_from=origin)
+    else:
+        _link_output(source, destination)
+        shared = replace(source, path=destination, shared_from=origin)
     write_manifest(fs, manifest_path_for(destination, source.kind), shared)
     return shared
+
+
+def _link_output(source: Manifest, destination: str) -> None:
+    """Hard-link a table file, or every file of a checkpoint directory but its manifest, to `destination`."""
+    if source.kind != "checkpoint":
+        _link(source.path, destination)
+        return
+    os.makedirs(destination, exist_ok=True)
+    for parent, _, names in os.walk(source.path):
+        for name in names:
+            relative = os.path.relpath(os.path.join(parent, name), source.path)
+            if relative != "manifest.json":
+                _link(os.path.join(source.path, relative), os.path.join(destination, relative))
 
 
 def _link(source: str, destination: str) -> None:

@@ -7,7 +7,8 @@ recorded them).
 Extra dynamic-sampling rounds of an iteration (generate and score, `iter=k/round=RR/`) get a row of their
 own under it, `k.r`, for every round that left any output, finished or not. A stage instance the run's failure
 record names reads "failed (exit code N)", and a last line gives the stage and the reason (storage/failure.py).
-A fork's shared stage instance reads "shared from RUN" (`rlpipe fork`, storage/sharing.py).
+A fork's shared stage instance reads "shared from RUN" (`rlpipe fork`, storage/sharing.py); its tables are read
+where its manifests say (`storage.manifest.located`: the origin's files on S3).
 A `disk:` line gives what the run holds on its root, what retention pruned, and the root's free space.
 """
 
@@ -27,6 +28,7 @@ from stages.evaluation.metrics import clusters_of, data_sources_of, paired_gains
 from stages.registry import ITERATION_STAGES, RUN_STAGES, STAGES, StageState, instance, is_scheduled, stage_state
 from storage.failure import StageFailure, read_failure
 from storage.layout import BASE
+from storage.manifest import located
 from storage.retention import disk_usage
 from storage.run import Run
 from storage.tables import read_table
@@ -123,7 +125,7 @@ def training_rows(run: Run, iteration: int) -> list[dict]:
     rows = []
     for round_idx in [0, *extra_rounds(run, iteration)]:
         if stage_state(run, instance("score", iteration, round_idx)).done:
-            path = run.layout.table_path("scores", iteration, round_idx)
+            path = located(run.fs, run.layout.table_path("scores", iteration, round_idx))
             scores = read_table(run.fs, path, TABLES["scores"]).select(["prompt_id", "reward", "status", "sample_idx"])
             rows += [row for row in scores.to_pylist() if row["sample_idx"] != BASELINE_SAMPLE_IDX]
     return rows
@@ -155,9 +157,10 @@ def training_by_source_table(run: Run) -> Table:
     table = Table(title="training reward by data_source")
     for column in ["iteration", "data_source", "samples", "mean reward", "solved"]:
         table.add_column(column, justify="left" if column == "data_source" else "right")
-    if not run.fs.exists(run.layout.prompts_path):
+    prompts_path = located(run.fs, run.layout.prompts_path)
+    if not run.fs.exists(prompts_path):
         return table
-    prompts = read_table(run.fs, run.layout.prompts_path, TABLES["prompts"]).to_pylist()
+    prompts = read_table(run.fs, prompts_path, TABLES["prompts"]).to_pylist()
     sources = data_sources_of([row for row in prompts if row["split"] == "train"])
     if len(set(sources.values())) < 2:
         return table
@@ -208,11 +211,12 @@ def held_out_table(run: Run) -> Group:
         gains.add_column(column, no_wrap=column == "checkpoint")
     base_rows: dict[str, list[dict]] = {}
     base_by_source: dict[str, list[dict]] = {}
-    prompts_rows = read_table(run.fs, run.layout.prompts_path, TABLES["prompts"]).to_pylist() if (
-        run.fs.exists(run.layout.prompts_path)) else []
+    prompts_path = located(run.fs, run.layout.prompts_path)
+    prompts_rows = read_table(run.fs, prompts_path, TABLES["prompts"]).to_pylist() if (
+        run.fs.exists(prompts_path)) else []
     clusters, sources = clusters_of(prompts_rows), data_sources_of(prompts_rows)
     for label, iteration, state in evaluated_checkpoints(run):
-        rows = read_table(run.fs, run.layout.table_path("eval", iteration), TABLES["eval"]).to_pylist()
+        rows = read_table(run.fs, located(run.fs, run.layout.table_path("eval", iteration)), TABLES["eval"]).to_pylist()
         metrics = state.manifests[-1].metrics
         # the evaluate stage records per-data_source summaries only where they differ from the per-dataset ones
         by_source = {data_source_label(name): summary for name, summary in metrics.get("data_sources", {}).items()}

@@ -27,7 +27,7 @@ from stages.harness import StageContext
 from stages.registry import RUN_STAGES, iteration_stages
 from stages.retention import prune_checkpoints
 from storage.checkpoints import HASH_CACHE_NAME, verify_checkpoint
-from storage.fs import filesystem, join
+from storage.fs import filesystem
 from storage.layout import BASE, RunLayout, manifest_path_for
 from storage.lineage import lineage
 from storage.manifest import Manifest, read_manifest, write_manifest
@@ -35,7 +35,7 @@ from storage.retention import CheckpointPruned, disk_usage, prune_checkpoint, re
 from storage.run import Run
 from tests.reliability import helpers as h
 from tests.storage.test_s3 import s3_endpoint, s3_root  # noqa: F401 - the moto fixtures
-from tests.support.stages import run_stage_at
+from tests.support.stages import clone, run_stage_at
 from tests.support.table_digests import run_digests
 
 ITERATIONS = 4
@@ -104,23 +104,6 @@ def checkpoint_state(layout: RunLayout, iteration: int) -> tuple[str, list[str],
 def checkpoints(layout: RunLayout) -> dict[int, tuple[str, list[str], list[str], list[str]]]:
     layout.fs.invalidate_cache()
     return {k: checkpoint_state(layout, k) for k in [BASE, *range(ITERATIONS)]}
-
-
-def clone(source: RunLayout, root: str) -> RunLayout:
-    """A copy of a run under another root on any file system: manifests record full paths, which are moved.
-    Local hash caches are left out (S3 checkpoints have none; they are rebuilt where needed)."""
-    fs = source.fs
-    prefix = fs._strip_protocol(source.run_dir) + "/"
-    target = RunLayout.create(root, source.run_id)
-    for path in fs.find(source.run_dir):
-        relative = path.removeprefix(prefix)
-        if relative.endswith((".lock", HASH_CACHE_NAME)):
-            continue
-        data = fs.cat_file(path)
-        if relative.endswith("manifest.json"):
-            data = data.replace(f"{source.root}/".encode(), f"{target.root}/".encode())
-        target.fs.pipe_file(join(target.run_dir, relative), data)
-    return target
 
 
 def assert_sound(layout: RunLayout, built: int = ITERATIONS) -> None:
