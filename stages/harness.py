@@ -11,6 +11,10 @@ A stage is plain Python (no Prefect): `python -m stages.<name> --run R --iter K 
 6. on failure writes the run's failure record (stage, exit code, one-line reason; storage/failure.py), which
    the same stage instance's next success removes.
 
+A sharded instance (pipeline.shards) is K shard runs (`--shard k/K`: `ctx.shard_groups` gives each its prompt
+groups, `write_table` writes its part, schema-checked) and a merge (`--merge`: `merge_shards`), which checks the
+whole table's contract and writes the manifest last, as step 5 does for any stage.
+
 Exit codes: 0 done, 2 bad input or config (message names the file/row/field), 1 anything else.
 """
 

@@ -5,6 +5,7 @@
     <root>/runs/<run_id>/base/eval.parquet                   evaluation of the base model
     <root>/runs/<run_id>/iter=0003/<table>.parquet           rollouts, scores, batch, train_metrics, eval
     <root>/runs/<run_id>/iter=0003/round=01/<table>.parquet  rollouts, scores of a dynamic-sampling round
+    <root>/runs/<run_id>/iter=0003/<table>.parquet.parts/    a sharded stage's parts until the merge (`part_path`)
     <root>/runs/<run_id>/checkpoints/base/manifest.json      points at the base model directory
     <root>/runs/<run_id>/checkpoints/iter=0003/              HF model dir + optimizer.pt + manifest.json
     <root>/runs/<run_id>/logs/generate@iter=0003.log          a stage's library log (vLLM's), local roots
