@@ -5,7 +5,8 @@ skipped when its manifests say it is done for the current config and inputs (not
 which cannot see a deleted file or a changed upstream table). Where stages run is the dispatch mode (the
 `dispatch` parameter, else `$RLPIPE_DISPATCH`, else local): `local` forks each stage from the stage server the
 flow keeps while it runs (flows/runner/forkserver.py); `deployments` runs each as a flow run of `stage/<name>`
-on a worker of its pool, sharing only the storage root, with parameters run (a `RunRef`), stage, iteration.
+on a worker of its pool, sharing only the storage root, with parameters run (a `RunRef`), stage, iteration. A
+sharded stage (pipeline.shards) is its K shards at once, then their merge: K processes here, K flow runs there.
 
 A flow run is where a process enters a run: it opens the `Run` from its `RunRef` once, under the run lease,
 and passes it down (`_driven_run`); called by `rlpipe run`, which holds both already, it takes the `Run` the
@@ -43,17 +44,18 @@ from flows.runner.process import (  # noqa: E402
     dynamic_sampling_rounds,
     next_iteration,
     resolve_dispatch,
+    run_sharded,
     run_stage_process,
     stage_environment,
 )
 from flows.trackers import log_iterations  # noqa: E402
 from schemas import settings  # noqa: E402
 from schemas.config import ConfigError, load_config, parse_config  # noqa: E402
-from stages.registry import RUN_STAGES, instance, is_done_now, iteration_stages  # noqa: E402
+from stages.registry import RUN_STAGES, instance, is_done_now, iteration_stages, shards_of  # noqa: E402
 from stages.retention import prune_checkpoints  # noqa: E402
 from stages.rl.advantages import check_estimator_fits  # noqa: E402
 from storage.fs import filesystem, is_remote  # noqa: E402
-from storage.layout import BASE, StageInstance, iteration_name  # noqa: E402
+from storage.layout import BASE, Shard, StageInstance, iteration_name  # noqa: E402
 from storage.lock import RunLocked, run_lock  # noqa: E402
 from storage.run import Run, RunRef  # noqa: E402
 
@@ -70,8 +72,10 @@ def stage_deployment(stage: str) -> str:
     return f"{STAGE_FLOW}/{stage}"
 
 
-def run_stage_here(run: Run, target: StageInstance) -> StageOutcome:
-    """Run a stage as a child process of this one unless its outputs are valid.
+def run_stage_here(run: Run, target: StageInstance, merge: bool = False) -> StageOutcome:
+    """Run a stage as a child process of this one unless its outputs are valid; a sharded one (pipeline.shards)
+    as its K shard processes at once, then the merge. A shard, or with `merge` the merge alone: that one process
+    (a worker given it by `dispatch_stage`).
 
     The child takes the stage's lease itself (waiting for it if another trigger holds it, then skipping the
     work if that one finished it), so the lease lives exactly as long as the stage: a flow process that is
@@ -79,27 +83,45 @@ def run_stage_here(run: Run, target: StageInstance) -> StageOutcome:
     """
     if is_done_now(run, target):
         return StageOutcome(target, ran=False, seconds=0.0)
-    seconds = run_stage_process(run, target, settings.seconds(settings.STAGE_LOCK_WAIT_S))
-    return StageOutcome(target, ran=True, seconds=seconds)
+    started, wait = time.monotonic(), settings.seconds(settings.STAGE_LOCK_WAIT_S)
+    if target.shard is None and not merge and shards_of(run.config, target):
+        run_sharded(run, target, lambda part: run_stage_process(run, part, wait),
+                    lambda whole: run_stage_process(run, whole, wait, merge=True))
+    else:
+        run_stage_process(run, target, wait, merge)
+    return StageOutcome(target, ran=True, seconds=time.monotonic() - started)
 
 
 def dispatch_stage(run: Run, target: StageInstance) -> StageOutcome:
-    """Run a stage as a flow run of its deployment (on a worker of its pool) and wait for it."""
-    from prefect.deployments import run_deployment
-
+    """Run a stage as a flow run of its deployment (on a worker of its pool) and wait for it; a sharded one as one
+    flow run per shard, all at once (K workers of the pool take one each), then one that merges."""
     # Checked here too (the stage flow checks again under its lease) to spare a worker round trip.
     if is_done_now(run, target):
         return StageOutcome(target, ran=False, seconds=0.0)
     started = time.monotonic()
+    if shards_of(run.config, target):
+        run_sharded(run, target, lambda part: _stage_flow_run(run, part),
+                    lambda whole: _stage_flow_run(run, whole, merge=True))
+    else:
+        _stage_flow_run(run, target)
+    return StageOutcome(target, ran=True, seconds=time.monotonic() - started)
+
+
+def _stage_flow_run(run: Run, target: StageInstance, merge: bool = False) -> None:
+    from prefect.deployments import run_deployment
+
     parameters: dict[str, Any] = {"run": RunRef(root=run.root, run_id=run.run_id), "stage": target.stage,
                                   "iteration": target.iteration}
     if target.round_idx:
         parameters["round_idx"] = target.round_idx
+    if target.shard:
+        parameters["shard"] = f"{target.shard.index}/{target.shard.count}"
+    if merge:
+        parameters["merge"] = True
     flow_run = run_deployment(stage_deployment(target.stage), parameters=parameters, timeout=None,
                               poll_interval=settings.seconds(settings.DISPATCH_POLL_S))
     if flow_run.state is None or not flow_run.state.is_completed():
         raise DispatchedStageFailed(target, flow_run.name, flow_run.state.name if flow_run.state else "?")
-    return StageOutcome(target, ran=True, seconds=time.monotonic() - started)
 
 
 def start_from_config(config_path: str, root: str | None, run_id: str | None, iterations: int | None) -> Run:
@@ -137,8 +159,10 @@ def _run_name(kind: str) -> str:
     if kind == "loop":
         return run_id
     if kind == "stage":
-        target = instance(parameters["stage"], parameters.get("iteration", BASE), parameters.get("round_idx", 0))
-        return f"{run_id}-{target.slug}"
+        shard = parameters.get("shard")
+        target = instance(parameters["stage"], parameters.get("iteration", BASE), parameters.get("round_idx", 0),
+                          Shard.parse(shard) if shard else None)
+        return f"{run_id}-{target.slug}" + ("-merge" if parameters.get("merge") else "")
     iteration = parameters.get("iteration")
     return f"{run_id}-{'next' if iteration is None else iteration_name(iteration)}"
 
@@ -151,10 +175,14 @@ def stage_task(run: Run, target: StageInstance, dispatch: str = "local") -> Stag
 
 
 @flow(name=STAGE_FLOW, flow_run_name=lambda: _run_name("stage"))
-def stage_flow(run: RunRef, stage: str, iteration: int = BASE, round_idx: int = 0) -> StageOutcome:
-    """One stage on this machine (a worker of the stage's pool), unless its outputs are valid already. No run
-    lease: the dispatching flow holds it; the stage's own lease is taken by its process."""
-    return run_stage_here(Run.at(run.layout), instance(stage, iteration, round_idx))
+def stage_flow(
+    run: RunRef, stage: str, iteration: int = BASE, round_idx: int = 0, shard: str | None = None, merge: bool = False,
+) -> StageOutcome:
+    """One stage on this machine (a worker of the stage's pool), unless its outputs are valid already; with `shard`
+    ("k/K") one shard of it, with `merge` the merge of its shards' parts (pipeline.shards). No run lease: the
+    dispatching flow holds it; the stage's own lease (a shard's own) is taken by its process."""
+    target = instance(stage, iteration, round_idx, Shard.parse(shard) if shard else None)
+    return run_stage_here(Run.at(run.layout), target, merge)
 
 
 def _run_iteration(run: Run, iteration: int | None, mode: str) -> list[StageOutcome]:

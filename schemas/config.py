@@ -844,8 +844,14 @@ class LogConfig(Section):
         return trackers
 
 
+# The stages `pipeline.shards` may split: each works prompt group by prompt group, so shard k of K computes its
+# groups exactly as the whole stage would. advantage normalises across groups and train steps on the whole batch.
+SHARDABLE_STAGES = ("generate", "score", "evaluate")
+
+
 class PipelineConfig(Section):
-    """How the iterations' stages are ordered: strictly one after another, or overlapped."""
+    """How the iterations' stages are ordered (strictly one after another, or overlapped), and how many shard
+    processes (machines) a stage is split into."""
 
     max_staleness: int = Field(
         0, ge=0, description="Overlapped iterations: generate of iteration k samples with the checkpoint of "
@@ -853,6 +859,31 @@ class PipelineConfig(Section):
         "train k runs. 0: strict order (k samples with k-1). N > 0 needs a correction for the stale sampler "
         "(train.is_level token|sequence or train.bypass_old_logprobs); docs/algorithms.md."
     )
+    shards: dict[str, int] = Field(
+        default_factory=dict,
+        description="Stage name -> K: run each instance of that stage as K shard runs at once (locally K processes), "
+        "each on a contiguous share of its prompt groups, writing a part of the table; a merge validates the whole "
+        "table and writes its manifest. The merged table equals the unsharded one; a killed shard reruns alone. "
+        f"Stages: {', '.join(SHARDABLE_STAGES)} (`evaluate` also splits `evaluate_base`); 1 (the default): one "
+        "process. E.g. `{generate: 2, score: 2}`.",
+    )
+
+    @field_validator("shards")
+    @classmethod
+    def _shards_of_shardable_stages(cls, shards: dict[str, int]) -> dict[str, int]:
+        for stage, count in shards.items():
+            if stage not in SHARDABLE_STAGES:
+                raise ValueError(
+                    f"stage {stage!r} cannot be sharded: only {', '.join(SHARDABLE_STAGES)} work prompt group by "
+                    "prompt group (advantage normalises across groups, train steps on the whole batch)"
+                )
+            if count < 1:
+                raise ValueError(f"{stage}: {count} shards; at least 1 (1: one process)")
+        return shards
+
+    def shards_of(self, stage: str) -> int:
+        """How many shard runs an instance of `stage` is (1: not sharded); evaluate_base is the evaluate stage."""
+        return self.shards.get("evaluate" if stage == "evaluate_base" else stage, 1)
 
 
 class RunConfig(Section):
@@ -925,6 +956,23 @@ class RunConfig(Section):
         return self
 
     @model_validator(mode="after")
+    def _shards_fit_the_stage(self) -> RunConfig:
+        # A shard holds whole prompt groups, and the rows of a group depend on nothing else of the stage's input
+        # only where the engine decodes each request on its own: the HF backend pads batch_size requests together,
+        # so another batch (a shard's) changes the fp32 sums and the samples. vLLM's per-request seeds do not.
+        shards, gen = self.pipeline.shards, self.generate
+        for stage in ("generate", "score"):  # evaluate's groups are the test prompts: checked when it runs
+            if shards.get(stage, 1) > gen.prompts_per_iteration:
+                raise ValueError(
+                    f"pipeline.shards.{stage}={shards[stage]} is more than the {gen.prompts_per_iteration} prompt "
+                    "groups an iteration has (generate.prompts_per_iteration): a shard holds whole groups"
+                )
+        for stage in ("generate", "evaluate"):  # `auto` resolves where the stage runs: checked there too
+            if gen.backend == "hf" and (problem := batched_shards_problem(self, stage, "hf")):
+                raise ValueError(problem)
+        return self
+
+    @model_validator(mode="after")
     def _staleness_needs_a_correction(self) -> RunConfig:
         staleness, train = self.pipeline.max_staleness, self.train
         if staleness == 0:
@@ -943,6 +991,18 @@ class RunConfig(Section):
                 "round, so generation of k+1 cannot start before it; use max_staleness 0 or target_groups null"
             )
         return self
+
+
+def batched_shards_problem(config: RunConfig, stage: str, backend: str) -> str | None:
+    """Why `stage` cannot be sharded on `backend` under `config`, or None. The HF backend decodes
+    generate.batch_size requests together, left-padded: a shard's batches hold other requests beside a sample, the
+    fp32 sums differ and so do the samples, where vLLM's per-request seeds give every shard the unsharded table's."""
+    shards = config.pipeline.shards_of(stage)
+    if shards == 1 or backend != "hf" or config.generate.batch_size == 1:
+        return None
+    return (f"pipeline.shards.{stage}={shards} with the hf generation backend and generate.batch_size="
+            f"{config.generate.batch_size}: it decodes requests in padded batches, so a shard's batches give other "
+            "samples than the unsharded stage's; set generate.batch_size=1 or generate.backend=vllm")
 
 
 class ConfigError(ValueError):

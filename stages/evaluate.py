@@ -11,15 +11,19 @@ turns, tool calls per answer, tool error rate and solved-after-retry, grading ea
 answer), and under `data_sources` one per verl `data_source` where the test prompts mix sources within a file
 (`splits_by_data_source`: verl reports validation per source), beside the engine figures the
 generate stage also records: backend, `deterministic`, `engine_start_seconds` apart from
-`generation_seconds`, tokens/s, and the overlong-prompt counts.
+`generation_seconds`, tokens/s, and the overlong-prompt counts. Sharded (pipeline.shards.evaluate), each shard
+evaluates a contiguous range of the test prompts and `merge` rebuilds the unsharded table and its summaries.
 """
 
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import pyarrow as pa
+import pyarrow.compute as pc
 
+from schemas.config import ConfigError, batched_shards_problem
 from schemas.errors import InputError
 from stages.evaluation.metrics import aggregate, clusters_of, multi_turn_summary, splits_by_data_source
 from stages.generation.agent_loop import (
@@ -34,17 +38,18 @@ from stages.generation.client import open_stage_engine
 from stages.generation.device import backend_device_record, claim_device
 from stages.generation.models import load_tokenizer
 from stages.generation.sampling import GenerationResult, encode_prompts, generate_with_progress
-from stages.harness import StageContext, exit_with
+from stages.harness import StageContext, concatenate_parts, exit_with, trailing_rows_last
 from stages.sandbox import ScoreJob
-from stages.sandbox.rewards import RewardInput, account_for, score_with_progress
+from stages.sandbox.rewards import RewardInput, account_for, combine_reward_metrics, score_with_progress
+from storage.manifest import Manifest
 
 
 def run(ctx: StageContext) -> None:
     ev = ctx.config.evaluate
     gen = ctx.config.generate
-    prompts = [row for row in ctx.read_input("prompts").to_pylist() if row["split"] == "test"]
-    if not prompts:
-        raise InputError(f"{ctx.inputs['prompts'].path}: no test prompts")
+    prompts = test_prompts(ctx)
+    groups = set(ctx.shard_groups([row["prompt_id"] for row in prompts]))  # all, or this shard's (pipeline.shards)
+    prompts = [row for row in prompts if row["prompt_id"] in groups]
     by_id = {row["prompt_id"]: row for row in prompts}
     device = claim_device(ctx.config.device)
     model_dir = ctx.policy_dir()
@@ -63,6 +68,9 @@ def run(ctx: StageContext) -> None:
     engine = open_stage_engine(gen, model_dir, device, ctx.config.device, ctx.inputs["policy"].sha256,
                                ctx.layout.run_dir, ctx.layout.lock_path())
     backend = engine.backend
+    if ctx.instance.shard and (problem := batched_shards_problem(ctx.config, ctx.spec.name, backend.name)):
+        backend.close()
+        raise ConfigError(problem)  # backend `auto` became hf here
     plan: list[tuple[str, str, int]] = []  # (prompt_id, mode, sample_idx) per generated sample
     samples = []
     generation_seconds, generated_tokens = 0.0, 0
@@ -142,18 +150,45 @@ def run(ctx: StageContext) -> None:
         "prompts_truncated": encoded.truncated,
         "reward_functions": reward_functions,
     }
-    clusters = clusters_of(prompts)  # the intervals resample whole problem families where prompts name one
     if multi_turn:
         metrics["tool_seconds"] = round(tool_seconds, 3)
+    ctx.write_table("eval", pa.Table.from_pylist(rows), metrics | summaries(ctx, rows, prompts))
+
+
+def test_prompts(ctx: StageContext) -> list[dict[str, Any]]:
+    prompts = [row for row in ctx.read_input("prompts").to_pylist() if row["split"] == "test"]
+    if not prompts:
+        raise InputError(f"{ctx.inputs['prompts'].path}: no test prompts")
+    return prompts
+
+
+def summaries(ctx: StageContext, rows: list[dict[str, Any]], prompts: list[dict[str, Any]]) -> dict[str, Any]:
+    """The manifest's figures of the eval rows: one summary per dataset and, where the prompts mix verl
+    data_sources, one per source (`data_sources`)."""
+    ev, mode = ctx.config.evaluate, ctx.config.generate.multi_turn.mode
+    clusters = clusters_of(prompts)  # the intervals resample whole problem families where prompts name one
+    figures: dict[str, Any] = {}
     for dataset in sorted({row["dataset"] for row in rows}):
-        metrics[dataset] = aggregate([row for row in rows if row["dataset"] == dataset], ev.k, clusters)
-        if multi_turn:
-            metrics[dataset].update(multi_turn_summary([row for row in rows if row["dataset"] == dataset], mt.mode))
+        figures[dataset] = aggregate([row for row in rows if row["dataset"] == dataset], ev.k, clusters)
+        if mode != "off":
+            figures[dataset].update(multi_turn_summary([row for row in rows if row["dataset"] == dataset], mode))
     if (sources := splits_by_data_source(prompts)) is not None:  # verl's val-core/<data_source>/... figures
-        metrics["data_sources"] = {
+        figures["data_sources"] = {
             source: aggregate([row for row in rows if sources[row["prompt_id"]] == source], ev.k, clusters)
             for source in sorted(set(sources.values()))}
-    ctx.write_table("eval", pa.Table.from_pylist(rows), metrics)
+    return figures
+
+
+def merge(ctx: StageContext, parts: list[pa.Table], manifests: list[Manifest]) -> tuple[pa.Table, dict[str, Any]]:
+    """The shards' parts as the unsharded stage writes the table (every greedy row, then every sampled one, each
+    block in prompt order), with the summaries over all the test prompts and the shards' reward figures combined."""
+    counts = {"generated_tokens", "prompts_skipped_overlong", "prompts_truncated"}
+    table, metrics = concatenate_parts(ctx, parts, manifests, counts)
+    table = trailing_rows_last(table, pc.not_equal(table["mode"], "greedy"))
+    seconds = metrics["generation_seconds"]
+    metrics["tokens_per_second"] = round(metrics["generated_tokens"] / seconds, 2) if seconds else 0.0
+    metrics["reward_functions"] = combine_reward_metrics([m.metrics["reward_functions"] for m in manifests])
+    return table, metrics | summaries(ctx, table.to_pylist(), test_prompts(ctx))
 
 
 def turn_columns(c: Conversation, mode: str) -> dict[str, object]:
@@ -164,4 +199,4 @@ def turn_columns(c: Conversation, mode: str) -> dict[str, object]:
 
 
 if __name__ == "__main__":
-    exit_with("evaluate", run)
+    exit_with("evaluate", run, merge)

@@ -17,6 +17,9 @@ then holds the whole conversation after the prompt and its multi-turn columns (s
 With `advantage.estimator: remax` each prompt also gets one greedy (temperature 0) rollout, sample_idx -1,
 generated after the sampled ones: remax's baseline, scored like any rollout and left out of the batch.
 
+Sharded (pipeline.shards.generate), shard k generates the k-th contiguous range of the selected prompts and `merge`
+puts the parts back into the unsharded table's row order: per-sample seeds make the rows the same.
+
 The table is written once, at the end, atomically. Engine start time is recorded apart from generation
 time in the manifest, and so is the sampler/trainer logprob mismatch on the first few samples
 (`logprob_mismatch`, see stages/generation/mismatch.py), measured after the engine is closed.
@@ -32,7 +35,9 @@ from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
+import pyarrow.compute as pc
 
+from schemas.config import ConfigError, batched_shards_problem
 from schemas.errors import InputError
 from schemas.tables import BASELINE_SAMPLE_IDX, SINGLE_TURN_ROLLOUT
 from stages.generation.agent_loop import ConversationStart, conversation_sample, roll_out, uses_continuous_batching
@@ -41,10 +46,11 @@ from stages.generation.client import open_stage_engine
 from stages.generation.device import Device, backend_device_record, claim_device, resolve_dtype
 from stages.generation.models import load_tokenizer
 from stages.generation.sampling import GenerationResult, encode_prompts, generate_with_progress
-from stages.harness import StageContext, exit_with
+from stages.harness import StageContext, concatenate_parts, exit_with, trailing_rows_last
 from stages.registry import policy_step
 from stages.rl.advantages import ESTIMATORS
 from stages.sandbox.rewards import RewardInput
+from storage.manifest import Manifest
 
 
 def select_prompts(train_prompt_ids: list[str], run_seed: int, iteration: int, per_iteration: int) -> list[str]:
@@ -114,6 +120,7 @@ def run(ctx: StageContext) -> None:
             f"train prompt left that earlier rounds did not use ({len(train)} in all): the batch cannot reach "
             "advantage.target_groups; lower it or add training prompts"
         )
+    selected = ctx.shard_groups(selected)  # all, or this shard's contiguous range (pipeline.shards.generate)
 
     device = claim_device(ctx.config.device)
     model_dir = ctx.policy_dir()
@@ -141,6 +148,9 @@ def run(ctx: StageContext) -> None:
     engine = open_stage_engine(cfg, model_dir, device, ctx.config.device, ctx.inputs["policy"].sha256,
                                ctx.layout.run_dir, ctx.layout.lock_path())
     backend = engine.backend
+    if ctx.instance.shard and (problem := batched_shards_problem(ctx.config, "generate", backend.name)):
+        backend.close()
+        raise ConfigError(problem)  # backend `auto` became hf here
     multi_turn = cfg.multi_turn.mode != "off"
     loop_figures: dict[str, Any] = {}
     greedy: GenerationResult | None = None
@@ -205,6 +215,20 @@ def run(ctx: StageContext) -> None:
     })
 
 
+def merge(ctx: StageContext, parts: list[pa.Table], manifests: list[Manifest]) -> tuple[pa.Table, dict[str, Any]]:
+    """The shards' parts as the unsharded stage writes the table: every group's samples in prompt order, then remax's
+    greedy rows; throughput over the longest shard's generation time (the shards ran at once)."""
+    counts = {"generated_tokens", "prompts", "prompts_skipped_overlong", "prompts_truncated", "greedy_baselines",
+              "logprob_mismatch.samples"}
+    table, metrics = concatenate_parts(ctx, parts, manifests, counts)
+    table = trailing_rows_last(table, pc.equal(table["sample_idx"], BASELINE_SAMPLE_IDX))
+    seconds = metrics["generation_seconds"]
+    metrics["tokens_per_second"] = round(metrics["generated_tokens"] / seconds, 2) if seconds else 0.0
+    if "multi_turn" in metrics:  # figures of the rows over all of them; the loop's times as combined
+        metrics["multi_turn"] |= multi_turn_summary(table.to_pylist(), {})
+    return table, metrics
+
+
 def multi_turn_summary(rows: list[dict[str, Any]], figures: dict[str, Any]) -> dict[str, Any]:
     """The manifest's multi-turn figures: turns, tool calls and errors, finish reasons, tool and judge time."""
     n = max(len(rows), 1)
@@ -240,4 +264,4 @@ def sampler_trainer_mismatch(
 
 
 if __name__ == "__main__":
-    exit_with("generate", run)
+    exit_with("generate", run, merge)

@@ -11,6 +11,10 @@ A stage is plain Python (no Prefect): `python -m stages.<name> --run R --iter K 
 6. on failure writes the run's failure record (stage, exit code, one-line reason; storage/failure.py), which
    the same stage instance's next success removes.
 
+A sharded instance (pipeline.shards) is K shard runs (`--shard k/K`: `ctx.shard_groups` gives each its prompt
+groups, `write_table` writes its part, schema-checked) and a merge (`--merge`: `merge_shards`), which checks the
+whole table's contract and writes the manifest last, as step 5 does for any stage.
+
 Exit codes: 0 done, 2 bad input or config (message names the file/row/field), 1 anything else.
 """
 
@@ -23,9 +27,10 @@ import shutil
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections import Counter
+from collections.abc import Callable, Collection, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -52,13 +57,14 @@ from stages.registry import (
     lane_of,
     outputs_of,
     resolve_inputs,
+    shards_of,
 )
 from stages.rl.advantages import ESTIMATORS, check_estimator_fits
 from storage.checkpoints import checkpoint_digest, fetch_checkpoint, publish_checkpoint
 from storage.failure import clear_failure, record_failure
 from storage.fs import atomic_write_bytes, describe_os_error, is_remote, temporary_prefix
-from storage.layout import BASE, RunLayout, StageInstance
-from storage.manifest import Manifest, config_hash, output_damage, read_manifest, write_manifest
+from storage.layout import BASE, RunLayout, Shard, StageInstance, parts_dir
+from storage.manifest import Manifest, config_hash, output_damage, output_intact, read_manifest, write_manifest
 from storage.process import end_process
 from storage.retention import require_unpruned
 from storage.run import Run, resolve_root
@@ -241,6 +247,8 @@ class StageContext:
         output = self.output(name)
         spec = TABLES[name]
         path = output.path(self.layout)
+        if output.shard is not None:  # a shard's part: its schema now, the whole table's contract at the merge
+            return self._write_part(output, conform(table, spec, path), metrics)
         with self.harness_time("validate"):
             table = conform(table, spec, path)
             greedy_baselines = ESTIMATORS[self.config.advantage.estimator].needs_greedy_baseline
@@ -263,6 +271,35 @@ class StageContext:
         )
         self.written.append((output, manifest))
         return manifest
+
+    def _write_part(self, output: Output, table: pa.Table, metrics: dict[str, Any] | None) -> Manifest:
+        self.claim_outputs()
+        with self.harness_time("write"):
+            written = write_table(self.fs, output.path(self.layout), table, TABLES[output.name])
+        manifest = self._manifest(output, path=written.path, sha256=written.sha256, bytes=written.bytes,
+                                  rows=written.rows, schema=TABLES[output.name].tag, metrics=dict(metrics or {}))
+        self.written.append((output, manifest))
+        return manifest
+
+    def shard_groups(self, prompt_ids: list[str]) -> list[str]:
+        """The prompt groups this run of the stage computes, in their order: all of `prompt_ids` (distinct, first
+        appearance kept), or in shard k of K the k-th of K contiguous ranges of them (sizes differ by one at most).
+
+        Contiguous, not hashed: the merge then rebuilds the unsharded table's row order by concatenating the parts
+        (and moving each stage's trailing block, e.g. remax's greedy rows, back to the end), and the shards'
+        sizes are even at any count, where a hash leaves small counts lopsided.
+        """
+        groups = list(dict.fromkeys(prompt_ids))
+        shard = self.instance.shard
+        if shard is None:
+            return groups
+        if len(groups) < shard.count:
+            stage = "evaluate" if self.spec.name == "evaluate_base" else self.spec.name
+            raise ConfigError(
+                f"pipeline.shards.{stage}={shard.count} is more than the {len(groups)} prompt groups of "
+                f"{self.instance.whole.label}: a shard holds whole groups; lower it to {len(groups)} at most"
+            )
+        return groups[shard.index * len(groups) // shard.count:(shard.index + 1) * len(groups) // shard.count]
 
     def write_checkpoint(self, local_dir: Path, metrics: dict[str, Any] | None = None) -> Manifest:
         """Publish a finished local checkpoint directory as this stage's checkpoint output."""
@@ -409,6 +446,88 @@ def finish(ctx: StageContext) -> list[Manifest]:
     return manifests
 
 
+# A sharded stage's merge: its shards' parts (in shard order) and their manifests -> the whole table and its
+# manifest's metrics. `concatenate_parts` unless the stage's rows need more (stages/generate.py `merge`).
+Merge = Callable[[StageContext, list[pa.Table], list[Manifest]], tuple[pa.Table, dict[str, Any]]]
+
+
+def combine_part_metrics(parts: list[dict[str, Any]], counts: Collection[str] = (), prefix: str = "") -> dict[str, Any]:
+    """One manifest's metrics from its shards': the `counts` (dotted names; a mapping of counts, such as status
+    counts, entry by entry) are summed, a figure all parts agree on is kept, `*_seconds` take the longest part's
+    (the parts ran at once: wall time), other mappings are combined key by key; any other figure (a mean, a rate)
+    is None here, recomputed from the whole table by the stage's merge where it can. A figure some parts lack is
+    combined over those that have it. Every part's own metrics stay under the merged manifest's `shards`."""
+    combined: dict[str, Any] = {}
+    for key in dict.fromkeys(key for part in parts for key in part):
+        values, name = [part[key] for part in parts if key in part], prefix + key
+        if name in counts and all(isinstance(value, dict) for value in values):
+            combined[key] = dict(sum((Counter(value) for value in values), Counter()))
+        elif name in counts:
+            combined[key] = sum(values)
+        elif all(value == values[0] for value in values):
+            combined[key] = values[0]
+        elif all(isinstance(value, dict) for value in values):
+            combined[key] = combine_part_metrics(values, counts, f"{name}.")
+        elif key.endswith("_seconds") and all(isinstance(value, int | float) for value in values):
+            combined[key] = max(values)
+        else:
+            combined[key] = None
+    return combined
+
+
+def concatenate_parts(
+    ctx: StageContext, parts: list[pa.Table], manifests: list[Manifest], counts: Collection[str] = (),
+) -> tuple[pa.Table, dict[str, Any]]:
+    """The default merge: the parts one after another (shard k holds the k-th range of prompt groups), their
+    metrics combined (`combine_part_metrics`, `counts` summed)."""
+    return pa.concat_tables(parts), combine_part_metrics([manifest.metrics for manifest in manifests], counts)
+
+
+def trailing_rows_last(table: pa.Table, trailing: pa.Array) -> pa.Table:
+    """`table` with the rows where `trailing` is true moved to the end, each block in its order: the unsharded
+    stage writes such a block after all groups (remax's greedy rows, evaluate's sampled rows after the greedy)."""
+    flags = trailing.to_pylist()
+    return table.take([i for i, flag in enumerate(flags) if not flag] + [i for i, flag in enumerate(flags) if flag])
+
+
+def part_record(manifest: Manifest) -> dict[str, Any]:
+    """What the merged manifest keeps of a part (`shards`): which host made it when, its rows, hash and figures."""
+    return {"part": manifest.path.rsplit("/", 1)[-1], "host": manifest.host, "started_at": manifest.started_at,
+            "ended_at": manifest.ended_at, "seconds": manifest.seconds, "rows": manifest.rows,
+            "sha256": manifest.sha256, "metrics": manifest.metrics}
+
+
+def merge_shards(run: Run, target: StageInstance, merge: Merge) -> list[Manifest]:
+    """Merge a sharded instance (pipeline.shards): every shard's part, which must be valid for this instance's
+    key, into the whole table through `ctx.write_table` (so the table's full contract is checked and its manifest
+    is written last, as any stage's), then remove the parts. Runs under the instance's own lease, so of two merges
+    one runs and the other waits or is refused; no reader ever sees a part (storage/layout.py `part_path`)."""
+    parts = shards_of(run.config, target)
+    if not parts:
+        raise ConfigError(f"{target.label} is not sharded (pipeline.shards.{target.stage} is 1): nothing to merge")
+
+    def work(ctx: StageContext) -> None:
+        for output in outputs_of(target):
+            tables, manifests = [], []
+            for part in parts:
+                part_output = replace(output, shard=part.shard)
+                manifest = read_manifest(ctx.fs, part_output.manifest_path(ctx.layout))
+                if manifest is None or manifest.key != ctx.key or not output_intact(ctx.fs, manifest):
+                    raise MissingInput(f"{part.label}: no valid part at {part_output.path(ctx.layout)} for this "
+                                       "config and these inputs; run that shard first")
+                with ctx.harness_time("read"):
+                    tables.append(read_table(ctx.fs, manifest.path, TABLES[output.name]))
+                manifests.append(manifest)
+            table, metrics = merge(ctx, tables, manifests)
+            ctx.write_table(output.name, table, {**metrics, "shards": [part_record(m) for m in manifests]})
+
+    manifests = run_stage(run, target, work)
+    for output in outputs_of(target):  # after the manifest: a merge killed before it finds its parts again
+        if run.fs.exists(folder := parts_dir(output.path(run.layout))):
+            run.fs.rm(folder, recursive=True)
+    return manifests
+
+
 def parse_args(stage: str, argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog=f"python -m stages.{stage}", description=f"rlpipe stage {stage}")
     parser.add_argument("--run", required=True, help="run id")
@@ -419,7 +538,19 @@ def parse_args(stage: str, argv: list[str] | None) -> argparse.Namespace:
                         help="do nothing when the outputs are valid (checked after the stage's lease is taken)")
     parser.add_argument("--lock-wait", type=float, default=0.0, metavar="SECONDS",
                         help="wait this long for the stage's lease when another process holds it (default: refuse)")
+    sharding = parser.add_mutually_exclusive_group()
+    sharding.add_argument("--shard", metavar="INDEX/COUNT",
+                          help="run shard INDEX (0-based) of COUNT = pipeline.shards.<stage>: write its part only")
+    sharding.add_argument("--merge", action="store_true",
+                          help="merge the finished shards' parts into the stage's table (pipeline.shards)")
     return parser.parse_args(argv)
+
+
+def check_shard(config: RunConfig, target: StageInstance) -> None:
+    """A shard run's count must be the config's (a shard of another split would cover other groups)."""
+    count = config.pipeline.shards_of(target.stage)
+    if target.shard is not None and target.shard.count != count:
+        raise ConfigError(f"{target.label}: pipeline.shards.{target.stage} is {count}, not {target.shard.count}")
 
 
 def run_stage(run: Run, target: StageInstance, work: Callable[[StageContext], None]) -> list[Manifest]:
@@ -466,11 +597,16 @@ def pin_to_lane(stage: str) -> None:
             raise ConfigError(f"{LANE_CPUS.name}: cannot run on cores {sorted(cpus)} here: {error}") from None
 
 
-def main(stage: str, work: Callable[[StageContext], None], argv: list[str] | None = None) -> int:
+def main(
+    stage: str, work: Callable[[StageContext], None], argv: list[str] | None = None, merge: Merge = concatenate_parts,
+) -> int:
     """Run a stage as a process: under its lease, so that no two processes (a flow's child, a retry, a person
     at a shell) ever run the same stage of the same iteration at once. The lease lives as long as this
     process, so a stage whose driver was killed stays guarded until it ends. The run's config is read once,
     under the lease.
+
+    A shard run (`--shard k/K`) holds a lease of its own and writes its part; the merge (`--merge`) holds the
+    instance's lease.
 
     Exit codes: 0 done (or already done with --if-needed), 1 failed, 2 bad input or config, 3 lease held.
     """
@@ -481,15 +617,19 @@ def main(stage: str, work: Callable[[StageContext], None], argv: list[str] | Non
     target: StageInstance | None = None
     try:
         layout = RunLayout.create(resolve_root(args.root), args.run)
-        target = instance(stage, args.iter, args.round)
+        target = instance(stage, args.iter, args.round, Shard.parse(args.shard) if args.shard else None)
         pin_to_lane(stage)
         with stage_lock(layout, target, wait_s=args.lock_wait):
             run = Run.at(layout)
+            check_shard(run.config, target)
             # With --if-needed, asked once the lease is ours: the holder we waited for may have done it.
             if args.if_needed and is_done_now(run, target):
                 console.print(f"· {target.label} is done already")
                 return 0
-            run_stage(run, target, work)
+            if args.merge:
+                merge_shards(run, target, merge)
+            else:
+                run_stage(run, target, work)
     except (ConfigError, InputError, MissingInput, SchemaMismatch, TableVersionError, InvalidRunId) as error:
         # one line however long (the user's paths), its text never read as markup (a message may hold brackets)
         console.print(f"[red]✗ {stage}: {escape(str(error))}[/]", soft_wrap=True)
@@ -513,14 +653,17 @@ def main(stage: str, work: Callable[[StageContext], None], argv: list[str] | Non
 
 def recorded(layout: RunLayout | None, target: StageInstance | None, exit_code: int, reason: str) -> int:
     """Write the run's failure record (storage/failure.py) if the stage instance is known; return `exit_code`.
-    A record that cannot be written (the storage error being reported, say) is left out, never raised."""
+    A record that cannot be written (the storage error being reported, say) is left out, never raised. A shard's
+    failure is its instance's, the shard named in the reason (`rlpipe status` lists instances)."""
     if layout is not None and target is not None:
+        reason = f"{target.shard.name}: {reason}" if target.shard else reason
         with contextlib.suppress(OSError):
-            record_failure(layout, target, exit_code, reason)
+            record_failure(layout, target.whole, exit_code, reason)
     return exit_code
 
 
-def exit_with(stage: str, run: Callable[[StageContext], None]) -> None:
-    """Run the stage, then end the process with its exit code as a stage forked from the stage server ends
-    (flows/runner/forkserver.py): no C++ static destructor runs (storage/process.py says why)."""
-    end_process(main(stage, run))
+def exit_with(stage: str, run: Callable[[StageContext], None], merge: Merge = concatenate_parts) -> None:
+    """Run the stage (a shard of it, or its merge: `merge` builds the whole table from the parts), then end the
+    process with its exit code as a stage forked from the stage server ends (flows/runner/forkserver.py): no C++
+    static destructor runs (storage/process.py says why)."""
+    end_process(main(stage, run, merge=merge))

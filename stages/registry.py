@@ -22,12 +22,12 @@ exist (flows/runner/process.py), adding one while the batch manifest says `group
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from schemas.config import RunConfig
 from stages.rl.advantages import ESTIMATORS
-from storage.layout import BASE, RunLayout, StageInstance, manifest_path_for, round_name
+from storage.layout import BASE, RunLayout, Shard, StageInstance, manifest_path_for, part_path, round_name
 from storage.manifest import Manifest, output_damage, output_intact, read_manifest, stage_key
 from storage.run import Run
 
@@ -39,15 +39,22 @@ class Output:
     name: str  # table name, or "checkpoint"
     iteration: int  # where it lives (BASE for run-level)
     round_idx: int = 0  # generation round (rollouts and scores of dynamic-sampling rounds r >= 1)
+    shard: Shard | None = None  # a shard's part of the table (pipeline.shards), beside the table in `.parts/`
 
     @property
     def kind(self) -> str:
         return "checkpoint" if self.name == "checkpoint" else "table"
 
+    @property
+    def whole(self) -> Output:
+        """The table this part is a part of (itself when it is no part)."""
+        return replace(self, shard=None)
+
     def path(self, layout: RunLayout) -> str:
         if self.kind == "checkpoint":
             return layout.checkpoint_dir(self.iteration)
-        return layout.table_path(self.name, self.iteration, self.round_idx)
+        path = layout.table_path(self.name, self.iteration, self.round_idx)
+        return part_path(path, self.shard) if self.shard else path
 
     def manifest_path(self, layout: RunLayout) -> str:
         return manifest_path_for(self.path(layout), self.kind)
@@ -216,15 +223,24 @@ class MissingInput(RuntimeError):
     pass
 
 
-def instance(stage: str, iteration: int = BASE, round_idx: int = 0) -> StageInstance:
-    """The instance of `stage` in `iteration` and generation round: run-level stages have BASE, whatever asked."""
+def instance(stage: str, iteration: int = BASE, round_idx: int = 0, shard: Shard | None = None) -> StageInstance:
+    """The instance of `stage` in `iteration` and generation round (or one shard of it): run-level stages have BASE,
+    whatever asked."""
     if stage not in STAGES:
         raise KeyError(f"unknown stage {stage!r}; stages are {', '.join(STAGES)}")
-    return StageInstance(stage, BASE if STAGES[stage].run_level else iteration, round_idx)
+    return StageInstance(stage, BASE if STAGES[stage].run_level else iteration, round_idx, shard)
 
 
 def outputs_of(target: StageInstance) -> list[Output]:
-    return STAGES[target.stage].outputs(target.iteration, target.round_idx)
+    """What the instance writes; a shard of it writes its part of each table (`Output.shard`)."""
+    outputs = STAGES[target.stage].outputs(target.iteration, target.round_idx)
+    return [replace(output, shard=target.shard) for output in outputs] if target.shard else outputs
+
+
+def shards_of(config: RunConfig, target: StageInstance) -> list[StageInstance]:
+    """The shard runs of `target` under pipeline.shards, in order; [] when it is not sharded (one process)."""
+    count = config.pipeline.shards_of(target.stage)
+    return [target.part(index, count) for index in range(count)] if count > 1 else []
 
 
 def round_inputs(run: Run, stage: str, iteration: int) -> dict[str, Output]:

@@ -5,6 +5,7 @@
     <root>/runs/<run_id>/base/eval.parquet                   evaluation of the base model
     <root>/runs/<run_id>/iter=0003/<table>.parquet           rollouts, scores, batch, train_metrics, eval
     <root>/runs/<run_id>/iter=0003/round=01/<table>.parquet  rollouts, scores of a dynamic-sampling round
+    <root>/runs/<run_id>/iter=0003/<table>.parquet.parts/    a sharded stage's parts until the merge (`part_path`)
     <root>/runs/<run_id>/checkpoints/base/manifest.json      points at the base model directory
     <root>/runs/<run_id>/checkpoints/iter=0003/              HF model dir + optimizer.pt + manifest.json
     <root>/runs/<run_id>/logs/generate@iter=0003.log          a stage's library log (vLLM's), local roots
@@ -42,6 +43,43 @@ def instance_name(iteration: int, round_idx: int = 0) -> str:
 
 
 @dataclass(frozen=True)
+class Shard:
+    """Shard `index` (0-based) of `count` of a sharded stage instance (`pipeline.shards`)."""
+
+    index: int
+    count: int
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.index < self.count:
+            raise ValueError(f"shard {self.index} of {self.count}: the index must be in 0..{self.count - 1}")
+
+    @property
+    def name(self) -> str:
+        """`part-01-of-04`: the part file's name, and the shard's in labels and leases."""
+        return f"part-{self.index:02d}-of-{self.count:02d}"
+
+    @classmethod
+    def parse(cls, text: str) -> Shard:
+        """`1/4` (the `--shard` argument) -> Shard(1, 4)."""
+        index, _, count = text.partition("/")
+        try:
+            return cls(int(index), int(count))
+        except ValueError as error:
+            raise ValueError(f"--shard {text!r}: expected INDEX/COUNT with 0 <= INDEX < COUNT ({error})") from None
+
+
+def parts_dir(output_path: str) -> str:
+    """The folder of a sharded table's parts, `<table>.parquet.parts/` beside it: no table pattern of the catalog
+    matches inside it, so no reader sees a part; the merge removes it once the whole table's manifest is written."""
+    return output_path + ".parts"
+
+
+def part_path(output_path: str, shard: Shard) -> str:
+    """Where shard `shard` writes its part of the table at `output_path`: `<table>.parquet.parts/<name>.parquet`."""
+    return join(parts_dir(output_path), f"{shard.name}.parquet")
+
+
+@dataclass(frozen=True)
 class StageInstance:
     """One run of one stage: the stage, its iteration (BASE for run-level stages) and its generation round.
     The one value that names it everywhere: paths (`where`), logs and errors (`label`), leases and flow runs
@@ -50,22 +88,33 @@ class StageInstance:
     stage: str
     iteration: int = BASE
     round_idx: int = 0
+    shard: Shard | None = None  # one shard run of a sharded instance (pipeline.shards); None: the whole instance
 
     @property
     def where(self) -> str:
         return instance_name(self.iteration, self.round_idx)
 
     @property
+    def whole(self) -> StageInstance:
+        """The instance this shard is a part of (itself when it is no shard)."""
+        return StageInstance(self.stage, self.iteration, self.round_idx)
+
+    def part(self, index: int, count: int) -> StageInstance:
+        return StageInstance(self.stage, self.iteration, self.round_idx, Shard(index, count))
+
+    @property
     def label(self) -> str:
-        """`prompts`, `generate iter=3`, `generate iter=3 round=1`."""
-        if self.iteration == BASE:
-            return self.stage
-        return f"{self.stage} iter={self.iteration}" + (f" round={self.round_idx}" if self.round_idx else "")
+        """`prompts`, `generate iter=3`, `generate iter=3 round=1`, `score iter=3 part-01-of-02`."""
+        label = self.stage if self.iteration == BASE else (
+            f"{self.stage} iter={self.iteration}" + (f" round={self.round_idx}" if self.round_idx else ""))
+        return f"{label} {self.shard.name}" if self.shard else label
 
     @property
     def slug(self) -> str:
-        """`prompts@base`, `generate@iter=0003`, `generate@iter=0003.round=01`: a file or flow-run name."""
-        return f"{self.stage}@{self.where.replace('/', '.')}"
+        """`prompts@base`, `generate@iter=0003`, `generate@iter=0003.round=01`, `score@iter=0003.part-01-of-02`: a
+        file or flow-run name (a shard's lease is its own: the whole instance's belongs to the merge)."""
+        slug = f"{self.stage}@{self.where.replace('/', '.')}"
+        return f"{slug}.{self.shard.name}" if self.shard else slug
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,8 @@ exits, and a crash (even SIGKILL) in a stage cannot take the flow down. Inside `
 already (flows/runner/forkserver.py); elsewhere it is a fresh interpreter. The child inherits the terminal, so
 its progress bars and timing lines show as they happen; it never imports Prefect, so it never starts a
 Prefect server of its own. A failing stage writes the run's failure record itself (storage/failure.py); for
-one that died without writing it (a signal) the driver writes what it knows.
+one that died without writing it (a signal) the driver writes what it knows. A sharded instance
+(pipeline.shards) is K shard processes at once, then a merge process (`run_sharded`).
 """
 
 from __future__ import annotations
@@ -16,13 +17,14 @@ import signal
 import sys
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import datetime
 
 from flows.runner import forkserver
 from schemas import settings
 from schemas.config import ConfigError, RunConfig
-from stages.registry import RUN_STAGES, instance, iteration_stages, stage_state
+from stages.registry import RUN_STAGES, instance, iteration_stages, shards_of, stage_state
 from storage.failure import read_failure, record_failure
 from storage.layout import BASE, RunLayout, StageInstance, manifest_path_for
 from storage.manifest import read_manifest
@@ -65,28 +67,51 @@ def stage_environment(config: RunConfig) -> dict[str, str]:
     return env
 
 
-def stage_command(layout: RunLayout, target: StageInstance, lock_wait_s: float | None = None) -> list[str]:
-    """The stage's process. With `lock_wait_s` it waits that long for the stage's lease if another process
-    holds it, and then does nothing if that process finished the stage (`--if-needed`)."""
+def stage_command(
+    layout: RunLayout, target: StageInstance, lock_wait_s: float | None = None, merge: bool = False,
+) -> list[str]:
+    """The stage's process (one shard's, or with `merge` the merge of a sharded instance's parts). With
+    `lock_wait_s` it waits that long for its lease if another process holds it, and then does nothing if that
+    process finished the work (`--if-needed`)."""
     command = [sys.executable, "-m", f"stages.{target.stage}", "--root", layout.root, "--run", layout.run_id,
                "--iter", str(target.iteration)]
     if target.round_idx:
         command += ["--round", str(target.round_idx)]
+    if target.shard:
+        command += ["--shard", f"{target.shard.index}/{target.shard.count}"]
+    if merge:
+        command += ["--merge"]
     if lock_wait_s is not None:
         command += ["--if-needed", "--lock-wait", str(lock_wait_s)]
     return command
 
 
-def run_stage_process(run: Run, target: StageInstance, lock_wait_s: float | None = None) -> float:
+def run_stage_process(run: Run, target: StageInstance, lock_wait_s: float | None = None, merge: bool = False) -> float:
     started, started_at = time.monotonic(), time.time()
-    returncode = forkserver.run(stage_command(run.layout, target, lock_wait_s), stage_environment(run.config))
+    command = stage_command(run.layout, target, lock_wait_s, merge)
+    returncode = forkserver.run(command, stage_environment(run.config))
     if returncode != 0:
-        if returncode != 3 and not recorded_since(run.layout, target, started_at):
+        if returncode != 3 and not recorded_since(run.layout, target.whole, started_at):
             # the stage died before it could say why (a signal: killed, out of memory): record what is known
             why = f"ended by signal {signal.Signals(-returncode).name}" if returncode < 0 else "no reason recorded"
-            record_failure(run.layout, target, returncode, why)
+            record_failure(run.layout, target.whole, returncode, f"{target.shard.name}: {why}" if target.shard else why)
         raise StageFailed(target, returncode)
     return time.monotonic() - started
+
+
+def run_sharded(
+    run: Run, target: StageInstance, run_part: Callable[[StageInstance], object],
+    run_merge: Callable[[StageInstance], object],
+) -> None:
+    """A sharded instance (pipeline.shards): `run_part(shard)` for all its shards at once (each a process here, or
+    a flow run on a worker), then `run_merge(target)` once every shard succeeded. A failed shard fails the instance
+    after the others have finished, so a rerun redoes only the shards without a valid part."""
+    parts = shards_of(run.config, target)
+    with ThreadPoolExecutor(len(parts), thread_name_prefix=target.slug) as pool:
+        futures = [pool.submit(run_part, part) for part in parts]
+    if failures := [error for future in futures if (error := future.exception()) is not None]:
+        raise failures[0]
+    run_merge(target)
 
 
 def recorded_since(layout: RunLayout, target: StageInstance, since: float) -> bool:

@@ -532,6 +532,23 @@ def account_for(cfg: ScoreConfig, results: list[ScoreResult]) -> dict[str, dict[
     return {summary.name: summary.metrics() for summary in summaries}
 
 
+def combine_reward_metrics(parts: list[dict[str, dict[str, Any]]]) -> dict[str, dict[str, Any]]:
+    """The `reward_functions` metrics of a sharded stage's whole table from its shards' (`account_for` of each):
+    calls, errors and values summed, the mean weighted by each part's values, the first error of the first part."""
+    combined: dict[str, dict[str, Any]] = {}
+    for name in dict.fromkeys(name for part in parts for name in part):
+        terms = [part[name] for part in parts if name in part]
+        calls, errors, values = (sum(term[key] for term in terms) for key in ("calls", "errors", "values"))
+        weighted = [(term["mean"], term["values"]) for term in terms if term["mean"] is not None]
+        combined[name] = {
+            "fn": terms[0]["fn"], "weight": terms[0]["weight"], "calls": calls, "errors": errors,
+            "error_frac": errors / calls if calls else 0.0, "values": values,
+            "mean": sum(mean * n for mean, n in weighted) / values if weighted and values else None,
+            "first_error": next((term["first_error"] for term in terms if term["first_error"]), None),
+        }
+    return combined
+
+
 def check_failures(cfg: ScoreConfig, summaries: list[RewardSummary]) -> None:
     """An InputError (the stage fails with exit code 2) naming the first function whose failed calls are at least
     score.max_reward_error_fraction of its calls (and at least one): the default 1.0 stops a function that

@@ -162,7 +162,8 @@ def rollout_rows(
 
 def standin_generate(ctx: StageContext, sleep_s: float = 0.0) -> None:
     pause()
-    rows = rollout_rows(ctx.run_id, ctx.iteration, ctx.inputs["policy"].sha256, sleep_s=sleep_s)
+    groups = {pid: N_SAMPLES for pid in ctx.shard_groups(TRAIN_IDS)}  # all, or a shard's (pipeline.shards)
+    rows = rollout_rows(ctx.run_id, ctx.iteration, ctx.inputs["policy"].sha256, groups, sleep_s=sleep_s)
     ctx.write_table("rollouts", pa.Table.from_pylist(rows), {"backend": "standin", "deterministic": True})
 
 
