@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from stages.generation.base import Backend, GenerationRequest, ProgressCallback, Sample, SamplingSpec
+from storage.process import release_freed_memory
 
 FRAME_HEADER = struct.Struct(">Q")
 MAX_FRAME_BYTES = 1 << 32
@@ -198,6 +199,7 @@ class EngineHost:
         self.loaded_sha256 = None  # until the reload has finished
         self.backend.llm.collective_rpc("reload_weights", kwargs={"weights_path": str(model_dir)})
         self.backend.llm.reset_prefix_cache()
+        release_freed_memory()  # the old weights' freed heap: RSS grew per reload without it
         self.loaded_sha256 = digest
         return LoadResult(digest, False, True, hash_seconds, 0.0, time.monotonic() - started)
 
@@ -211,6 +213,7 @@ class EngineHost:
             raise
         finally:
             self.requests_served += 1
+            release_freed_memory()
 
     def run_session(self, connection: socket.socket) -> None:
         """Op `session`: continuous batching over one connection (client.py's `WarmSession`). `submit` frames add a
@@ -238,6 +241,7 @@ class EngineHost:
                         send_message(connection, {"finished": [list(keys), encode_samples(list(samples))]})
         finally:
             self.requests_served += 1
+            release_freed_memory()
 
     def abort_unfinished(self) -> None:
         """Drop what a broken-off generate left in the engine (its client went away), so the next one starts clean."""

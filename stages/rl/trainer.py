@@ -22,7 +22,6 @@ side is behind `Stepper` (plain torch here, DeepSpeed in stages/rl/deepspeed_bac
 
 from __future__ import annotations
 
-import ctypes
 import math
 import time
 from collections.abc import Callable, Iterator
@@ -61,6 +60,7 @@ from stages.rl.losses import (
     truncated_is_weights,
 )
 from stages.rl.schedule import lr_at
+from storage.process import release_freed_memory
 
 
 @dataclass
@@ -153,26 +153,6 @@ class TorchStepper:
 
     def all_reduce(self, values: torch.Tensor, op: str = "sum") -> torch.Tensor:
         return values
-
-
-def release_freed_memory() -> None:
-    """Give the heap memory that freed tensors left behind back to the OS (glibc's `malloc_trim`; elsewhere a
-    no-op). A backward frees gigabytes of activations of sizes below glibc's mmap threshold, which stay in the
-    heap, fragmented, and count in the process's RSS: measured on SmolLM2-135M, ~1 GB of the stage's peak
-    (benchmarks/train.py). A few milliseconds per call: after each forward, backward and step."""
-    if _LIBC is not None:
-        _LIBC.malloc_trim(0)
-
-
-def _glibc() -> ctypes.CDLL | None:
-    try:
-        libc = ctypes.CDLL(None)
-    except OSError:
-        return None
-    return libc if hasattr(libc, "malloc_trim") else None
-
-
-_LIBC = _glibc()
 
 
 def step_freeing_grads(optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter]) -> None:
