@@ -13,7 +13,8 @@ since each step's `seconds` is measured (on CPU it names that column alone: `non
 are fixed by (train.seed, iteration). With GAE a critic trains beside the policy (stages/rl/critic.py), in the
 checkpoint's `critic/`. A multi-turn rollout's `loss_mask` goes with its sample: observation tokens are context,
 never loss. A progress bar counts the optimizer steps with loss, KL and tokens/s; DeepSpeed's rank 0 reports each
-step through a file.
+step through a file. With `train.nodes` > 1 this process is node 0 and the job goes to the run's directory for
+the other nodes' `rlpipe train-node` (`job_parent`).
 """
 
 from __future__ import annotations
