@@ -556,6 +556,8 @@ def launch(job: TrainJob, job_path: Path, processes: int, timeout_s: float | Non
     try:
         returncode = run_launcher(command, launcher_environment(job, processes, psutil.Process()),
                                   node_log(job_path, 0), timeout_s, failure)
+    except DeepSpeedLaunchError as error:  # a timeout, a node that failed or never came: its output too
+        raise DeepSpeedLaunchError(f"{error}{_other_nodes_output(job_path, cfg.nodes)}") from None
     finally:
         remove_shm_buffers(port)
     if returncode != 0 or not result_path.is_file():
