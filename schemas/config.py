@@ -716,18 +716,29 @@ class TrainConfig(Section):
         "client optimizer."
     )
     processes: Annotated[int, Field(ge=1)] | Literal["auto"] = Field(
-        "auto", description="DeepSpeed ranks (one per GPU on CUDA); `auto`: every visible GPU on CUDA, 1 on CPU. "
-        "More than the machine's GPUs is refused when the stage starts."
+        "auto", description="DeepSpeed ranks on each train node (one per GPU on CUDA; verl's "
+        "trainer.n_gpus_per_node); `auto`: every visible GPU on CUDA, 1 on CPU. More than the machine's GPUs is "
+        "refused when the stage starts."
     )
     zero_stage: int = Field(1, ge=0, le=3, description="DeepSpeed ZeRO stage.")
     zero_offload: bool = Field(
         False, description="ZeRO-Offload: optimizer state (and with zero_stage 3 the parameters) in CPU memory, "
         "stepped by DeepSpeed's CPU Adam (compiled on first use); needs backend deepspeed and zero_stage >= 1."
     )
-    hostfile: str | None = Field(
-        None, description="DeepSpeed hostfile (`host slots=N` lines) for multi-node training, passed to the "
-        "launcher; every node needs this checkout, its virtualenv and the run's storage at the same paths. "
-        "Untested: no multi-node machine was available."
+    nodes: int = Field(
+        1, ge=1, description="Train nodes of a DeepSpeed job (verl's trainer.nnodes), each running `processes` "
+        "ranks. Node 0 is the machine that runs the train stage; node R >= 1 runs `rlpipe train-node RUN "
+        "--node-rank R`, which takes each train job of the run and starts its ranks (DeepSpeed's launcher without "
+        "ssh, one per node). Every node needs this checkout, its virtualenv, the base model and the stage's files "
+        "(the run's root, or with an s3:// root rlpipe's cache directory) at the same paths: docs/team.md."
+    )
+    master_addr: str | None = Field(
+        None, description="Address of node 0 that the ranks of every node rendezvous at (torchrun's "
+        "--master_addr, accelerate's main_process_ip); needed when nodes > 1."
+    )
+    master_port: int = Field(
+        29500, ge=1, le=65535, description="Port on node 0 for the ranks' rendezvous when nodes > 1 (torchrun's "
+        "--master_port, accelerate's main_process_port); one node takes a free port by itself."
     )
     launch_timeout_s: float | None = Field(
         None, gt=0, description="Seconds a DeepSpeed launch may take before its launcher and ranks are killed and "
@@ -752,15 +763,18 @@ class TrainConfig(Section):
     )
 
     @model_validator(mode="after")
-    def _offload_needs_zero(self) -> TrainConfig:
+    def _deepspeed_settings_fit(self) -> TrainConfig:
         if self.zero_offload and (self.backend != "deepspeed" or self.zero_stage < 1):
             raise ValueError(
                 f"train.zero_offload needs train.backend=deepspeed and train.zero_stage >= 1 (got backend="
                 f"{self.backend}, zero_stage={self.zero_stage}): ZeRO-Offload moves DeepSpeed's partitioned "
                 "optimizer state to CPU memory"
             )
-        if self.hostfile is not None and self.backend != "deepspeed":
-            raise ValueError("train.hostfile is read by the DeepSpeed launcher: it needs train.backend=deepspeed")
+        if self.nodes > 1 and self.backend != "deepspeed":
+            raise ValueError(f"train.nodes={self.nodes}: several train nodes need train.backend=deepspeed")
+        if self.nodes > 1 and not self.master_addr:
+            raise ValueError(f"train.nodes={self.nodes} needs train.master_addr, the address of node 0 (the machine "
+                             "that runs the train stage) that the other nodes' ranks connect to")
         return self
 
     @model_validator(mode="after")

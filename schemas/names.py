@@ -104,6 +104,10 @@ NAMES: tuple[Name, ...] = (
     Name("train.lora_rank", "", "actor_rollout_ref.model.lora_rank", "TRL takes a peft_config (LoraConfig r)"),
     Name("train.lora_alpha", "", "actor_rollout_ref.model.lora_alpha"),
     Name("train.dtype", "bf16", "actor_rollout_ref.actor.fsdp_config.mixed_precision"),
+    Name("train.nodes", "", "trainer.nnodes", "TRL runs under accelerate: its config's num_machines; node R >= 1 "
+         "(accelerate's machine_rank, torchrun's node_rank) runs `rlpipe train-node RUN --node-rank R`"),
+    Name("train.processes", "", "trainer.n_gpus_per_node", "DeepSpeed ranks per node; accelerate's num_processes "
+         "counts every node's"),
     Name("train.keep_checkpoints", "save_total_limit", "trainer.max_actor_ckpt_to_keep / "
          "trainer.max_critic_ckpt_to_keep", "rlpipe also keeps the base model, every evaluated checkpoint and any "
          "an unfinished stage reads; the critic is in the checkpoint; defaults: rlpipe 1 (a checkpoint every "

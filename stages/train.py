@@ -13,7 +13,8 @@ since each step's `seconds` is measured (on CPU it names that column alone: `non
 are fixed by (train.seed, iteration). With GAE a critic trains beside the policy (stages/rl/critic.py), in the
 checkpoint's `critic/`. A multi-turn rollout's `loss_mask` goes with its sample: observation tokens are context,
 never loss. A progress bar counts the optimizer steps with loss, KL and tokens/s; DeepSpeed's rank 0 reports each
-step through a file.
+step through a file. With `train.nodes` > 1 this process is node 0 and the job goes to the run's directory for
+the other nodes' `rlpipe train-node` (`job_parent`).
 """
 
 from __future__ import annotations
@@ -185,6 +186,21 @@ def reference_dir(ctx: StageContext) -> Path | None:
     return ctx.policy_dir("reference")
 
 
+def job_parent(ctx: StageContext) -> str | None:
+    """Where a DeepSpeed job's directory goes: the system's temporary directory for one node; for several, the
+    run's directory the other nodes' `rlpipe train-node` watch, cleared of the jobs of a killed earlier attempt
+    (whose ranks on the other nodes end as their job file goes)."""
+    if ctx.config.train.nodes == 1:
+        return None
+    from stages.rl.deepspeed_backend import nodes_dir, remove_stale_jobs
+
+    directory = nodes_dir(ctx.layout.run_dir, ctx.run_id)
+    directory.mkdir(parents=True, exist_ok=True)
+    if stale := remove_stale_jobs(directory):
+        print(f"removed {len(stale)} train job(s) of an earlier attempt that did not finish: {stale}")
+    return str(directory)
+
+
 def run(ctx: StageContext) -> None:
     cfg = ctx.config.train
     require_unpruned(ctx.inputs["policy"], optimizer=True)  # Adam's moments carry over: never start them afresh
@@ -235,15 +251,12 @@ def run(ctx: StageContext) -> None:
         )
         with step_progress(optimizer_steps(cfg, len(samples)), ctx.instance.label) as on_step:
             if deepspeed:
-                from stages.rl.deepspeed_backend import PROGRESS_SUFFIX
+                from stages.rl.deepspeed_backend import JOB_DIR_PREFIX, JOB_FILE, PROGRESS_SUFFIX
 
-                # Multi-node ranks read the job file too: beside the checkpoint, on the run's (shared) storage.
-                shared = str(out_dir.parent) if cfg.hostfile else None
-                with tempfile.TemporaryDirectory(prefix=".rlpipe-ds-", dir=shared) as scratch:
-                    job_path = Path(scratch) / "job.json"
+                with tempfile.TemporaryDirectory(prefix=JOB_DIR_PREFIX, dir=job_parent(ctx)) as scratch:
+                    job_path = Path(scratch) / JOB_FILE
                     with following(Path(f"{job_path}{PROGRESS_SUFFIX}"), on_step):
-                        rows, metrics = launch(job, job_path, ranks, timeout_s=launch_timeout(cfg, samples),
-                                               hostfile=cfg.hostfile)
+                        rows, metrics = launch(job, job_path, ranks, timeout_s=launch_timeout(cfg, samples))
             else:
                 rows, metrics = run_job(job, on_step)
         release_memory(device.torch)

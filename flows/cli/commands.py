@@ -5,6 +5,7 @@
     rlpipe fork RUN NEW --at K [--set ...] [--config FILE] [--root ROOT]
     rlpipe stage NAME --run RUN [--iter K] [--root ROOT]
     rlpipe sandbox serve [--config FILE] [--host 127.0.0.1] [--port 8080]
+    rlpipe train-node RUN --node-rank R [--root ROOT]                  (node R of a multi-node train stage)
     rlpipe query "SQL" [--out FILE]      rlpipe show RUN ITER PROMPT SAMPLE
     rlpipe lineage RUN [ITER]            rlpipe report RUN
     rlpipe server                        rlpipe deploy
@@ -212,6 +213,24 @@ def cmd_sandbox_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_train_node(args: argparse.Namespace) -> int:
+    """Node R >= 1 of a run's multi-node train stages: run its ranks of each train job, until Ctrl-C."""
+    from stages.rl.deepspeed_backend import nodes_dir, serve_node
+
+    run = Run.open(resolve_root(args.root), args.run)
+    nodes = run.config.train.nodes
+    if not 1 <= args.node_rank < nodes:
+        raise ConfigError(f"--node-rank {args.node_rank}: run {args.run} trains on train.nodes={nodes} nodes, so "
+                          f"the other nodes are 1..{nodes - 1} (node 0 runs the train stage itself)")
+    directory = nodes_dir(run.layout.run_dir, run.run_id)
+    directory.mkdir(parents=True, exist_ok=True)
+    try:
+        serve_node(directory, args.node_rank)
+    except KeyboardInterrupt:  # the ranks of a job being served were killed on the way out (run_launcher)
+        return 130
+    return 0
+
+
 def cmd_server(args: argparse.Namespace) -> int:
     import signal
     import time
@@ -354,6 +373,14 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8080)
     serve.set_defaults(func=cmd_sandbox_serve)
+
+    train_node = commands.add_parser(
+        "train-node", help="be node R >= 1 of a run's multi-node train stages (train.nodes; docs/team.md)"
+    )
+    train_node.add_argument("run")
+    train_node.add_argument("--node-rank", type=int, required=True, help="this machine's node rank, 1..nodes-1")
+    common(train_node)
+    train_node.set_defaults(func=cmd_train_node)
 
     default_spec = Path(__file__).resolve().parents[2] / "deployments" / "prefect.yaml"
     server = commands.add_parser(

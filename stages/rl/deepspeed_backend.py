@@ -7,9 +7,14 @@ padding with zero-weight repeats so all ranks make the same number of calls; gra
 (`engine.step()` reduces and updates); the loss is scaled by the world size, since DeepSpeed averages. The
 optimizer is torch AdamW (no DeepSpeed op compiled; with `zero_offload` DeepSpeed's CPU Adam) and bf16 is our
 autocast, so state stays fp32. On CUDA: NCCL, one rank per GPU (`--include`, never CUDA_VISIBLE_DEVICES, which
-the launcher drops); on CPU: gloo. A hostfile goes to the launcher as is (multi-node: untested).
+the launcher drops); on CPU: gloo.
 
-Rank 0 writes the HF checkpoint and the metrics; the optimizer state is DeepSpeed's checkpoint in
+Several nodes (`train.nodes`) use the launcher's no-ssh mode, one launcher per node on the same hostfile: node
+0's is the stage's; node R's is started by `serve_node` (`rlpipe train-node RUN --node-rank R`), which finds each
+job in the run's `nodes_dir`, a directory every node sees at the same path (as the job's checkpoint directory).
+Such a directory, not ssh, is the one channel between the nodes: a job file that goes ends that node's ranks.
+
+Rank 0 (on node 0) writes the HF checkpoint and the metrics; the optimizer state is DeepSpeed's checkpoint in
 `<checkpoint>/deepspeed/`, resumed when world size and ZeRO stage match. The launcher's processes never
 outlive the stage: every rank watches the stage process (`RLPIPE_DS_STAGE`: pid and start time) and ends
 within a second of it, and `launch` kills the launcher's whole tree on a timeout, an exception or a signal.
@@ -22,12 +27,14 @@ import contextlib
 import json
 import math
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +47,7 @@ from stages.rl.checkpoint import TrainerState, copy_non_model_files, load_policy
 from stages.rl.logprobs import ResponseLogprobs
 from stages.rl.session import TrainJob, seed_everything, session_metrics
 from stages.rl.trainer import PolicyTrainer, make_adamw
+from storage.fs import is_remote
 from storage.process import end_process
 
 DS_DIR = "deepspeed"
@@ -103,15 +111,10 @@ def rank_device(device_type: str, local_rank: int) -> str:
     return f"cuda:{local_rank}" if device_type == "cuda" else "cpu"
 
 
-def launcher_resources(
-    device_type: str, processes: int, visible_devices: str | None, hostfile: str | None = None
-) -> list[str]:
-    """The DeepSpeed launcher's arguments choosing the ranks. CPU: `--num_gpus N` processes (gloo). CUDA, one
-    node: `--include localhost:<ids>` with the first N GPUs this process sees, named as the launcher needs
-    (physical indices, read through CUDA_VISIBLE_DEVICES, which the launcher would otherwise drop). A hostfile:
-    passed through, N ranks per node."""
-    if hostfile is not None:
-        return ["--hostfile", hostfile, "--num_gpus", str(processes)]
+def launcher_resources(device_type: str, processes: int, visible_devices: str | None) -> list[str]:
+    """The DeepSpeed launcher's arguments choosing the ranks of one node. CPU: `--num_gpus N` processes (gloo).
+    CUDA: `--include localhost:<ids>` with the first N GPUs this process sees, named as the launcher needs
+    (physical indices, read through CUDA_VISIBLE_DEVICES, which the launcher would otherwise drop)."""
     if device_type != "cuda":
         return ["--num_gpus", str(processes)]
     visible = [entry.strip() for entry in visible_devices.split(",")] if visible_devices else []
@@ -122,6 +125,27 @@ def launcher_resources(
             "it to indices (e.g. 0,1) for train.backend=deepspeed"
         )
     return ["--include", "localhost:" + ",".join(ids)]
+
+
+def node_resources(hostfile: Path, node_rank: int, master_addr: str) -> list[str]:
+    """The launcher's arguments for node `node_rank` of a multi-node job: DeepSpeed's no-ssh mode, where every node
+    runs a launcher on the same hostfile (`write_hostfile`) and starts its own ranks, which meet at node 0's
+    `master_addr`. On CUDA each node's ranks take its GPUs 0..N-1 (the launcher sets CUDA_VISIBLE_DEVICES)."""
+    return ["--hostfile", str(hostfile), "--no_ssh", "--node_rank", str(node_rank), "--master_addr", master_addr]
+
+
+def write_hostfile(path: Path, nodes: int, processes: int) -> Path:
+    """DeepSpeed's hostfile of `nodes` nodes with `processes` ranks each. Without ssh the host names are only keys
+    (`node0`, `node1`, ...): node R's launcher starts the ranks of the R-th line, and `--master_addr` says
+    where they meet."""
+    path.write_text("".join(f"node{rank} slots={processes}\n" for rank in range(nodes)))
+    return path
+
+
+def hostfile_slots(path: Path) -> int:
+    """The ranks per node of a hostfile `write_hostfile` wrote."""
+    first = path.read_text().splitlines()[0]
+    return int(first.partition("slots=")[2])
 
 
 class DeepSpeedStepper:
@@ -259,6 +283,7 @@ def worker(job_path: Path) -> None:
         )
         metrics["zero_stage"] = cfg.zero_stage
         metrics["zero_offload"] = cfg.zero_offload
+        metrics["nodes"] = cfg.nodes
         metrics["peak_gpu_memory_mb"] = peak_mb
         Path(str(job_path) + ".result.json").write_text(json.dumps({"rows": rows, "metrics": metrics}))
     dist.destroy_process_group()  # its threads joined here, not left to the interpreter's teardown
@@ -391,61 +416,205 @@ def remove_stale_build_locks(root: Path | None = None) -> list[Path]:
     return stale
 
 
-def launch(
-    job: TrainJob, job_path: Path, processes: int, timeout_s: float | None = None, hostfile: str | None = None
-) -> tuple[list[dict], dict]:
-    """Run `job` under the DeepSpeed launcher with `processes` ranks; returns rank 0's (rows, metrics).
+# A multi-node train job's directories in `nodes_dir`; each holds the job file (JOB_FILE), the hostfile and the
+# nodes' launcher logs (`node_log`). The train stage makes one per launch and removes it when the launch ends.
+JOB_DIR_PREFIX = ".rlpipe-ds-"
+JOB_FILE = "job.json"
+HOSTFILE = "hostfile"
+# How long node 0 waits for every other node to take its job (`serve_node` polls once a second) before it fails
+# the stage naming the node, rather than waiting at the rendezvous until the launch's timeout.
+NODE_JOIN_TIMEOUT_S = 120.0
+POLL_S = 1.0
 
-    The launcher's output goes to `<job_path>.log`; its tail is in the error when the job fails. With
-    `timeout_s`, a job still running after that long is killed, launcher and ranks, and raises.
-    """
-    for lock in remove_stale_build_locks():
-        print(f"removed a stale torch extension build lock (its builder is gone): {lock}", file=sys.stderr)
-    job.dump(job_path)
-    result_path = Path(str(job_path) + ".result.json")
-    result_path.unlink(missing_ok=True)
-    log_path = Path(str(job_path) + ".log")
-    command = [
-        sys.executable,
-        "-m",
-        "deepspeed.launcher.runner",
-        *launcher_resources("cpu" if job.device == "cpu" else "cuda", processes,
-                            os.environ.get("CUDA_VISIBLE_DEVICES"), hostfile),
-        "--master_port",
-        str(port := _free_port()),
-        "--module",
-        "stages.rl.deepspeed_backend",
-        "--job",
-        str(job_path),
-    ]
-    me = psutil.Process()
+
+def nodes_dir(run_dir: str, run_id: str) -> Path:
+    """Where the train stage of a multi-node run puts each job for the other nodes (`serve_node`): in the run's
+    directory under a local root, else (an s3:// root) in rlpipe's cache directory. Either must be at the same
+    path on every train node, as the checkpoint the ranks build there must be."""
+    if is_remote(run_dir):
+        return settings.cache_dir() / "train-nodes" / run_id
+    return Path(run_dir) / ".train-nodes"
+
+
+def remove_stale_jobs(directory: Path) -> list[Path]:
+    """Remove the job directories a killed train stage left in `directory`: only one train stage of a run runs at a
+    time (under its lease), so none is live, and a node still serving one ends its ranks once its file goes."""
+    stale = sorted(directory.glob(f"{JOB_DIR_PREFIX}*"))
+    for job_dir in stale:
+        shutil.rmtree(job_dir, ignore_errors=True)
+    return stale
+
+
+def node_log(job_path: Path, node_rank: int) -> Path:
+    """The launcher log of node `node_rank` of a job: `<job>.log` on node 0, `<job>.node<R>.log` on the others."""
+    return Path(f"{job_path}.log") if node_rank == 0 else Path(f"{job_path}.node{node_rank}.log")
+
+
+def launcher_command(job: TrainJob, job_path: Path, processes: int, port: int, node_rank: int = 0) -> list[str]:
+    """The DeepSpeed launcher running `job` on this node: its `processes` ranks, or node `node_rank`'s ranks of a
+    multi-node job (whose hostfile is beside the job file)."""
+    cfg = job.cfg
+    if cfg.nodes > 1:
+        resources = node_resources(job_path.parent / HOSTFILE, node_rank, str(cfg.master_addr))
+    else:
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        resources = launcher_resources("cpu" if job.device == "cpu" else "cuda", processes, visible)
+    return [sys.executable, "-m", "deepspeed.launcher.runner", *resources, "--master_port", str(port),
+            "--module", "stages.rl.deepspeed_backend", "--job", str(job_path)]
+
+
+def launcher_environment(job: TrainJob, processes: int, watched: psutil.Process) -> dict[str, str]:
+    """The launcher's environment: this checkout importable, the process whose end ends the ranks (`watched`),
+    the accelerator, and the node's threads shared by its `processes` ranks."""
     env = {
         **os.environ,
         "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")]),
-        STAGE_ENV: f"{me.pid}:{me.create_time()}",
+        STAGE_ENV: f"{watched.pid}:{watched.create_time()}",
         # DeepSpeed would pick CUDA by itself on a GPU machine, also for a stage told to train on the CPU.
         "DS_ACCELERATOR": "cpu" if job.device == "cpu" else "cuda",
     }
     env.setdefault("OMP_NUM_THREADS", str(max(1, job.threads // processes)))
+    return env
+
+
+def run_launcher(
+    command: list[str], env: dict[str, str], log_path: Path, timeout_s: float | None,
+    failure: Callable[[], str | None] = lambda: None,
+) -> int:
+    """Run the launcher (output to `log_path`) until it exits, and return its exit code. It is killed, launcher
+    and ranks, when `timeout_s` passes, when `failure()` (asked every POLL_S) names a reason to give up, or on
+    an exception or a signal while waiting; the first two raise DeepSpeedLaunchError with the reason."""
     with open(log_path, "w") as log:
         launcher = subprocess.Popen(command, cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + timeout_s if timeout_s is not None else math.inf
     try:
-        returncode = launcher.wait(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        killed = _kill_tree(launcher)
-        raise DeepSpeedLaunchError(
-            f"deepspeed job {job_path} did not finish in {timeout_s:g}s: killed its {killed} processes "
-            f"(launcher and ranks); its output ended:\n{_tail(log_path)}"
-        ) from None
+        while True:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                return launcher.wait(timeout=max(0.0, min(POLL_S, deadline - time.monotonic())))
+            if time.monotonic() >= deadline:
+                reason = f"did not finish in {timeout_s:g}s"
+            elif (reason := failure()) is None:
+                continue
+            killed = _kill_tree(launcher)
+            raise DeepSpeedLaunchError(
+                f"deepspeed job {command[-1]} {reason}: killed its {killed} processes (launcher and ranks); "
+                f"its output ended:\n{_tail(log_path)}"
+            )
     except BaseException:  # an exception or a signal while waiting: the job's work is not wanted any more
         _kill_tree(launcher)
         raise
+
+
+def node_exit(job_path: Path, node_rank: int) -> Path:
+    """Where node `node_rank` (>= 1) writes its launcher's exit code once its ranks of the job have ended."""
+    return Path(f"{job_path}.node{node_rank}.exit")
+
+
+def _node_failure(job_path: Path, nodes: int, started: float) -> str | None:
+    """Node 0's reason to give up on a multi-node job: a node whose ranks failed (node 0's ranks would only
+    notice at their collective's timeout, minutes later, if the peer's connection did not close), or one that
+    has not taken the job in NODE_JOIN_TIMEOUT_S."""
+    for rank in range(1, nodes):
+        exit_path = node_exit(job_path, rank)
+        if exit_path.exists() and (code := exit_path.read_text().strip()) not in ("", "0"):
+            return f"failed on node {rank}: its launcher exited with {code} (a rank failed or was killed there)"
+    if time.monotonic() - started < NODE_JOIN_TIMEOUT_S:
+        return None
+    missing = [rank for rank in range(1, nodes) if not node_log(job_path, rank).exists()]
+    if not missing:
+        return None
+    return (f"was not taken by node {missing[0]} in {NODE_JOIN_TIMEOUT_S:g}s: run `rlpipe train-node RUN "
+            f"--node-rank {missing[0]}` there, with the job's directory {job_path.parent} at the same path")
+
+
+def _other_nodes_output(job_path: Path, nodes: int) -> str:
+    """The tails of the other nodes' launcher logs, for node 0's error (a rank may have died there)."""
+    return "".join(f"\nnode {rank}'s output ended:\n{_tail(node_log(job_path, rank))}"
+                   for rank in range(1, nodes) if node_log(job_path, rank).exists())
+
+
+def launch(job: TrainJob, job_path: Path, processes: int, timeout_s: float | None = None) -> tuple[list[dict], dict]:
+    """Run `job` under the DeepSpeed launcher with `processes` ranks (per node); returns rank 0's (rows, metrics).
+
+    The launcher's output goes to `<job_path>.log`; its tail (and the other nodes') is in the error when the job
+    fails. With `timeout_s`, a job still running after that long is killed, launcher and ranks, and raises.
+    A multi-node job (`train.nodes`) writes its hostfile beside `job_path`, then the job file last (by rename,
+    since the other nodes take it the moment it appears), and is this node's share: node 0's ranks.
+    """
+    for lock in remove_stale_build_locks():
+        print(f"removed a stale torch extension build lock (its builder is gone): {lock}", file=sys.stderr)
+    cfg = job.cfg
+    result_path = Path(str(job_path) + ".result.json")
+    result_path.unlink(missing_ok=True)
+    port = cfg.master_port if cfg.nodes > 1 else _free_port()
+    if cfg.nodes > 1:
+        write_hostfile(job_path.parent / HOSTFILE, cfg.nodes, processes)
+    job.dump(job_path)
+    started = time.monotonic()
+    failure = (lambda: _node_failure(job_path, cfg.nodes, started)) if cfg.nodes > 1 else (lambda: None)
+    command = launcher_command(job, job_path, processes, port)
+    try:
+        returncode = run_launcher(command, launcher_environment(job, processes, psutil.Process()),
+                                  node_log(job_path, 0), timeout_s, failure)
+    except DeepSpeedLaunchError as error:  # a timeout, a node that failed or never came: its output too
+        raise DeepSpeedLaunchError(f"{error}{_other_nodes_output(job_path, cfg.nodes)}") from None
     finally:
         remove_shm_buffers(port)
     if returncode != 0 or not result_path.is_file():
-        raise DeepSpeedLaunchError(f"deepspeed launcher exited with {returncode}:\n{_tail(log_path)}")
+        raise DeepSpeedLaunchError(
+            f"deepspeed launcher exited with {returncode} (a rank failed or was killed):\n"
+            f"{_tail(node_log(job_path, 0))}{_other_nodes_output(job_path, cfg.nodes)}"
+        )
+    # The job's directory goes when the stage returns, which ends the ranks still running elsewhere: let the other
+    # nodes' ranks, done with their work once rank 0 has saved, exit by themselves first.
+    deadline = time.monotonic() + NODE_JOIN_TIMEOUT_S
+    while time.monotonic() < deadline and not all(node_exit(job_path, r).exists() for r in range(1, cfg.nodes)):
+        time.sleep(POLL_S / 4)
     result = json.loads(result_path.read_text())
     return result["rows"], result["metrics"]
+
+
+def serve_job(job_path: Path, node_rank: int) -> int:
+    """Run node `node_rank`'s ranks of one multi-node job until they end, or until its job file goes (node 0's
+    stage ended); returns the launcher's exit code."""
+    job = TrainJob.load(job_path)
+    cfg = job.cfg
+    processes = hostfile_slots(job_path.parent / HOSTFILE)
+    command = launcher_command(job, job_path, processes, cfg.master_port, node_rank)
+
+    def withdrawn() -> str | None:
+        return None if job_path.exists() else "was withdrawn by node 0 (its train stage ended)"
+
+    code = -1  # killed: a timeout, the job withdrawn, an interrupt
+    try:
+        code = run_launcher(command, launcher_environment(job, processes, psutil.Process()),
+                            node_log(job_path, node_rank), launch_timeout(cfg, job.samples), withdrawn)
+        return code
+    finally:
+        remove_shm_buffers(cfg.master_port)
+        with contextlib.suppress(OSError):  # the job's directory may be gone with the job
+            node_exit(job_path, node_rank).write_text(f"{code}\n")
+
+
+def serve_node(directory: Path, node_rank: int, stop: threading.Event | None = None) -> None:
+    """Be node `node_rank` of a run's multi-node train jobs: run this node's ranks of each job the train stage puts
+    in `directory` (`nodes_dir`), one at a time, once each, until `stop` is set or the process is interrupted.
+    A job that fails here fails node 0's stage too (its ranks lose a peer); its rerun is a new job."""
+    stop = stop or threading.Event()
+    served: set[Path] = set()
+    print(f"node {node_rank}: waiting for train jobs in {directory}", flush=True)
+    while not stop.wait(POLL_S):
+        for job_path in sorted(directory.glob(f"{JOB_DIR_PREFIX}*/{JOB_FILE}")):
+            if job_path in served:
+                continue
+            served.add(job_path)
+            print(f"node {node_rank}: running {job_path}", flush=True)
+            try:
+                code = serve_job(job_path, node_rank)
+                outcome = "done" if code == 0 else f"failed: launcher exited with {code}"
+            except (DeepSpeedLaunchError, FileNotFoundError) as error:
+                outcome = f"ended: {str(error).splitlines()[0]}"
+            print(f"node {node_rank}: {job_path} {outcome} (log {node_log(job_path, node_rank)})", flush=True)
 
 
 def main(argv: list[str] | None = None) -> None:

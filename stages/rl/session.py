@@ -55,7 +55,10 @@ class TrainJob:
         return [TrainSample(**s) for s in self.samples]
 
     def dump(self, path: Path) -> None:
-        path.write_text(json.dumps(asdict(self)))
+        """Write the job file whole or not at all (a rename): other nodes' launchers take it as it appears."""
+        partial = Path(f"{path}.partial")
+        partial.write_text(json.dumps(asdict(self)))
+        partial.replace(path)
 
     @classmethod
     def load(cls, path: Path) -> TrainJob:

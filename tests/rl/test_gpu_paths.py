@@ -6,6 +6,8 @@ carries, as `rlpipe status`, the report and benchmarks/gpu_smoke.py read it.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from rich.console import Console
@@ -14,9 +16,12 @@ from schemas.config import ConfigError, TrainConfig, load_config
 from stages.rl.deepspeed_backend import (
     deepspeed_config,
     dist_backend,
+    hostfile_slots,
     launcher_resources,
+    node_resources,
     rank_device,
     resolve_processes,
+    write_hostfile,
 )
 from stages.rl.trainer import PolicyTrainer, TorchStepper, make_adamw
 from storage.layout import BASE
@@ -48,17 +53,24 @@ def test_backend_and_device_of_each_rank() -> None:
     assert (rank_device("cuda", 3), rank_device("cpu", 3)) == ("cuda:3", "cpu")
 
 
-@pytest.mark.parametrize(("device_type", "processes", "visible", "hostfile", "expected"), [
-    ("cpu", 2, None, None, ["--num_gpus", "2"]),
-    ("cuda", 2, None, None, ["--include", "localhost:0,1"]),
-    ("cuda", 2, "2,5,7", None, ["--include", "localhost:2,5"]),  # physical ids: the launcher drops the variable
-    ("cuda", 1, "3", None, ["--include", "localhost:3"]),  # a stage narrowed to GPU 3 (device: cuda:3)
-    ("cuda", 2, None, "/shared/hosts", ["--hostfile", "/shared/hosts", "--num_gpus", "2"]),
+@pytest.mark.parametrize(("device_type", "processes", "visible", "expected"), [
+    ("cpu", 2, None, ["--num_gpus", "2"]),
+    ("cuda", 2, None, ["--include", "localhost:0,1"]),
+    ("cuda", 2, "2,5,7", ["--include", "localhost:2,5"]),  # physical ids: the launcher drops the variable
+    ("cuda", 1, "3", ["--include", "localhost:3"]),  # a stage narrowed to GPU 3 (device: cuda:3)
 ])
 def test_launcher_arguments_choose_the_ranks(
-    device_type: str, processes: int, visible: str | None, hostfile: str | None, expected: list[str]
+    device_type: str, processes: int, visible: str | None, expected: list[str]
 ) -> None:
-    assert launcher_resources(device_type, processes, visible, hostfile) == expected
+    assert launcher_resources(device_type, processes, visible) == expected
+
+
+def test_each_node_of_a_multi_node_job_runs_its_own_launcher_on_one_hostfile(tmp_path: Path) -> None:
+    hostfile = write_hostfile(tmp_path / "hostfile", nodes=2, processes=4)
+    assert hostfile.read_text() == "node0 slots=4\nnode1 slots=4\n"  # DeepSpeed's format; names are only keys
+    assert hostfile_slots(hostfile) == 4
+    assert node_resources(hostfile, 1, "10.0.0.5") == [
+        "--hostfile", str(hostfile), "--no_ssh", "--node_rank", "1", "--master_addr", "10.0.0.5"]
 
 
 def test_gpus_named_by_uuid_are_refused_for_the_launcher() -> None:
@@ -88,8 +100,12 @@ def test_train_fields_are_checked_at_load() -> None:
         load_config(None, ["train.zero_offload=true"])
     with pytest.raises(ConfigError, match=r"zero_stage >= 1 \(got backend=deepspeed, zero_stage=0\)"):
         load_config(None, ["train.backend=deepspeed", "train.zero_stage=0", "train.zero_offload=true"])
-    with pytest.raises(ConfigError, match=r"train\.hostfile is read by the DeepSpeed launcher"):
-        load_config(None, ["train.hostfile=/shared/hosts"])
+    with pytest.raises(ConfigError, match=r"train\.nodes=2: several train nodes need train\.backend=deepspeed"):
+        load_config(None, ["train.nodes=2", "train.master_addr=10.0.0.5"])
+    with pytest.raises(ConfigError, match=r"train\.nodes=2 needs train\.master_addr, the address of node 0"):
+        load_config(None, ["train.backend=deepspeed", "train.nodes=2"])
+    two_nodes = load_config(None, ["train.backend=deepspeed", "train.nodes=2", "train.master_addr=10.0.0.5"]).train
+    assert (two_nodes.nodes, two_nodes.master_addr, two_nodes.master_port) == (2, "10.0.0.5", 29500)
     with pytest.raises(ConfigError, match=r"train\.processes"):
         load_config(None, ["train.processes=0"])
 
