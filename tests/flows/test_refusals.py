@@ -77,8 +77,8 @@ def test_a_reward_entry_that_does_not_import_is_refused(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(("tool", "expected"), [
     ("no_such_module_xyz:tool", "generate.multi_turn.tools[1] 'no_such_module_xyz:tool': ModuleNotFoundError"),
-    ("stages/sandbox/tools.py:answer_text", "generate.multi_turn.tools[1] 'stages/sandbox/tools.py:answer_text': "
-                                            "has no schema"),
+    ("stages.sandbox.tools:answer_text", "generate.multi_turn.tools[1] 'stages.sandbox.tools:answer_text': "
+                                          "has no schema"),
 ])
 def test_a_tool_that_does_not_import_or_has_no_schema_is_refused(tmp_path: Path, tool: str, expected: str) -> None:
     line = the_one_line(rlpipe(tmp_path, "run", "--config", "deployments/configs/tools-cpu.yaml", "--set",
