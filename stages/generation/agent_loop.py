@@ -44,7 +44,7 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from schemas.config import MultiTurnConfig, ScoreConfig
+from schemas.config import CODE_INTERPRETER, MultiTurnConfig, ScoreConfig
 from schemas.errors import InputError
 from stages.generation.base import Backend, GenerationRequest, Sample, SamplingSpec, TurnSession, sessions
 from stages.generation.sampling import generate_with_progress
@@ -223,11 +223,13 @@ class Toolbox:
     def run_one(self, call: ToolCall) -> ToolResult:
         if call.error:
             return ToolResult(call.error, True, 0.0)
-        if call.name not in self.host_index:  # the code interpreter
+        if call.name == CODE_INTERPRETER:
             code = call.arguments.get("code")
             if not isinstance(code, str):
                 return ToolResult("error: the argument 'code' must be a string", True, 0.0)
             return self.interpreter.run_one(code)
+        if call.name not in self.host_index:
+            return ToolResult(f"error: no tool named {call.name!r}", True, 0.0)
         with self.host_lock:
             answer = self.host.call(self.host_index[call.name], call.arguments)
         if answer.error:
@@ -448,7 +450,6 @@ def roll_out(
     schemas the prompts were rendered with (`template_tools`); `held_out` (evaluation): feedback never shows a
     test's text, whatever `feedback_tests` says. A reward entry or tool that cannot be used is bad input."""
     from stages.sandbox import Sandbox, rewards
-    from stages.sandbox.tools import CODE_INTERPRETER
 
     user_tools = [(entry, schema) for entry, schema in zip(multi_turn.tool_entries(), tools or [], strict=False)
                   if entry.fn != CODE_INTERPRETER]
@@ -577,7 +578,7 @@ class TurnRules:
         code = tool_code(text, self.cfg.code_format)
         if code is None:  # the closed block was empty, or tagged with another language
             return [ToolCall("", {}, "no code found in the block")]
-        return [ToolCall("code_interpreter", {"code": code})]
+        return [ToolCall(CODE_INTERPRETER, {"code": code})]
 
     def apply_tool_results(self, c: Conversation, calls: list[ToolCall], results: list[ToolResult]) -> None:
         """A turn's tool calls' outputs as the next observation, one `tool` message each."""
