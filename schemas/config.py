@@ -133,6 +133,34 @@ class DataConfig(Section):
         return value
 
 
+CODE_INTERPRETER = "code_interpreter"
+
+
+class ToolEntry(BaseModel):
+    """One tool of tool mode: the built-in code interpreter, or a user function or verl `BaseTool`-style class with
+    an OpenAI function schema."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    fn: str = Field(description="`code_interpreter` (the built-in: runs its `code` argument in the sandbox), "
+                    "`package.module:name` or `path/to/file.py:name`: a function called with the call's arguments, "
+                    "or a class built as `Class(config, tool_schema)` whose async or plain `execute(instance_id, "
+                    "parameters)` answers (verl's BaseTool).")
+    tool_schema: dict[str, Any] | None = Field(
+        None, description="The tool's OpenAI function schema (`{type: function, function: {name, description, "
+        "parameters}}`, or the inner object); null: the function's or class's own `tool_schema` attribute.")
+    config: dict[str, Any] = Field(default_factory=dict, description="A class's `config` argument (verl's).")
+
+    @field_validator("fn")
+    @classmethod
+    def _fn_named(cls, fn: str) -> str:
+        target, colon, name = fn.rpartition(":")
+        if fn != CODE_INTERPRETER and not (colon and target.strip() and name.isidentifier()):
+            raise ValueError(f"{fn!r} is neither {CODE_INTERPRETER!r} nor 'package.module:name' or "
+                             "'path/to/file.py:name'")
+        return fn
+
+
 class MultiTurnConfig(Section):
     """Multi-turn rollouts in generate and evaluate: a code-interpreter tool or test-feedback retries."""
 
@@ -151,9 +179,20 @@ class MultiTurnConfig(Section):
     tool_output_chars: int = Field(
         1024, ge=16, description="Characters of a tool call's output (stdout, then stderr) kept in the observation."
     )
-    code_format: Literal["markdown", "code_tags"] = Field(
+    code_format: Literal["markdown", "code_tags", "hermes"] = Field(
         "markdown", description="How the model writes a tool call: a ```python fenced block (the turn stops at the "
-        "closing fence) or `<code>...</code>` (stops at `</code>`)."
+        "closing fence) or `<code>...</code>` (stops at `</code>`), both for the code interpreter; or `hermes`, "
+        "Qwen2.5/Qwen3's `<tool_call>{\"name\": ..., \"arguments\": {...}}</tool_call>` for any of `tools` (stops "
+        "at `</tool_call>`; the schemas reach the chat template as `tools=`, which needs a tool role)."
+    )
+    tools: list[ToolEntry] = Field(
+        default_factory=list, description="The tools of `code_format: hermes`, `{fn, tool_schema, config}` "
+        "entries (empty: the code interpreter alone; markdown and code_tags call only it). `fn`: `code_interpreter` "
+        "(runs its `code` argument in the sandbox), or `package.module:name` / `path/to/file.py:name`, a function "
+        "called with the call's arguments or a verl BaseTool-style class built as `Class(config, tool_schema)`. "
+        "`tool_schema`: the OpenAI function schema (name, description, parameters); null: the object's own "
+        "`tool_schema` attribute. A user tool runs in the process that runs user reward functions, `tool_timeout_s` "
+        "per call, and may run code through `stages.sandbox.run_code` (docs/multi-turn.md)."
     )
     observation_format: Literal["auto", "tool_role", "interpreter"] = Field(
         "auto", description="How a tool's output is shown to the model: a `tool` message rendered by the chat "
@@ -185,7 +224,17 @@ class MultiTurnConfig(Section):
         if self.mode in ("tool", "feedback") and self.max_turns < 2:
             raise ValueError(f"generate.multi_turn.mode={self.mode} with max_turns=1 has no turn after the first: "
                              "set max_turns >= 2 or mode=off")
+        if self.code_format != "hermes" and any(entry.fn != CODE_INTERPRETER for entry in self.tools):
+            raise ValueError(f"generate.multi_turn.tools: code_format {self.code_format} calls the code interpreter "
+                             "only; set code_format: hermes for other tools")
+        if self.code_format == "hermes" and self.observation_format == "interpreter":
+            raise ValueError("generate.multi_turn.code_format hermes answers calls with `tool` messages: "
+                             "observation_format must be auto or tool_role")
         return self
+
+    def tool_entries(self) -> list[ToolEntry]:
+        """The configured tools; none named: the code interpreter alone."""
+        return self.tools or [ToolEntry(fn=CODE_INTERPRETER)]
 
 
 class GenerateConfig(Section):

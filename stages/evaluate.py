@@ -31,6 +31,7 @@ from stages.generation.agent_loop import (
     ConversationStart,
     conversation_sample,
     roll_out,
+    template_tools,
     uses_continuous_batching,
 )
 from stages.generation.base import GenerationRequest, SamplingSpec, sample_seed
@@ -54,11 +55,12 @@ def run(ctx: StageContext) -> None:
     device = claim_device(ctx.config.device)
     model_dir = ctx.policy_dir()
     tokenizer = load_tokenizer(model_dir)
+    mt = gen.multi_turn
+    tools = template_tools(mt)
     encoded = encode_prompts(
         tokenizer, list(by_id), [row["messages"] for row in by_id.values()],
-        gen.max_prompt_tokens, gen.overlong_prompt,
+        gen.max_prompt_tokens, gen.overlong_prompt, tools,
     )
-    mt = gen.multi_turn
     multi_turn = mt.mode != "off"
     answers: list[str] = []  # what is graded: the response, or a conversation's final answer
     turns: list[dict[str, object]] = []  # multi-turn: each sample's turn columns
@@ -98,7 +100,7 @@ def run(ctx: StageContext) -> None:
                 conversations, figures = roll_out(
                     backend, tokenizer, mt, ctx.config.score, starts, spec,
                     [json.loads(by_id[pid]["reward_spec"]) for pid in ids],
-                    [RewardInput.of_prompt(by_id[pid]) for pid in ids], label, held_out=True)
+                    [RewardInput.of_prompt(by_id[pid]) for pid in ids], label, held_out=True, tools=tools)
                 result = GenerationResult([conversation_sample(c, tokenizer) for c in conversations],
                                           figures["generation_seconds"], figures["generated_tokens"])
                 turns += [turn_columns(c, mt.mode) for c in conversations]

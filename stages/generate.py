@@ -40,7 +40,13 @@ import pyarrow.compute as pc
 from schemas.config import ConfigError, batched_shards_problem
 from schemas.errors import InputError
 from schemas.tables import BASELINE_SAMPLE_IDX, SINGLE_TURN_ROLLOUT
-from stages.generation.agent_loop import ConversationStart, conversation_sample, roll_out, uses_continuous_batching
+from stages.generation.agent_loop import (
+    ConversationStart,
+    conversation_sample,
+    roll_out,
+    template_tools,
+    uses_continuous_batching,
+)
 from stages.generation.base import GenerationRequest, Sample, SamplingSpec, sample_seed
 from stages.generation.client import open_stage_engine
 from stages.generation.device import Device, backend_device_record, claim_device, resolve_dtype
@@ -125,9 +131,10 @@ def run(ctx: StageContext) -> None:
     device = claim_device(ctx.config.device)
     model_dir = ctx.policy_dir()
     tokenizer = load_tokenizer(model_dir)
+    tools = template_tools(cfg.multi_turn)
     encoded = encode_prompts(
         tokenizer, selected, [train[pid]["messages"] for pid in selected], cfg.max_prompt_tokens,
-        cfg.overlong_prompt,
+        cfg.overlong_prompt, tools,
     )
     requests, keys = [], []
     for prompt_id, token_ids in zip(encoded.prompt_ids, encoded.token_ids, strict=True):
@@ -162,7 +169,7 @@ def run(ctx: StageContext) -> None:
             specs = [json.loads(train[pid]["reward_spec"]) for pid, _, _ in keys]
             inputs = [RewardInput.of_prompt(train[pid]) for pid, _, _ in keys]
             conversations, loop_figures = roll_out(backend, tokenizer, cfg.multi_turn, ctx.config.score, starts,
-                                                   sampling_spec(ctx), specs, inputs, label)
+                                                   sampling_spec(ctx), specs, inputs, label, tools=tools)
             result = GenerationResult([conversation_sample(c, tokenizer) for c in conversations],
                                       loop_figures.pop("generation_seconds"), loop_figures.pop("generated_tokens"))
             extra = [c.columns() for c in conversations]

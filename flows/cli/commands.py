@@ -45,18 +45,20 @@ def _error(message: str) -> None:
 
 def _validate_data(config: RunConfig) -> None:
     """The checks of a loaded config that need the libraries (a ConfigError, exit 2): the estimator against the
-    rest of the config, the data sources, their reward kinds, the trackers."""
+    rest of the config, the data sources, their reward kinds, the tools, the trackers."""
     import json
 
     from stages.data.sources import DataError, validate_sources
     from stages.rl.advantages import check_estimator_fits
     from stages.sandbox.rewards import RewardSetupError, check_rewards
+    from stages.sandbox.tools import check_tools
 
     check_estimator_fits(config)
     try:
         train, test = validate_sources(config.data)
         specs = train.column("reward_spec").to_pylist() + test.column("reward_spec").to_pylist()
         check_rewards(config.score, {json.loads(spec)["kind"] for spec in specs})
+        check_tools(config.generate.multi_turn)
     except (DataError, RewardSetupError) as error:
         raise ConfigError(str(error)) from None
     from flows.trackers import check_trackers

@@ -18,7 +18,10 @@ stop string `\n```\n` also matches a bare opening fence, so a turn stopped where
 same turn, another request: no stop string can tell the two, on any backend). A call's last code block runs
 through the sandbox's run_code path (the scoring sandbox's isolation, a per-call timeout, output cap), and
 what came out, an error, a timeout or a flood included, is the next observation: a tool call never fails the
-stage. A turn that ends otherwise (eos, its length) is the final answer. feedback mode: every answer is scored
+stage. `code_format: hermes`: the turn stops at `</tool_call>` and each `<tool_call>{"name", "arguments"}` of it
+runs in order (Toolbox: code_interpreter in the sandbox, user tools in the reward-function host), a call that
+does not parse or fit its schema an error observation. A turn that ends otherwise (eos, its length) is the final
+answer. feedback mode: every answer is scored
 by the score stage's scorer; a failed one gets the failing tests back as a user turn (`feedback_tests`: their
 names and messages, or only how many failed and the error types), up to max_turns; each turn's reward is kept.
 Observation and feedback text is tokenized with special tokens split: a program cannot print a control token.
@@ -32,6 +35,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+import threading
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -40,7 +44,7 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from schemas.config import MultiTurnConfig, ScoreConfig
+from schemas.config import CODE_INTERPRETER, MultiTurnConfig, ScoreConfig
 from schemas.errors import InputError
 from stages.generation.base import Backend, GenerationRequest, Sample, SamplingSpec, TurnSession, sessions
 from stages.generation.sampling import generate_with_progress
@@ -53,12 +57,13 @@ if TYPE_CHECKING:
 # ("length"), the conversation budget ran out ("budget"), or a tool call was refused at a limit.
 FINISH_REASONS = ("stop", "length", "budget", "max_turns", "max_tool_calls")
 TRUNCATING = ("length", "budget")
-CODE_STOPS = {"markdown": "\n```\n", "code_tags": "</code>"}
+CODE_STOPS = {"markdown": "\n```\n", "code_tags": "</code>", "hermes": "</tool_call>"}
 PLACEHOLDER = "RLPIPE-TURN-PLACEHOLDER-1b7e"
 CONTENT_PLACEHOLDER = "RLPIPE-CONTENT-PLACEHOLDER-5c2a"
 # A fence line: ``` and an info string (no backticks) opens a block; only a bare ``` line closes one
 # (stages/sandbox/extract.py reads blocks the same way).
 _FENCE_LINE = re.compile(r"[ \t]*```[ \t]*([^`]*?)[ \t]*")
+_TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 _ERROR_TYPE = re.compile(r"[A-Za-z_][\w.]*(?:Error|Exception|Exit|Interrupt)\b")
 
 
@@ -142,6 +147,15 @@ class ToolResult:
     seconds: float
 
 
+@dataclass
+class ToolCall:
+    """One call a turn makes: a tool's name and arguments, or why it cannot run (`error`, the observation)."""
+
+    name: str
+    arguments: dict[str, Any]
+    error: str = ""
+
+
 class SandboxTool:
     """The code interpreter: a started sandbox's `run_code` (Sandbox or FusionSandbox), calls run in parallel."""
 
@@ -176,6 +190,85 @@ class SandboxTool:
             parts.append(f"TimeoutError: the code ran longer than {self.timeout_s:g} s")
         text = "\n".join(part for part in parts if part)
         return ToolResult(cap(text, self.output_chars + 64), run.status != "ok", run.seconds)
+
+
+class Toolbox:
+    """Runs a turn's calls in order: the code interpreter's in the sandbox (SandboxTool), a user tool's in the
+    reward-function host (rewards.RewardHost started with tools, one call at a time); a call that cannot run,
+    fails, times out or whose host crashed is an error observation. `schemas` are the tools' OpenAI schemas."""
+
+    def __init__(self, interpreter: SandboxTool, schemas: list[dict[str, Any]] | None = None,
+                 host: Any = None, host_tools: list[str] | None = None) -> None:  # noqa: ANN401 - a RewardHost
+        from stages.sandbox.tools import CODE_INTERPRETER_SCHEMA
+
+        self.interpreter = interpreter
+        self.schemas = schemas or [CODE_INTERPRETER_SCHEMA]
+        self.host = host
+        self.host_index = {name: index for index, name in enumerate(host_tools or [])}
+        self.threads = interpreter.threads
+        self.host_lock = threading.Lock()
+
+    @property
+    def names(self) -> list[str]:
+        return [schema["function"]["name"] for schema in self.schemas]
+
+    def run(self, calls: list[ToolCall]) -> list[ToolResult]:
+        return [self.run_one(call) for call in calls]
+
+    def run_each(self, batches: list[list[ToolCall]]) -> list[list[ToolResult]]:
+        """Each conversation's calls in order, the conversations in parallel."""
+        with ThreadPoolExecutor(self.threads, thread_name_prefix="tool") as pool:
+            return list(pool.map(self.run, batches))
+
+    def run_one(self, call: ToolCall) -> ToolResult:
+        if call.error:
+            return ToolResult(call.error, True, 0.0)
+        if call.name == CODE_INTERPRETER:
+            code = call.arguments.get("code")
+            if not isinstance(code, str):
+                return ToolResult("error: the argument 'code' must be a string", True, 0.0)
+            return self.interpreter.run_one(code)
+        if call.name not in self.host_index:
+            return ToolResult(f"error: no tool named {call.name!r}", True, 0.0)
+        with self.host_lock:
+            answer = self.host.call(self.host_index[call.name], call.arguments)
+        if answer.error:
+            return ToolResult(cap(f"error: {answer.error}", self.interpreter.output_chars), True, answer.seconds)
+        return ToolResult(cap(answer.text, self.interpreter.output_chars), False, answer.seconds)
+
+
+def hermes_calls(text: str, schemas: list[dict[str, Any]]) -> list[ToolCall]:
+    """Every `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` of a turn's text, in order; one whose JSON
+    does not parse, names no tool of `schemas` or lacks a required argument carries its error."""
+    functions = {schema["function"]["name"]: schema["function"] for schema in schemas}
+    bodies = _TOOL_CALL.findall(text)
+    if not bodies:
+        return [ToolCall("", {}, "error: no tool call found: write <tool_call>{\"name\": ..., \"arguments\": {...}}"
+                                 "</tool_call>")]
+    return [hermes_call(body.strip(), functions) for body in bodies]
+
+
+def hermes_call(body: str, functions: dict[str, dict[str, Any]]) -> ToolCall:
+    try:
+        call = json.loads(body)
+    except json.JSONDecodeError as error:
+        return ToolCall("", {}, f"error: the tool call is not valid JSON ({error})")
+    if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+        return ToolCall("", {}, 'error: the tool call is not a JSON object with a "name"')
+    name, arguments = call["name"], call.get("arguments", {})
+    if name not in functions:
+        return ToolCall(name, {}, f"error: no tool named {name!r} (tools: {', '.join(functions)})")
+    if isinstance(arguments, str):  # some models write the arguments as a JSON string
+        try:
+            arguments = json.loads(arguments)
+        except json.JSONDecodeError:
+            pass
+    if not isinstance(arguments, dict):
+        return ToolCall(name, {}, f"error: the arguments of {name!r} are not a JSON object")
+    missing = [p for p in functions[name]["parameters"].get("required", []) if p not in arguments]
+    if missing:
+        return ToolCall(name, arguments, f"error: {name!r} is missing the required arguments: {', '.join(missing)}")
+    return ToolCall(name, arguments)
 
 
 def cap(text: str, chars: int) -> str:
@@ -235,11 +328,17 @@ def sandbox_judge(sandbox: Any, score_cfg: Any, specs: list[dict], inputs: list[
 class ObservationTokens:
     """Observation text and tokens: the chat template's rendering of added messages, or interpreter text."""
 
-    def __init__(self, tokenizer: Any, cfg: MultiTurnConfig) -> None:  # noqa: ANN401 - a HF tokenizer
+    def __init__(self, tokenizer: Any, cfg: MultiTurnConfig,  # noqa: ANN401 - a HF tokenizer
+                 tools: list[dict[str, Any]] | None = None) -> None:
         self.tokenizer = tokenizer
+        self.tools = tools  # the schemas the prompt was rendered with (hermes calls)
         template = getattr(tokenizer, "chat_template", None) or ""
         fmt = cfg.observation_format
         self.tool_role = fmt == "tool_role" or (fmt == "auto" and "tool" in template)
+        if cfg.mode == "tool" and cfg.code_format == "hermes" and "tool" not in template:
+            raise InputError("generate.multi_turn.code_format hermes answers with `tool` messages, and the chat "
+                             "template has no tool role: set model.chat_template to one that has (such as "
+                             "deployments/templates/qwen2.5-tools.jinja)")
         self.special_ids = set(tokenizer.all_special_ids)
 
     def encode(self, text: str) -> list[int]:
@@ -258,7 +357,7 @@ class ObservationTokens:
         already sampled (its end-of-turn token) is not repeated."""
         rendered = self.tokenizer.apply_chat_template(
             [*messages, {"role": "assistant", "content": PLACEHOLDER}, *added], add_generation_prompt=True,
-            tokenize=False,
+            tokenize=False, tools=self.tools,
         )
         after = rendered[rendered.rindex(PLACEHOLDER) + len(PLACEHOLDER):]
         if last_token is not None and last_token in self.special_ids:
@@ -267,22 +366,28 @@ class ObservationTokens:
                 after = after[len(own):]
         return after
 
-    def message(self, messages: list[dict[str, str]], role: str, content: str, last_token: int | None) -> list[int]:
-        """The template's rendering of one added message: its framing encoded as template text, `content` with
-        special tokens split."""
-        text = self.templated(messages, [{"role": role, "content": CONTENT_PLACEHOLDER}], last_token)
-        if text.count(CONTENT_PLACEHOLDER) != 1:
-            raise ValueError(f"the chat template does not render a {role} message's content once and verbatim")
-        before, after = text.split(CONTENT_PLACEHOLDER)
-        return self.encode(before) + self.encode_content(content) + self.encode(after)
+    def message(self, messages: list[dict[str, str]], role: str, contents: list[str],
+                last_token: int | None) -> list[int]:
+        """The template's rendering of added messages of one role: its framing encoded as template text, each of
+        `contents` with special tokens split."""
+        holders = [f"{CONTENT_PLACEHOLDER}-{i}-" for i in range(len(contents))]
+        rest = self.templated(messages, [{"role": role, "content": holder} for holder in holders], last_token)
+        tokens: list[int] = []
+        for holder, content in zip(holders, contents, strict=True):
+            if rest.count(holder) != 1:
+                raise ValueError(f"the chat template does not render a {role} message's content once and verbatim")
+            before, rest = rest.split(holder)
+            tokens += self.encode(before) + self.encode_content(content)
+        return tokens + self.encode(rest)
 
-    def tool(self, messages: list[dict[str, str]], output: str, last_token: int | None) -> list[int]:
+    def tool(self, messages: list[dict[str, str]], outputs: list[str], last_token: int | None) -> list[int]:
+        """One turn's tool outputs: `tool` messages, or interpreter text one after the other."""
         if self.tool_role:
-            return self.message(messages, "tool", output, last_token)
-        return self.encode_content(f"<interpreter>\n{output}\n</interpreter>\n")
+            return self.message(messages, "tool", outputs, last_token)
+        return self.encode_content("".join(f"<interpreter>\n{output}\n</interpreter>\n" for output in outputs))
 
     def user(self, messages: list[dict[str, str]], text: str, last_token: int | None) -> list[int]:
-        return self.message(messages, "user", text, last_token)
+        return self.message(messages, "user", [text], last_token)
 
 
 def tool_code(text: str, code_format: str) -> str | None:
@@ -309,25 +414,27 @@ def run_conversations(
     starts: list[ConversationStart],
     sampling: SamplingSpec,
     label: str,
-    tool: SandboxTool | None = None,
+    tool: SandboxTool | Toolbox | None = None,
     judge: Judge | None = None,
 ) -> tuple[list[Conversation], dict[str, float]]:
     """Roll out every conversation; returns them and the loop's figures (generation seconds and model tokens,
     the seconds the engine sat idle waiting for tool calls or the judge, and whether the loop was continuous).
-    `sampling.max_new_tokens` caps each turn; `cfg.max_response_tokens` the whole conversation."""
+    `sampling.max_new_tokens` caps each turn; `cfg.max_response_tokens` the whole conversation. `tool`: the
+    tools (a Toolbox), or the code interpreter alone (a SandboxTool)."""
     if cfg.mode == "tool" and tool is None:
-        raise ValueError("multi_turn mode tool needs a SandboxTool")
+        raise ValueError("multi_turn mode tool needs a SandboxTool or a Toolbox")
     if cfg.mode == "feedback" and judge is None:
         raise ValueError("multi_turn mode feedback needs a judge")
-    turns = TurnRules(tokenizer, cfg, sampling)
+    toolbox = Toolbox(tool) if isinstance(tool, SandboxTool) else tool
+    turns = TurnRules(tokenizer, cfg, sampling, toolbox.schemas if toolbox and cfg.code_format == "hermes" else None)
     conversations = [Conversation(start) for start in starts]
     continuous = uses_continuous_batching(backend, cfg)
     figures = {"generation_seconds": 0.0, "generated_tokens": 0, "tool_wall_seconds": 0.0, "judge_seconds": 0.0,
                "continuous_batching": int(continuous)}
     if continuous:
-        _run_continuous(sessions(backend), turns, conversations, label, tool, judge, figures)  # type: ignore[arg-type]
+        _run_continuous(sessions(backend), turns, conversations, label, toolbox, judge, figures)  # type: ignore[arg-type]
     else:
-        _run_per_turn(backend, turns, conversations, label, tool, judge, figures)
+        _run_per_turn(backend, turns, conversations, label, toolbox, judge, figures)
     for c in conversations:
         c.finish_reason = c.finish_reason or "max_turns"
     return conversations, figures
@@ -336,15 +443,21 @@ def run_conversations(
 def roll_out(
     backend: Backend, tokenizer: Any, multi_turn: MultiTurnConfig, score: ScoreConfig,  # noqa: ANN401 - a HF tokenizer
     starts: list[ConversationStart], sampling: SamplingSpec, specs: list[dict], inputs: list[RewardInput], label: str,
-    held_out: bool = False,
+    held_out: bool = False, tools: list[dict[str, Any]] | None = None,
 ) -> tuple[list[Conversation], dict[str, Any]]:
-    """`run_conversations` with a sandbox started from `score` as its tool or its judge (what the generate and
-    evaluate stages run); `held_out` (evaluation): feedback never shows a test's text, whatever `feedback_tests`
-    says. A reward entry that cannot be used is bad input."""
+    """`run_conversations` with a sandbox started from `score` as its code interpreter or its judge, and the
+    reward-function host serving the user tools (what the generate and evaluate stages run); `tools`: the
+    schemas the prompts were rendered with (`template_tools`); `held_out` (evaluation): feedback never shows a
+    test's text, whatever `feedback_tests` says. A reward entry or tool that cannot be used is bad input."""
     from stages.sandbox import Sandbox, rewards
 
-    with Sandbox.from_config(score) as sandbox:
-        tool = (SandboxTool(sandbox, multi_turn.tool_timeout_s, multi_turn.tool_output_chars)
+    user_tools = [(entry, schema) for entry, schema in zip(multi_turn.tool_entries(), tools or [], strict=False)
+                  if entry.fn != CODE_INTERPRETER]
+    with (Sandbox.from_config(score) as sandbox,
+          rewards.RewardHost([], multi_turn.tool_timeout_s, sandbox.run_code,
+                             tools=[entry.model_dump() for entry, _ in user_tools]) as host):
+        interpreter = SandboxTool(sandbox, multi_turn.tool_timeout_s, multi_turn.tool_output_chars)
+        tool = (Toolbox(interpreter, tools, host, [schema["function"]["name"] for _, schema in user_tools])
                 if multi_turn.mode == "tool" else None)
         judge = (sandbox_judge(sandbox, score, specs, inputs, multi_turn.feedback_chars,
                                show_tests=multi_turn.feedback_tests == "all" and not held_out)
@@ -353,6 +466,20 @@ def roll_out(
             return run_conversations(backend, tokenizer, multi_turn, starts, sampling, label, tool=tool, judge=judge)
         except rewards.RewardSetupError as error:
             raise InputError(str(error)) from None
+
+
+def template_tools(cfg: MultiTurnConfig) -> list[dict[str, Any]] | None:
+    """The tool schemas the chat template is given as `tools=` (prompts and observations): every configured
+    tool's with hermes calls in tool mode, else none. A tool that does not import or has no schema is bad input."""
+    if cfg.mode != "tool" or cfg.code_format != "hermes":
+        return None
+    from stages.sandbox.rewards import RewardSetupError
+    from stages.sandbox.tools import tool_schemas
+
+    try:
+        return tool_schemas(cfg)
+    except RewardSetupError as error:
+        raise InputError(str(error)) from None
 
 
 def conversation_sample(c: Conversation, tokenizer: Any) -> Sample:  # noqa: ANN401 - a HF tokenizer
@@ -364,11 +491,13 @@ def conversation_sample(c: Conversation, tokenizer: Any) -> Sample:  # noqa: ANN
 class TurnRules:
     """What both loops share: a turn's request and sampling, and what a finished turn does to its conversation."""
 
-    def __init__(self, tokenizer: Any, cfg: MultiTurnConfig, sampling: SamplingSpec) -> None:  # noqa: ANN401
+    def __init__(self, tokenizer: Any, cfg: MultiTurnConfig, sampling: SamplingSpec,  # noqa: ANN401
+                 tools: list[dict[str, Any]] | None = None) -> None:
         self.tokenizer = tokenizer
         self.cfg = cfg
         self.sampling = sampling
-        self.observe = ObservationTokens(tokenizer, cfg)
+        self.tools = tools  # hermes: the schemas calls are checked against (and the template's `tools=`)
+        self.observe = ObservationTokens(tokenizer, cfg, tools)
         self.code_stop = CODE_STOPS[cfg.code_format]
         self.stops = [*sampling.stop, self.code_stop] if cfg.mode == "tool" else list(sampling.stop)
 
@@ -440,18 +569,25 @@ class TurnRules:
         elif out_of_budget:
             c.finish_reason = "budget"
 
-    def code(self, c: Conversation) -> str | None:
-        return tool_code(c.messages[-1]["content"], self.cfg.code_format)
-
-    def apply_tool_result(self, c: Conversation, code: str | None, result: ToolResult) -> None:
-        """A tool call's output as the next observation."""
-        c.tool_calls += 1
+    def calls(self, c: Conversation) -> list[ToolCall]:
+        """The calls of a turn that ended at the code stop: its `<tool_call>`s (hermes, as many as the
+        conversation's max_tool_calls still allows), or its last code block as a code_interpreter call."""
+        text = c.messages[-1]["content"]
+        if self.cfg.code_format == "hermes":
+            return hermes_calls(text, self.tools or [])[:self.cfg.max_tool_calls - c.tool_calls]
+        code = tool_code(text, self.cfg.code_format)
         if code is None:  # the closed block was empty, or tagged with another language
-            result = ToolResult("no code found in the block", True, 0.0)
-        c.tool_errors += int(result.error)
-        c.tool_seconds += result.seconds
-        tokens = self.observe.tool(c.start.messages, result.output, c.token_ids[-1] if c.token_ids else None)
-        c.messages.append({"role": "tool", "content": result.output})
+            return [ToolCall("", {}, "no code found in the block")]
+        return [ToolCall(CODE_INTERPRETER, {"code": code})]
+
+    def apply_tool_results(self, c: Conversation, calls: list[ToolCall], results: list[ToolResult]) -> None:
+        """A turn's tool calls' outputs as the next observation, one `tool` message each."""
+        c.tool_calls += len(calls)
+        c.tool_errors += sum(int(result.error) for result in results)
+        c.tool_seconds += sum(result.seconds for result in results)
+        outputs = [result.output for result in results]
+        tokens = self.observe.tool(c.start.messages, outputs, c.token_ids[-1] if c.token_ids else None)
+        c.messages += [{"role": "tool", "content": output} for output in outputs]
         _append_observation(c, tokens, self.cfg)
 
     def apply_verdict(self, c: Conversation, verdict: tuple[float, bool, str]) -> None:
@@ -472,7 +608,7 @@ class TurnRules:
 
 
 def _run_per_turn(backend: Backend, turns: TurnRules, conversations: list[Conversation], label: str,
-                  tool: SandboxTool | None, judge: Judge | None, figures: dict[str, float]) -> None:
+                  tool: Toolbox | None, judge: Judge | None, figures: dict[str, float]) -> None:
     """One batched `generate` call per turn (per group sharing a token cap) for every conversation still going,
     then that turn's tool calls or judgements together: a turn waits for its slowest member."""
     for turn in range(turns.cfg.max_turns):
@@ -495,11 +631,11 @@ def _run_per_turn(backend: Backend, turns: TurnRules, conversations: list[Conver
         started = time.monotonic()
         if turns.cfg.mode == "tool":
             calling = [c for c in active if c.finish_reason is None]
-            codes = [turns.code(c) for c in calling]
-            results = tool.run([code or "" for code in codes])  # type: ignore[union-attr]
+            calls = [turns.calls(c) for c in calling]
+            results = tool.run_each(calls)  # type: ignore[union-attr]
             figures["tool_wall_seconds"] += time.monotonic() - started
-            for c, code, result in zip(calling, codes, results, strict=True):
-                turns.apply_tool_result(c, code, result)
+            for c, turn_calls, turn_results in zip(calling, calls, results, strict=True):
+                turns.apply_tool_results(c, turn_calls, turn_results)
         else:
             position = {id(c): i for i, c in enumerate(conversations)}
             verdicts = judge([position[id(c)] for c in active], [c.messages[-1]["content"] for c in active])  # type: ignore[misc]
@@ -509,7 +645,7 @@ def _run_per_turn(backend: Backend, turns: TurnRules, conversations: list[Conver
 
 
 def _run_continuous(open_session: Callable[[], AbstractContextManager[TurnSession]], turns: TurnRules,
-                    conversations: list[Conversation], label: str, tool: SandboxTool | None, judge: Judge | None,
+                    conversations: list[Conversation], label: str, tool: Toolbox | None, judge: Judge | None,
                     figures: dict[str, float]) -> None:
     """Continuous batching across turns: every conversation's turn 0 enters the engine at once; a finished turn's
     tool call (or judgement, one call per engine step's finished answers) runs in a thread pool while the engine
@@ -518,7 +654,7 @@ def _run_continuous(open_session: Callable[[], AbstractContextManager[TurnSessio
     the rest of the loop's wall time is generation_seconds."""
     waiting_key = "tool_wall_seconds" if turns.cfg.mode == "tool" else "judge_seconds"
     caps: dict[int, int] = {}
-    waiting: dict[Future, tuple[list[int], list[str | None]]] = {}
+    waiting: dict[Future, tuple[list[int], list[list[ToolCall]]]] = {}
     threads = tool.threads if tool is not None else 4
     started = time.monotonic()
     with (open_session() as session, ThreadPoolExecutor(threads, thread_name_prefix="turn") as pool,
@@ -549,19 +685,19 @@ def _run_continuous(open_session: Callable[[], AbstractContextManager[TurnSessio
                 elif turns.cfg.mode == "feedback":
                     judged.append(key)
                 elif c.finish_reason is None:
-                    code = turns.code(c)
-                    waiting[pool.submit(lambda code: [tool.run_one(code)], code or "")] = ([key], [code])  # type: ignore[union-attr]
+                    calls = turns.calls(c)
+                    waiting[pool.submit(lambda calls: [tool.run(calls)], calls)] = ([key], [calls])  # type: ignore[union-attr]
                 else:
                     progress()
             if judged:
                 texts = [conversations[key].messages[-1]["content"] for key in judged]
-                waiting[pool.submit(judge, judged, texts)] = (judged, [None] * len(judged))  # type: ignore[arg-type]
+                waiting[pool.submit(judge, judged, texts)] = (judged, [[] for _ in judged])  # type: ignore[arg-type]
             for future in [f for f in waiting if f.done()]:
-                keys, codes = waiting.pop(future)
-                for key, code, outcome in zip(keys, codes, future.result(), strict=True):
+                keys, calls_of = waiting.pop(future)
+                for key, calls, outcome in zip(keys, calls_of, future.result(), strict=True):
                     c = conversations[key]
                     if turns.cfg.mode == "tool":
-                        turns.apply_tool_result(c, code, outcome)
+                        turns.apply_tool_results(c, calls, outcome)
                     else:
                         turns.apply_verdict(c, outcome)
                     if c.finish_reason is None:

@@ -4,7 +4,7 @@ with a progress bar.
 Prompts are tokenized here, once, with the model's chat template, so the token ids stored in the rollouts
 table are exactly what the backend was given. A prompt longer than `max_prompt_tokens` is skipped or cut
 from the left (keeping the end, where the instruction and the generation prompt are) and counted; it never
-fails the stage half-way.
+fails the stage half-way. `tools` (hermes tool calls) are the tool schemas the template lists.
 """
 
 from __future__ import annotations
@@ -31,10 +31,12 @@ def encode_prompts(
     messages_json: list[str],
     max_prompt_tokens: int,
     overlong: str,
+    tools: list[dict] | None = None,
 ) -> EncodedPrompts:
     kept_ids, kept_tokens, skipped, truncated = [], [], 0, 0
     for prompt_id, messages in zip(prompt_ids, messages_json, strict=True):
-        ids = tokenizer.apply_chat_template(json.loads(messages), add_generation_prompt=True, tokenize=True)
+        ids = tokenizer.apply_chat_template(json.loads(messages), add_generation_prompt=True, tokenize=True,
+                                          tools=tools)
         if hasattr(ids, "input_ids"):  # newer transformers return a BatchEncoding
             ids = ids["input_ids"]
         ids = list(ids)

@@ -6,7 +6,9 @@ call per frame: the function's value reduced to a finite float (verl: a number o
 one item of the returned list, None meaning "does not apply"), or the error ending with the user's file:line
 (for an exception, its deepest frame in the function's file; for a value that is not a finite number, the
 function's own first line: the fault is the user's, whatever rlpipe line noticed it). A separate process because
-a user function can hang or crash: the stage kills and restarts this process and goes on.
+a user function can hang or crash: the stage kills and restarts this process and goes on. Started with `tools`
+(generate.multi_turn.tools, stages/sandbox/tools.py) it serves tool calls instead: the arguments as keywords,
+the answer as text, an exception as its type and message (no file path: the model reads it).
 
 `run_code(code, stdin, timeout_s, files)` is the documented way for a reward function to execute model-written
 code: inside a reward call it asks the score stage, which runs it in its sandbox (the same isolation as the
@@ -155,6 +157,8 @@ def main() -> None:
     os.dup2(devnull, 0)
     os.close(devnull)
     hello = json.loads(read_frame(requests) or b"{}")
+    if "tools" in hello:
+        return _serve_tools(hello["tools"], requests, replies)
     styles = []
     functions = []
     for index, fn in enumerate(hello["entries"]):
@@ -182,4 +186,31 @@ def main() -> None:
                 reply = {"value": reward_value(styles[index], result)}
             except Exception as error:  # noqa: BLE001 - a result that is not a finite number (its __float__ too)
                 reply = {"error": f"{str(error)[:900]} ({locations[index]})"}
+        write_frame(replies, json.dumps(reply).encode())
+
+
+def _serve_tools(entries: list[dict[str, Any]], requests: int, replies: int) -> None:
+    """The tool-call loop: build every tool, then one call per frame, answered `{"text"}` or `{"error"}`."""
+    global _STAGE
+    from schemas.config import ToolEntry
+
+    from .tools import answer_text, callable_tool
+
+    tools = []
+    for index, raw in enumerate(entries):
+        entry = ToolEntry.model_validate(raw)
+        try:
+            tools.append(callable_tool(entry))
+        except Exception as error:
+            write_frame(replies, json.dumps({"fatal": f"tool {index} {entry.fn!r}: {error}"}).encode())
+            return
+    write_frame(replies, json.dumps({"styles": ["tool"] * len(tools), "locations": [e["fn"] for e in entries]})
+                .encode())
+    _STAGE = (requests, replies)
+    while (raw_call := read_frame(requests)) is not None:
+        message = json.loads(raw_call)
+        try:
+            reply = {"text": answer_text(tools[message["call"]](message["arguments"]))}
+        except Exception as error:  # the user's code: any exception is the call's observation
+            reply = {"error": f"{type(error).__name__}: {error}"[:900]}
         write_frame(replies, json.dumps(reply).encode())

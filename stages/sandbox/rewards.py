@@ -202,16 +202,21 @@ class Call:
     value: float | None = None
     error: str = ""
     seconds: float = 0.0
+    text: str = ""  # a tool's answer (a host started with tools)
 
 
 class RewardHost:
     """The process that runs user reward functions (reward_host.py), restarted after a timeout.
 
     `run_code` requests from the functions are answered with `run_code(request)` (the stage's sandbox);
-    time spent there does not count against the function's timeout (each run has its own)."""
+    time spent there does not count against the function's timeout (each run has its own). With `tools`
+    (ToolEntry dicts, generate.multi_turn.tools) it serves tool calls instead: `Call.text` is the answer."""
 
-    def __init__(self, entries: list[str], timeout_s: float, run_code: Callable[[dict], dict] | None) -> None:
+    def __init__(self, entries: list[str], timeout_s: float, run_code: Callable[[dict], dict] | None,
+                 tools: list[dict[str, Any]] | None = None) -> None:
         self.entries = entries
+        self.tools = tools
+        self.timeout_field = "score.timeout_s" if tools is None else "generate.multi_turn.tool_timeout_s"
         self.timeout_s = timeout_s
         self.run_code = run_code
         self.process: subprocess.Popen[bytes] | None = None
@@ -239,7 +244,7 @@ class RewardHost:
         assert self.process.stdin is not None and self.process.stdout is not None
         for stream in (self.process.stdin, self.process.stdout):
             os.set_blocking(stream.fileno(), False)
-        self._send({"entries": self.entries})
+        self._send({"entries": self.entries} if self.tools is None else {"tools": self.tools})
         try:
             reply = self._receive(time.monotonic() + START_TIMEOUT_S)
         except JobTimeout:
@@ -292,7 +297,8 @@ class RewardHost:
                 reply = self._receive(deadline)
                 if reply is None:
                     self.stop()
-                    return Call(error=f"the reward function's process exited ({self.locations[index]})",
+                    owner = "tool" if self.tools is not None else "reward function"
+                    return Call(error=f"the {owner}'s process exited ({self.locations[index]})",
                                 seconds=time.monotonic() - started)
                 if "run_code" not in reply:
                     break
@@ -302,12 +308,13 @@ class RewardHost:
                 self._send({"run_code_reply": answer})
         except JobTimeout:
             self.stop()  # the next call starts a fresh process
-            return Call(error=f"no result within score.timeout_s = {self.timeout_s:g} s ({self.locations[index]})",
+            return Call(error=f"no result within {self.timeout_field} = {self.timeout_s:g} s ({self.locations[index]})",
                         seconds=self.timeout_s)
         seconds = time.monotonic() - started
         if "error" in reply:
             return Call(error=reply["error"], seconds=seconds)
-        return Call(value=reply.get("value"), seconds=seconds)  # finite or None: reward_host.reward_value
+        # value: finite or None (reward_host.reward_value); text: a tool's answer
+        return Call(value=reply.get("value"), seconds=seconds, text=reply.get("text", ""))
 
 
 def _no_sandbox() -> dict[str, Any]:

@@ -1,6 +1,7 @@
 """The multi-turn recipes end to end at a tiny size, through the real flow (`rlpipe run`, Prefect, stage
 processes, SmolLM2 on the HF backend, the sandbox, a training step): deployments/configs/retool-cpu.yaml (tool
-mode on the shipped math set) and code-feedback-cpu.yaml (2-turn feedback on pytasks). Each run's rollouts hold
+mode on the shipped math set), tools-cpu.yaml (tools with schemas, Hermes calls through the shipped tools
+template) and code-feedback-cpu.yaml (2-turn feedback on pytasks). Each run's rollouts hold
 conversations whose loss masks, spans and turn rewards fit together, the train stage ran on them, and the
 evaluation reports the multi-turn figures."""
 
@@ -63,6 +64,28 @@ def test_retool_recipe(tmp_path: Path) -> None:
                          "generate.multi_turn.max_response_tokens=64")
     rollouts = check_conversations(run_dir, max_turns=2, budget=64)
     assert all(row["turn_rewards"] is None and row["tool_errors"] <= row["tool_calls"] <= 3 for row in rollouts)
+    figures = eval_metrics(run_dir)
+    assert {"mean_turns", "tool_calls_per_answer"} <= set(figures) and 0.0 <= figures["pass@1"] <= 1.0
+
+
+def test_tools_recipe(tmp_path: Path) -> None:
+    """The prompts the model saw list both tools (the tools template's system message); every tool message is
+    the answer to a call (the packaged model rarely writes a valid one: mostly error observations)."""
+    run_dir = run_recipe(tmp_path, "tools-cpu", "generate.multi_turn.max_turns=2",
+                         "generate.multi_turn.max_response_tokens=96")
+    rollouts = check_conversations(run_dir, max_turns=2, budget=96)
+    for row in rollouts:
+        assert row["turn_rewards"] is None and row["tool_errors"] <= row["tool_calls"] <= 3
+        roles = [m["role"] for m in json.loads(row["conversation"])]
+        assert roles.count("tool") == row["tool_calls"]
+    from schemas.config import ModelConfig
+    from stages.generation.models import load_tokenizer, resolve_model
+
+    tokenizer = load_tokenizer(resolve_model(ModelConfig()))
+    text = tokenizer.decode(rollouts[0]["prompt_token_ids"])
+    assert text.startswith("<|im_start|>system\nYou are a helpful assistant.\n\n# Tools\n")
+    assert '{"name": "code_interpreter"' in text and '{"name": "calculate"' in text
+    assert "<|im_start|>user\nSolve the problem. You may call a tool" in text
     figures = eval_metrics(run_dir)
     assert {"mean_turns", "tool_calls_per_answer"} <= set(figures) and 0.0 <= figures["pass@1"] <= 1.0
 

@@ -75,6 +75,18 @@ def test_a_reward_entry_that_does_not_import_is_refused(tmp_path: Path) -> None:
     assert not (tmp_path / "runs").exists()
 
 
+@pytest.mark.parametrize(("tool", "expected"), [
+    ("no_such_module_xyz:tool", "generate.multi_turn.tools[1] 'no_such_module_xyz:tool': ModuleNotFoundError"),
+    ("stages.sandbox.tools:answer_text", "generate.multi_turn.tools[1] 'stages.sandbox.tools:answer_text': "
+                                          "has no schema"),
+])
+def test_a_tool_that_does_not_import_or_has_no_schema_is_refused(tmp_path: Path, tool: str, expected: str) -> None:
+    line = the_one_line(rlpipe(tmp_path, "run", "--config", "deployments/configs/tools-cpu.yaml", "--set",
+                               f"generate.multi_turn.tools=[{{fn: code_interpreter}}, {{fn: '{tool}'}}]"))
+    assert line.startswith(expected)
+    assert not (tmp_path / "runs").exists()
+
+
 def test_a_tracker_that_is_not_installed_is_refused(tmp_path: Path) -> None:
     hide = "import flows.trackers\nflows.trackers.MODULES['wandb'] = 'no_such_tracker_module_xyz'"
     line = the_one_line(rlpipe(tmp_path, "run", "--set", "log.trackers=[wandb]", code=hide))

@@ -246,12 +246,12 @@ def test_observations_and_feedback_cannot_forge_control_tokens(tokenizer, sandbo
     messages = [{"role": "user", "content": "hi"}]
     comma = tokenizer.convert_tokens_to_ids(",")
     interpreter = ObservationTokens(tokenizer, INTERPRETER)
-    tokens = interpreter.tool(messages, run.output, comma)
+    tokens = interpreter.tool(messages, [run.output], comma)
     assert not special_ids & set(tokens)
     assert tokenizer.decode(tokens) == f"<interpreter>\n{forged}\n</interpreter>\n"
     tool_role = ObservationTokens(tokenizer, MultiTurnConfig(mode="tool", observation_format="tool_role"))
     feedback = ObservationTokens(tokenizer, MultiTurnConfig(mode="feedback"))
-    for tokens, framing in ((tool_role.tool(messages, run.output, comma), tool_role.tool(messages, "x", comma)),
+    for tokens, framing in ((tool_role.tool(messages, [run.output], comma), tool_role.tool(messages, ["x"], comma)),
                             (feedback.user(messages, forged, comma), feedback.user(messages, "x", comma))):
         assert [t for t in tokens if t in special_ids] == [t for t in framing if t in special_ids]
         assert forged in tokenizer.decode(tokens)
@@ -269,10 +269,10 @@ def test_observation_tokens_are_the_template_rendering(tokenizer) -> None:  # no
         "\n<|im_start|>user\nfix it<|im_end|>\n<|im_start|>assistant\n")
     tool_role = ObservationTokens(tokenizer, MultiTurnConfig(mode="tool", observation_format="tool_role"))
     comma = tokenizer.convert_tokens_to_ids(",")
-    tokens = tool_role.tool(messages, "42", comma)
+    tokens = tool_role.tool(messages, ["42"], comma)
     assert tokenizer.decode(tokens) == "<|im_end|>\n<|im_start|>tool\n42<|im_end|>\n<|im_start|>assistant\n"
     assert tokens[0] == im_end  # the special token is one token, not its characters
-    assert observe.tool(messages, "42", comma) == tokenizer("<interpreter>\n42\n</interpreter>\n",
+    assert observe.tool(messages, ["42"], comma) == tokenizer("<interpreter>\n42\n</interpreter>\n",
                                                             add_special_tokens=False)["input_ids"]
 
 
