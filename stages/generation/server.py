@@ -40,7 +40,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from stages.generation.base import Backend, GenerationRequest, ProgressCallback, Sample, SamplingSpec
+from stages.generation.base import Backend, GenerationRequest, ProgressCallback, Sample, SamplingSpec, sessions
 
 FRAME_HEADER = struct.Struct(">Q")
 MAX_FRAME_BYTES = 1 << 32
@@ -196,8 +196,7 @@ class EngineHost:
             return LoadResult(digest, False, False, hash_seconds, 0.0, 0.0)
         started = time.monotonic()
         self.loaded_sha256 = None  # until the reload has finished
-        self.backend.llm.collective_rpc("reload_weights", kwargs={"weights_path": str(model_dir)})
-        self.backend.llm.reset_prefix_cache()
+        self.backend.reload_weights(model_dir)  # every engine's, with generate.engines > 1
         self.loaded_sha256 = digest
         return LoadResult(digest, False, True, hash_seconds, 0.0, time.monotonic() - started)
 
@@ -241,19 +240,17 @@ class EngineHost:
 
     def abort_unfinished(self) -> None:
         """Drop what a broken-off generate left in the engine (its client went away), so the next one starts clean."""
-        engine = self.backend.llm.llm_engine
-        if engine.has_unfinished_requests():
-            engine.abort_request(list(engine.output_processor.request_states), internal=True)
+        self.backend.abort_unfinished()
 
     def wake(self) -> None:
         if self.sleeping:
-            self.backend.llm.wake_up()
+            self.backend.wake_up()
             self.sleeping = False
 
     def idle(self) -> None:
         """Between requests: on a GPU, give the engine's memory back until the next request."""
         if self.sleep_mode and self.backend is not None and not self.sleeping:
-            self.backend.llm.sleep(level=SLEEP_LEVEL)
+            self.backend.sleep(SLEEP_LEVEL)
             self.sleeping = True
 
     def describe(self) -> dict[str, Any]:
@@ -268,6 +265,8 @@ class EngineHost:
             "gpu_memory_used_mb": None if backend is None else backend.gpu_memory_used_mb,
             "loaded_sha256": self.loaded_sha256,
             "sleep_mode": self.sleep_mode,
+            # continuous batching (op `session`): one engine's; several engines generate whole batches only
+            "sessions": backend is not None and sessions(backend) is not None,
             "requests_served": self.requests_served,
         }
 
@@ -289,6 +288,9 @@ def handle(connection: socket.socket, message: dict[str, Any], host: EngineHost)
     if op not in ("load", "generate", "session"):
         raise RequestRefused("bad_request", f"unknown op {op!r}")
     loaded = host.load(Path(message["model_dir"]), str(message["checkpoint_sha256"]))
+    if op == "session" and sessions(host.backend) is None:
+        raise RequestRefused("bad_request", "this server's engines (generate.engines > 1) have no continuous "
+                             "batching: send whole batches (op generate)")
     answer: dict[str, Any] = {"ok": True, "load": asdict(loaded)}
     if op == "session":  # the load confirmed first, then the session's frames, then the closing answer
         send_message(connection, {**answer, "server": host.describe()})
