@@ -182,6 +182,8 @@ class ReplicatedBackend:
             raise
         first = self.replicas[0].settings
         self.engine_settings: dict[str, object] = {**first["engine_settings"], "engines": len(replicas)}
+        if first.get("cores") is not None:  # on CPU: the cores each engine may use
+            self.engine_settings["engine_cores"] = [r.settings["cores"] for r in self.replicas]
         self.deterministic = all(r.settings["deterministic"] for r in self.replicas)
         self.gpus = sum(int(r.settings["gpus"]) for r in self.replicas)
         self.gpu_memory_used_mb: float | None = None
@@ -335,7 +337,8 @@ def main(argv: list[str] | None = None) -> int:
                               args.sleep_mode)
         send_message(connection, {"ok": True, "ready": {
             "engine_settings": backend.engine_settings, "deterministic": backend.deterministic,
-            "gpus": backend.gpus, "gpu_memory_used_mb": backend.gpu_memory_used_mb, "pid": os.getpid()}})
+            "gpus": backend.gpus, "gpu_memory_used_mb": backend.gpu_memory_used_mb,
+            "cores": None if args.device == "cuda" else sorted(os.sched_getaffinity(0))}})
         serve(connection, backend)
     except Exception:  # noqa: BLE001 - told to the parent, which raises it
         send_message(connection, {"ok": False, "error": traceback.format_exc(limit=8)})

@@ -192,6 +192,18 @@ def test_an_engine_error_is_raised_after_the_others_answered_and_the_next_call_w
     broken = [GenerationRequest([0], 5), GenerationRequest([1], -1)]
     with pytest.raises(RuntimeError, match="(?s)vLLM engine 1: .*a broken request"):
         backend.generate(broken, SamplingSpec())
-    assert calls == ["0 generate [5]", "1 abort"]
+    assert sorted(calls) == ["0 generate [5]", "1 abort"]  # engine 0 answered; read before the error is raised
     samples = backend.generate(requests_of([1, 1]), SamplingSpec())
     assert [(s.token_ids, s.text) for s in samples] == [([0], "0"), ([1], "1")]
+
+
+def test_gpu_check_fails_a_generating_stage_with_another_engine_count() -> None:
+    from benchmarks.gpu_smoke import check_records
+
+    on_cuda = {"device": "cuda:0", "gpu_name": "H100", "peak_gpu_memory_mb": 900.0}
+    records = {"generate": {"device": on_cuda, "engine": {"dtype": "bfloat16", "compiled": True, "engines": 2}},
+               "train": {"device": on_cuda}}
+    assert check_records(records, "cuda", engines=2) == []
+    assert check_records(records, "cuda", engines=1) == ["generate: 2 vLLM engine(s), not 1"]
+    records["generate"]["engine"].pop("engines")  # one engine's record names no count
+    assert check_records(records, "cuda", engines=2) == ["generate: 1 vLLM engine(s), not 2"]
