@@ -217,40 +217,37 @@ class ReplicatedBackend:
                               "sampling": asdict(sampling)})
                 self.busy[replica] = share
         merged: dict[int, Sample] = {}
-        for replica, message in self._answers(progress):
-            merged.update(zip(self.busy.pop(replica), decode_samples(message["samples"]), strict=True))
+        for share, message in self._answers(progress):
+            merged.update(zip(share, decode_samples(message["samples"]), strict=True))
         memory = [r.settings["gpu_memory_used_mb"] for r in self.replicas if r.settings["gpu_memory_used_mb"]]
         self.gpu_memory_used_mb = sum(memory) if memory else None
         return [merged[i] for i in range(len(requests))]
 
-    def _answers(self, progress: ProgressCallback | None) -> list[tuple[Replica, dict[str, Any]]]:
-        """Every busy engine's answer, passing their progress frames on as they come. An engine's error is raised
-        once the others have answered, so no answer is left behind for the next call to misread."""
-        done: list[tuple[Replica, dict[str, Any]]] = []
+    def _answers(self, progress: ProgressCallback | None) -> list[tuple[list[int], dict[str, Any]]]:
+        """Every busy engine's (share, answer), passing their progress frames on as they come; an engine leaves
+        `busy` as it answers. An engine's error is raised once the others have answered, so no answer is left
+        behind for the next call to misread."""
+        done: list[tuple[list[int], dict[str, Any]]] = []
         errors: list[BaseException] = []
         with answers(list(self.busy)) as selector:
-            waiting = len(self.busy)
-            while waiting:
+            while self.busy:
                 for key, _ in selector.select():
                     replica: Replica = key.data
                     try:
                         message = replica.receive()
                     except RuntimeError as error:
                         errors.append(error)
-                        self.busy.pop(replica)
-                        selector.unregister(replica.connection)
-                        waiting -= 1
-                        continue
-                    if "progress" in message:
+                        message = None
+                    if message is not None and "progress" in message:
                         if progress is not None:
                             progress(*message["progress"])
                         continue
-                    replica.settings["gpu_memory_used_mb"] = message["gpu_memory_used_mb"]
-                    done.append((replica, message))
+                    share = self.busy.pop(replica)
                     selector.unregister(replica.connection)
-                    waiting -= 1
+                    if message is not None:
+                        replica.settings["gpu_memory_used_mb"] = message["gpu_memory_used_mb"]
+                        done.append((share, message))
         if errors:
-            self.busy.clear()
             raise errors[0]
         return done
 
@@ -272,10 +269,9 @@ class ReplicatedBackend:
     def abort_unfinished(self) -> None:
         """After a broken-off generate: wait out the engines still generating and drop their answers (each
         engine finishes its share; the next call then finds them idle)."""
+        self.busy = {replica: share for replica, share in self.busy.items() if replica.process.poll() is None}
         if self.busy:
-            self.busy = {replica: share for replica, share in self.busy.items() if replica.process.poll() is None}
             self._answers(None)
-            self.busy.clear()
 
     def close(self) -> None:
         for replica in self.replicas:

@@ -207,3 +207,16 @@ def test_gpu_check_fails_a_generating_stage_with_another_engine_count() -> None:
     assert check_records(records, "cuda", engines=1) == ["generate: 2 vLLM engine(s), not 1"]
     records["generate"]["engine"].pop("engines")  # one engine's record names no count
     assert check_records(records, "cuda", engines=2) == ["generate: 1 vLLM engine(s), not 2"]
+
+
+def test_after_a_broken_off_generate_abort_unfinished_leaves_the_engines_clean(replicated) -> None:  # noqa: ANN001
+    backend, calls = replicated
+
+    def client_gone(done: int, tokens: int) -> None:  # the server's progress frame to a client that went away
+        raise BrokenPipeError
+
+    with pytest.raises(BrokenPipeError):
+        backend.generate(requests_of([1, 1]), SamplingSpec(), client_gone)
+    backend.abort_unfinished()  # what the server's EngineHost does then
+    samples = backend.generate(requests_of([2, 2]), SamplingSpec())
+    assert [(s.token_ids, s.text) for s in samples] == [([0], "0"), ([1], "0"), ([2], "1"), ([3], "1")]
