@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 
 from schemas.config import ConfigError, load_config
-from stages.generation.base import GenerationRequest, Sample, SamplingSpec
+from stages.generation.base import GenerationRequest, Sample, SamplingSpec, sessions
 from stages.generation.replicas import (
     Replica,
     ReplicatedBackend,
@@ -170,6 +170,7 @@ def replicated() -> tuple[ReplicatedBackend, list[str]]:
 def test_answers_come_back_in_request_order_each_group_on_one_engine(replicated) -> None:  # noqa: ANN001
     backend, calls = replicated
     assert backend.engine_settings == {"dtype": "float32", "engines": 2} and backend.deterministic
+    assert sessions(backend) is None  # the multi-turn loop then runs one batched generate per turn
     requests = requests_of([1, 3, 2, 2])  # seeds 0..7; 4 of 8 requests end with the second group
     reports: list[tuple[int, int]] = []
     samples = backend.generate(requests, SamplingSpec(), lambda done, tokens: reports.append((done, tokens)))
