@@ -4,7 +4,7 @@ vLLM's offline `LLM` runs data parallelism only with one process per rank (its o
 starts one `LLM` per process, each with its own devices), so each replica is `python -m stages.generation.replicas`
 holding a plain `VLLMBackend` on `vllm_tensor_parallel_size` devices: on GPU its own slice of the stage's
 CUDA_VISIBLE_DEVICES, on CPU its own share of the stage's cores (sched_setaffinity and vLLM's
-VLLM_CPU_OMP_THREADS_BIND) when there are at least as many cores as engines, else the cores shared. Nothing is
+VLLM_CPU_OMP_THREADS_BIND) when there is a core for each TP rank of every engine, else the cores shared. Nothing is
 scheduled beyond the split: a call's requests are cut into runs of consecutive requests with the same prompt
 (a prompt group: the stages put one prompt's samples together, so a group never crosses engines), the groups
 dealt out in order in contiguous shares of about equal requests, and the answers merged back in the request
@@ -26,7 +26,7 @@ import time
 import traceback
 from dataclasses import asdict
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from schemas.config import ConfigError
 from stages.generation.base import GenerationRequest, ProgressCallback, Sample, SamplingSpec
@@ -42,6 +42,7 @@ from stages.generation.server import (
 if TYPE_CHECKING:
     from schemas.config import GenerateConfig
 
+T = TypeVar("T")
 VISIBLE_DEVICES = "CUDA_VISIBLE_DEVICES"
 THREADS_BIND = "VLLM_CPU_OMP_THREADS_BIND"
 
@@ -84,7 +85,7 @@ def split_by_group(requests: list[GenerationRequest], engines: int) -> list[list
     return shares
 
 
-def device_slices(visible: list[str], engines: int, per_engine: int) -> list[list[str]]:
+def device_slices(visible: list[T], engines: int, per_engine: int) -> list[list[T]]:
     """Each engine's devices: consecutive slices of `per_engine` of the `visible` ones (GPU ids, or cores)."""
     return [visible[i * per_engine:(i + 1) * per_engine] for i in range(engines)]
 
@@ -111,7 +112,7 @@ def replica_environments(engines: int, tensor_parallel_size: int, on_gpu: bool, 
     if per_engine < tensor_parallel_size:
         return [(dict(environ), None) for _ in range(engines)]
     return [({**environ, THREADS_BIND: core_binding(share, tensor_parallel_size)}, share)
-            for share in ([int(c) for c in s] for s in device_slices([str(c) for c in cores], engines, per_engine))]
+            for share in device_slices(cores, engines, per_engine)]
 
 
 class Replica:

@@ -2,10 +2,11 @@
 
 `python -m stages.generation.server` listens on a Unix socket (a directory of this uid's, mode 0700) that the
 client (client.py) bound and passed in, so requests queue while vLLM imports. Requests are served one at a time
-(one engine): `ping`, `load` (checkpoint k: the engine starts at the first load, later loads swap weights in
-place with vLLM's `reload_weights`), `generate` (loads first, then the same `VLLMBackend.generate` the in-process
-backend runs, streaming progress), `session` (continuous batching for the multi-turn loop: the in-process
-backend's `VLLMSession`, its submits and finished requests as frames on the one connection) and `shutdown`.
+(one engine, or `generate.engines` of them behind one backend: replicas.py): `ping`, `load` (checkpoint k: the
+engine starts at the first load, later loads swap weights in place with vLLM's `reload_weights`), `generate`
+(loads first, then the same `generate` the in-process backend runs, streaming progress), `session` (continuous
+batching for the multi-turn loop, one engine only: the in-process backend's `VLLMSession`, its submits and
+finished requests as frames on the one connection) and `shutdown`.
 Frames are an 8-byte length and JSON: only this uid talks here, floats round-trip exactly, and no pickle means a
 request cannot run code in the server.
 
