@@ -99,6 +99,15 @@ def visible_gpus() -> int:
     return max(1, int(torch.cuda.device_count()))
 
 
+def expected_engines(device: str, overrides: list[str]) -> int:
+    """The vLLM engines the generating stages must report: a `generate.engines=N` override's N, else `auto`'s (one
+    per GPU on CUDA with the default TP 1, one on the CPU)."""
+    chosen = [value for name, _, value in (o.partition("=") for o in overrides) if name == "generate.engines"]
+    if chosen and chosen[-1] != "auto":
+        return int(chosen[-1])
+    return visible_gpus() if device == "cuda" else 1
+
+
 def run_job(root: str, device: str, overrides: list[str]) -> int:
     """`rlpipe run` of the default config, one iteration, on `device`; its exit code."""
     command = [sys.executable, "-m", "flows.cli", "run", "--config", str(CONFIG), "--root", root,
@@ -120,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
         code = run_job(root, args.device, args.set)
         records = stage_records(root, RUN_ID)
         console.print(figures_table(records))
-    problems = check_records(records, args.device, visible_gpus() if args.device == "cuda" else 1)
+    problems = check_records(records, args.device, expected_engines(args.device, args.set))
     for problem in problems:
         console.print(f"[red]✗ {problem}[/]")
     if code != 0 or problems:

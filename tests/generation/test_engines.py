@@ -221,3 +221,7 @@ def test_after_a_broken_off_generate_abort_unfinished_leaves_the_engines_clean(r
     backend.abort_unfinished()  # what the server's EngineHost does then
     samples = backend.generate(requests_of([2, 2]), SamplingSpec())
     assert [(s.token_ids, s.text) for s in samples] == [([0], "0"), ([1], "0"), ([2], "1"), ([3], "1")]
+    from benchmarks.gpu_smoke import expected_engines
+
+    assert expected_engines("cuda", ["train.lr=1e-5", "generate.engines=2"]) == 2
+    assert expected_engines("cpu", []) == 1
