@@ -199,7 +199,7 @@ def test_an_engine_error_is_raised_after_the_others_answered_and_the_next_call_w
 
 
 def test_gpu_check_fails_a_generating_stage_with_another_engine_count() -> None:
-    from benchmarks.gpu_smoke import check_records
+    from benchmarks.gpu_smoke import check_records, expected_engines
 
     on_cuda = {"device": "cuda:0", "gpu_name": "H100", "peak_gpu_memory_mb": 900.0}
     records = {"generate": {"device": on_cuda, "engine": {"dtype": "bfloat16", "compiled": True, "engines": 2}},
@@ -208,6 +208,8 @@ def test_gpu_check_fails_a_generating_stage_with_another_engine_count() -> None:
     assert check_records(records, "cuda", engines=1) == ["generate: 2 vLLM engine(s), not 1"]
     records["generate"]["engine"].pop("engines")  # one engine's record names no count
     assert check_records(records, "cuda", engines=2) == ["generate: 1 vLLM engine(s), not 2"]
+    assert expected_engines("cuda", ["train.lr=1e-5", "generate.engines=2"]) == 2  # what --set asks for
+    assert expected_engines("cpu", []) == 1
 
 
 def test_after_a_broken_off_generate_abort_unfinished_leaves_the_engines_clean(replicated) -> None:  # noqa: ANN001
@@ -221,7 +223,3 @@ def test_after_a_broken_off_generate_abort_unfinished_leaves_the_engines_clean(r
     backend.abort_unfinished()  # what the server's EngineHost does then
     samples = backend.generate(requests_of([2, 2]), SamplingSpec())
     assert [(s.token_ids, s.text) for s in samples] == [([0], "0"), ([1], "0"), ([2], "1"), ([3], "1")]
-    from benchmarks.gpu_smoke import expected_engines
-
-    assert expected_engines("cuda", ["train.lr=1e-5", "generate.engines=2"]) == 2
-    assert expected_engines("cpu", []) == 1
