@@ -4,8 +4,12 @@
 default config, one iteration and `device: cuda` (so a machine without a GPU stops with exit 2 instead of
 quietly running on the CPU), in a fresh storage root; then reads every model stage's manifest (evaluate_base,
 generate, train, evaluate) and fails unless each ran on CUDA; and prints, per stage, the device, GPU, dtype,
-peak GPU memory and tokens/s (generate and train are the figures to compare). `--device cpu` runs the same
-check on a CPU machine (the manifests must then say cpu), which is how the checks themselves are tested.
+peak GPU memory, vLLM engines and tokens/s (generate and train are the figures to compare). The default
+`generate.engines: auto` starts one vLLM engine per GPU, each in its own process (stages/generation/replicas.py):
+on a machine with two or more GPUs the generating stages must report that many engines, which checks the
+several-engine path (CUDA_VISIBLE_DEVICES per engine, reload and sleep in the warm server) on real GPUs.
+`--device cpu` runs the same check on a CPU machine (the manifests must then say cpu), which is how the checks
+themselves are tested.
 
 NOT RUN ON A GPU YET: this project's machines have no GPU, so no output is recorded here. Whoever first runs it
 on a GPU machine: paste its output, the date and the GPU below, and update README.md and docs/gpu.md.
@@ -50,11 +54,15 @@ def stage_records(root: str, run_id: str) -> dict[str, dict[str, Any] | None]:
     return records
 
 
-def check_records(records: dict[str, dict[str, Any] | None], device_type: str) -> list[str]:
+def check_records(records: dict[str, dict[str, Any] | None], device_type: str, engines: int = 1) -> list[str]:
     """What is wrong: a model stage not done, without a device record, or not on `device_type` ("cuda" or
-    "cpu"); on CUDA also a record without a GPU name or peak memory. Empty when all is as expected."""
+    "cpu"); on CUDA also a record without a GPU name or peak memory; a generating stage whose vLLM ran other than
+    `engines` engines (`generate.engines: auto` = one per GPU here). Empty when all is as expected."""
     problems = []
     for stage, metrics in records.items():
+        engine = (metrics or {}).get("engine") or {}
+        if "compiled" in engine and engine.get("engines", 1) != engines:  # a vLLM stage's record (HF has no compiled)
+            problems.append(f"{stage}: {engine.get('engines', 1)} vLLM engine(s), not {engines}")
         record = (metrics or {}).get("device")
         if metrics is None:
             problems.append(f"{stage}: not done")
@@ -69,16 +77,35 @@ def check_records(records: dict[str, dict[str, Any] | None], device_type: str) -
 
 def figures_table(records: dict[str, dict[str, Any] | None]) -> Table:
     table = Table(title="model stages")
-    for column in ("stage", "device", "GPU", "dtype", "peak GPU MB", "tokens/s"):
+    for column in ("stage", "device", "GPU", "dtype", "engines", "peak GPU MB", "tokens/s"):
         table.add_column(column)
     for stage, metrics in records.items():
         record = (metrics or {}).get("device") or {}
+        engine = (metrics or {}).get("engine") or {}
         gpu = f"{record['gpu_name']} x {record['gpu_count']}" if record.get("gpu_name") else "-"
         peak = record.get("peak_gpu_memory_mb")
         speed = (metrics or {}).get("tokens_per_second")
-        table.add_row(stage, str(record.get("device", "-")), gpu, str(record.get("dtype", "-")),
+        engines = str(engine.get("engines", 1)) if "compiled" in engine else "-"
+        table.add_row(stage, str(record.get("device", "-")), gpu, str(record.get("dtype", "-")), engines,
                       "-" if peak is None else f"{peak:,.0f}", "-" if speed is None else f"{speed:,.1f}")
     return table
+
+
+def visible_gpus() -> int:
+    """GPUs this machine shows (NVML, without initialising CUDA): the default config's `generate.engines: auto` runs
+    one vLLM engine on each (TP 1), so a machine with two or more checks the several-engine path."""
+    import torch
+
+    return max(1, int(torch.cuda.device_count()))
+
+
+def expected_engines(device: str, overrides: list[str]) -> int:
+    """The vLLM engines the generating stages must report: a `generate.engines=N` override's N, else `auto`'s (one
+    per GPU on CUDA with the default TP 1, one on the CPU)."""
+    chosen = [value for name, _, value in (o.partition("=") for o in overrides) if name == "generate.engines"]
+    if chosen and chosen[-1] != "auto":
+        return int(chosen[-1])
+    return visible_gpus() if device == "cuda" else 1
 
 
 def run_job(root: str, device: str, overrides: list[str]) -> int:
@@ -102,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
         code = run_job(root, args.device, args.set)
         records = stage_records(root, RUN_ID)
         console.print(figures_table(records))
-    problems = check_records(records, args.device)
+    problems = check_records(records, args.device, expected_engines(args.device, args.set))
     for problem in problems:
         console.print(f"[red]✗ {problem}[/]")
     if code != 0 or problems:

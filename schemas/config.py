@@ -306,11 +306,16 @@ class GenerateConfig(Section):
         "auto", description="KV-cache precision of the vLLM engine; `auto`: the model's dtype."
     )
     vllm_tensor_parallel_size: int = Field(1, ge=1, description="Devices one vLLM engine is spread over.")
-    # vLLM's offline `LLM` (0.32) refuses data_parallel_size > 1 in one process (it needs one process per rank,
-    # started by vLLM's data-parallel launcher): rejected at config load, not minutes later at engine start.
-    vllm_data_parallel_size: int = Field(
-        1, ge=1, description="Must be 1 (vLLM's offline engine cannot run data parallelism in one process); use "
-        "`vllm_tensor_parallel_size`."
+    engines: Annotated[int, Field(ge=1)] | Literal["auto"] = Field(
+        "auto", description="vLLM engines (data-parallel replicas) in a generate or evaluate stage and in the warm "
+        "generation server, each in a process of its own on `vllm_tensor_parallel_size` devices (on CPU pinned to "
+        "its share of the cores when there are enough), a stage's requests split between them by prompt group and "
+        "merged back in order; weight reloads and sleep reach every one. `auto`: the stage's GPUs / "
+        "`vllm_tensor_parallel_size` on GPU, 1 on CPU. Each CPU engine takes its own `vllm_kv_cache_gib` and ~1.5 "
+        "GiB more. Multi-turn rollouts with several engines run one batched call per turn (no continuous "
+        "batching). The backend hf has one engine; more engines x TP than the stage's GPUs is refused when the "
+        "stage starts (exit 2). Not part of any stage key: the same tokens for any count (logprobs within fp32 "
+        "rounding: docs/architecture.md, Generation).",
     )
     mismatch_samples: int = Field(
         8,
@@ -358,16 +363,23 @@ class GenerateConfig(Section):
         # YAML 1.1 (PyYAML, `--set`) reads a bare on / off as true / false.
         return ("on" if value else "off") if isinstance(value, bool) else value
 
-    @field_validator("vllm_data_parallel_size")
+    @model_validator(mode="before")
     @classmethod
-    def _one_data_parallel_rank(cls, size: int) -> int:
-        if size != 1:
-            raise ValueError(
-                "must be 1: vLLM's offline LLM engine runs data parallelism only with one process per rank "
-                "(vLLM's multi-process launcher), which a generate stage does not start; "
-                "spread the engine over more devices with generate.vllm_tensor_parallel_size instead"
-            )
-        return size
+    def _data_parallel_size_is_engines(cls, values: object) -> object:
+        # Older run configs hold `vllm_data_parallel_size: 1` (the only value it admitted); `engines` replaced it.
+        if isinstance(values, dict) and "vllm_data_parallel_size" in values:
+            values = dict(values)
+            if values.pop("vllm_data_parallel_size") not in (1, "1"):
+                raise ValueError("generate.vllm_data_parallel_size is now generate.engines (vLLM engines in the "
+                                 "stage, each in a process of its own); set that instead")
+        return values
+
+    @model_validator(mode="after")
+    def _engines_need_vllm(self) -> GenerateConfig:
+        if self.backend == "hf" and self.engines != "auto" and self.engines > 1:
+            raise ValueError(f"generate.engines={self.engines} needs the vLLM backend: generate.backend=hf runs one "
+                             "model in the stage process; set generate.backend: vllm (or auto) or engines: 1")
+        return self
 
     @model_validator(mode="after")
     def _context_fits_a_prompt_and_response(self) -> GenerateConfig:
@@ -989,6 +1001,19 @@ class RunConfig(Section):
         if not DEVICE_PATTERN.match(device):
             raise ValueError("must be auto, cpu, cuda or cuda:N (N: a GPU index, e.g. cuda:1)")
         return device
+
+    @model_validator(mode="after")
+    def _engines_fit_one_gpu(self) -> RunConfig:
+        # cuda:N leaves a stage one GPU whatever the machine; other devices are counted when the stage starts.
+        gen = self.generate
+        engines = 1 if gen.engines == "auto" else gen.engines
+        if self.device.startswith("cuda:") and engines * gen.vllm_tensor_parallel_size > 1 and engines > 1:
+            raise ValueError(
+                f"generate.engines={gen.engines} x generate.vllm_tensor_parallel_size={gen.vllm_tensor_parallel_size} "
+                f"needs that many GPUs, but device: {self.device} leaves each stage one; set device: cuda (or auto) "
+                "or generate.engines: 1"
+            )
+        return self
 
     @model_validator(mode="after")
     def _truncated_sampling_needs_on_policy_training(self) -> RunConfig:

@@ -40,6 +40,10 @@ NAMES: tuple[Name, ...] = (
     Name("generate.max_prompt_tokens", "max_prompt_length", "data.max_prompt_length"),
     Name("generate.vllm_tensor_parallel_size", "vllm_tensor_parallel_size",
          "actor_rollout_ref.rollout.tensor_model_parallel_size"),
+    Name("generate.engines", "", "",
+         "verl has no key for it: its rollout replicas are trainer.n_gpus_per_node x trainer.nnodes / "
+         "actor_rollout_ref.rollout.tensor_model_parallel_size (its rollout.data_parallel_size is data parallelism "
+         "inside one engine); OpenRLHF: --vllm_num_engines; TRL's server mode: trl vllm-serve --data_parallel_size"),
     Name("generate.vllm_kv_cache_gib", "vllm_gpu_memory_utilization",
          "actor_rollout_ref.rollout.gpu_memory_utilization", "GiB of KV cache here, a fraction of GPU memory there"),
     Name("score.rewards", "reward_funcs / reward_weights", "custom_reward_function.path + .name",

@@ -91,11 +91,12 @@ class StageSpec:
 
 # Fields that decide when a stage runs, not what it computes: never part of a stage key, so changing them
 # (or adding them to an older config) does not make finished stages stale. The warm_engine fields say which
-# engine process generates, not what (the same tokens on CPU: tests/generation/test_warm_engine_stage.py); the
-# keep_* fields which checkpoints are pruned afterwards (stages/retention.py); master_addr/port where a multi-node
-# train job's ranks meet.
+# engine process generates, not what (the same tokens on CPU: tests/generation/test_warm_engine_stage.py), and
+# `engines` how many engines share the requests (the same tokens for any count:
+# tests/generation/test_engines_stage.py); the keep_* fields which checkpoints are pruned afterwards
+# (stages/retention.py); master_addr/port where a multi-node train job's ranks meet.
 SCHEDULING_FIELDS = {"evaluate": ("every",),
-                     "generate": ("warm_engine", "warm_engine_min_free_gib", "warm_engine_idle_s"),
+                     "generate": ("warm_engine", "warm_engine_min_free_gib", "warm_engine_idle_s", "engines"),
                      "train": ("keep_checkpoints", "keep_optimizer_states", "master_addr", "master_port")}
 
 

@@ -13,13 +13,15 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from schemas.config import ConfigError
 from stages.generation.base import Backend, GenerationRequest, Sample, SamplingSpec, sample_seed
 
 if TYPE_CHECKING:
     from schemas.config import GenerateConfig
+    from stages.generation.vllm_backend import VLLMBackend
 
 __all__ = ["Backend", "GenerationRequest", "Sample", "SamplingSpec", "make_backend", "resolve_backend_name",
-           "sample_seed"]
+           "sample_seed", "vllm_engine"]
 
 
 def resolve_backend_name(name: str, device: str = "cpu") -> str:
@@ -48,16 +50,35 @@ def make_backend(
     "auto" resolves per device. `sleep_mode`: a vLLM engine that can sleep (the generation server's, on a GPU).
     """
     resolved = resolve_backend_name(name, device)
+    if resolved == "hf" and cfg.engines not in ("auto", 1):
+        raise ConfigError(f"generate.engines={cfg.engines} needs vLLM, but the backend is hf (generate.backend: "
+                          f"{name}: vLLM does not import here, or its build does not run on {device}); set engines: 1")
     if resolved == "hf":
         from stages.generation.device import resolve_dtype
         from stages.generation.hf_backend import HFBackend
 
         return HFBackend(Path(model_dir), dtype=resolve_dtype(cfg.dtype, device), batch_size=cfg.batch_size,
                          device=device)
+    from stages.generation.replicas import ReplicatedBackend, resolve_engines
+
+    on_gpu = device != "cpu"
+    visible_gpus = 0
+    if on_gpu:
+        from stages.generation.device import visible_gpu_count
+
+        visible_gpus = visible_gpu_count()
+    engines = resolve_engines(cfg.engines, on_gpu, cfg.vllm_tensor_parallel_size, visible_gpus)
+    if engines > 1:
+        return ReplicatedBackend.start(Path(model_dir), cfg, engines, on_gpu, visible_gpus, sleep_mode=sleep_mode)
+    return vllm_engine(Path(model_dir), cfg, device, sleep_mode)
+
+
+def vllm_engine(model_dir: Path, cfg: GenerateConfig, device: str, sleep_mode: bool = False) -> VLLMBackend:
+    """One vLLM engine in this process (`make_backend`'s, or one of a ReplicatedBackend's engines)."""
     from stages.generation.vllm_backend import VLLMBackend, context_length
 
     # Each backend has its own precision field (schemas/config.py): vLLM runs in `vllm_dtype` (fp32 on CPU,
-    # bf16 on GPU by default), HF in `dtype`. Data parallelism is not passed: the config admits only 1.
+    # bf16 on GPU by default), HF in `dtype`.
     return VLLMBackend(
         Path(model_dir),
         dtype=cfg.vllm_dtype,

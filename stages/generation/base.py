@@ -93,7 +93,7 @@ class TurnSession(Protocol):
 
 def sessions(backend: Backend) -> Callable[[], AbstractContextManager[TurnSession]] | None:
     """The backend's continuous-batching capability (`backend.session`, a context manager factory), or None for a
-    backend that only generates whole batches (HF, the warm engine's client)."""
+    backend that only generates whole batches (HF, several vLLM engines: generate.engines > 1)."""
     session = getattr(backend, "session", None)
     return session if callable(session) else None
 

@@ -29,6 +29,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -338,9 +339,11 @@ class WarmEngine:
                              "sampling": asdict(sampling)}, progress)
         return decode_samples(answer["samples"])
 
-    def session(self) -> WarmSession:
-        """Continuous batching in the server's engine (base.TurnSession), for the multi-turn agent loop."""
-        return WarmSession(self)
+    @property
+    def session(self) -> Callable[[], WarmSession] | None:
+        """Continuous batching in the server's engine (base.TurnSession), for the multi-turn agent loop; None when
+        the server runs several engines (generate.engines > 1), which generate whole batches only."""
+        return (lambda: WarmSession(self)) if self.server.get("sessions", True) else None
 
     def close(self) -> None:
         """Nothing to free here: the engine stays warm in the server for the next stage."""
@@ -476,7 +479,8 @@ def warm_engine_refusal(cfg: GenerateConfig, backend_name: str, device: str, ser
         from stages.generation.server import sleep_mode_available
 
         return None if sleep_mode_available(device) else "vLLM has no sleep mode on this GPU platform"
-    return memory_refusal(read_available_memory(), engine_size_bytes(model_dir, cfg.vllm_kv_cache_gib),
+    engines = 1 if cfg.engines == "auto" else cfg.engines  # `auto` is one engine on CPU
+    return memory_refusal(read_available_memory(), engines * engine_size_bytes(model_dir, cfg.vllm_kv_cache_gib),
                           cfg.warm_engine_min_free_gib)
 
 

@@ -2,10 +2,11 @@
 
 `python -m stages.generation.server` listens on a Unix socket (a directory of this uid's, mode 0700) that the
 client (client.py) bound and passed in, so requests queue while vLLM imports. Requests are served one at a time
-(one engine): `ping`, `load` (checkpoint k: the engine starts at the first load, later loads swap weights in
-place with vLLM's `reload_weights`), `generate` (loads first, then the same `VLLMBackend.generate` the in-process
-backend runs, streaming progress), `session` (continuous batching for the multi-turn loop: the in-process
-backend's `VLLMSession`, its submits and finished requests as frames on the one connection) and `shutdown`.
+(one engine, or `generate.engines` of them behind one backend: replicas.py): `ping`, `load` (checkpoint k: the
+engine starts at the first load, later loads swap weights in place with vLLM's `reload_weights`), `generate`
+(loads first, then the same `generate` the in-process backend runs, streaming progress), `session` (continuous
+batching for the multi-turn loop, one engine only: the in-process backend's `VLLMSession`, its submits and
+finished requests as frames on the one connection) and `shutdown`.
 Frames are an 8-byte length and JSON: only this uid talks here, floats round-trip exactly, and no pickle means a
 request cannot run code in the server.
 
@@ -40,7 +41,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from stages.generation.base import Backend, GenerationRequest, ProgressCallback, Sample, SamplingSpec
+from stages.generation.base import Backend, GenerationRequest, ProgressCallback, Sample, SamplingSpec, sessions
 from storage.process import release_freed_memory
 
 FRAME_HEADER = struct.Struct(">Q")
@@ -197,9 +198,7 @@ class EngineHost:
             return LoadResult(digest, False, False, hash_seconds, 0.0, 0.0)
         started = time.monotonic()
         self.loaded_sha256 = None  # until the reload has finished
-        self.backend.llm.collective_rpc("reload_weights", kwargs={"weights_path": str(model_dir)})
-        self.backend.llm.reset_prefix_cache()
-        release_freed_memory()  # the old weights' freed heap: RSS grew per reload without it
+        self.backend.reload_weights(model_dir)  # every engine's, with generate.engines > 1
         self.loaded_sha256 = digest
         return LoadResult(digest, False, True, hash_seconds, 0.0, time.monotonic() - started)
 
@@ -245,19 +244,17 @@ class EngineHost:
 
     def abort_unfinished(self) -> None:
         """Drop what a broken-off generate left in the engine (its client went away), so the next one starts clean."""
-        engine = self.backend.llm.llm_engine
-        if engine.has_unfinished_requests():
-            engine.abort_request(list(engine.output_processor.request_states), internal=True)
+        self.backend.abort_unfinished()
 
     def wake(self) -> None:
         if self.sleeping:
-            self.backend.llm.wake_up()
+            self.backend.wake_up()
             self.sleeping = False
 
     def idle(self) -> None:
         """Between requests: on a GPU, give the engine's memory back until the next request."""
         if self.sleep_mode and self.backend is not None and not self.sleeping:
-            self.backend.llm.sleep(level=SLEEP_LEVEL)
+            self.backend.sleep(SLEEP_LEVEL)
             self.sleeping = True
 
     def describe(self) -> dict[str, Any]:
@@ -272,6 +269,8 @@ class EngineHost:
             "gpu_memory_used_mb": None if backend is None else backend.gpu_memory_used_mb,
             "loaded_sha256": self.loaded_sha256,
             "sleep_mode": self.sleep_mode,
+            # continuous batching (op `session`): one engine's; several engines generate whole batches only
+            "sessions": backend is not None and sessions(backend) is not None,
             "requests_served": self.requests_served,
         }
 
@@ -293,6 +292,9 @@ def handle(connection: socket.socket, message: dict[str, Any], host: EngineHost)
     if op not in ("load", "generate", "session"):
         raise RequestRefused("bad_request", f"unknown op {op!r}")
     loaded = host.load(Path(message["model_dir"]), str(message["checkpoint_sha256"]))
+    if op == "session" and sessions(host.backend) is None:
+        raise RequestRefused("bad_request", "this server's engines (generate.engines > 1) have no continuous "
+                             "batching: send whole batches (op generate)")
     answer: dict[str, Any] = {"ok": True, "load": asdict(loaded)}
     if op == "session":  # the load confirmed first, then the session's frames, then the closing answer
         send_message(connection, {**answer, "server": host.describe()})

@@ -40,6 +40,7 @@ from schemas.config import ConfigError
 from schemas.settings import set_environment
 from stages.generation import base
 from stages.generation.base import GenerationRequest, ProgressCallback, Sample, SamplingSpec
+from storage.process import release_freed_memory
 
 VLLM_LOG_FORMAT = "%(levelname)s %(asctime)s [%(filename)s:%(lineno)d] %(message)s"
 
@@ -305,8 +306,7 @@ class VLLMBackend:
         kv_cache_dtype: str = "auto",
         sleep_mode: bool = False,
     ) -> None:
-        # No data parallelism: vllm.LLM refuses it in one process (it needs vLLM's multi-process launcher),
-        # so the config admits only generate.vllm_data_parallel_size=1 (schemas/config.py).
+        # One engine; `generate.engines` > 1 runs several of these, each in a process of its own (replicas.py).
         started = time.monotonic()
         configure_cpu_environment(kv_cache_gib, tensor_parallel_size)
         from vllm import LLM
@@ -389,6 +389,25 @@ class VLLMBackend:
 
             used = gpu_memory_used_mb(range(self.gpus))
             self.gpu_memory_used_mb = max(self.gpu_memory_used_mb or 0.0, used)
+
+    def reload_weights(self, model_dir: Path) -> None:
+        """Swap in the weights of `model_dir` (same architecture and tokenizer: the server checks) in place."""
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_path": str(model_dir)})
+        self.llm.reset_prefix_cache()
+        release_freed_memory()  # the old weights' freed heap: a warm engine's RSS grew per reload without it
+
+    def sleep(self, level: int) -> None:
+        """vLLM's sleep mode (GPU): level 1 moves the weights to host memory and frees the KV cache."""
+        self.llm.sleep(level=level)
+
+    def wake_up(self) -> None:
+        self.llm.wake_up()
+
+    def abort_unfinished(self) -> None:
+        """Drop what a broken-off generate left in the engine, so the next one starts clean."""
+        engine = self.llm.llm_engine
+        if engine.has_unfinished_requests():
+            engine.abort_request(list(engine.output_processor.request_states), internal=True)
 
     def session(self) -> VLLMSession:
         """Continuous batching on this engine (base.TurnSession): the agent loop's turns enter as they come."""

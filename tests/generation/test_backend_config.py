@@ -1,9 +1,7 @@
 """The generate section's backend settings reach the backend they belong to, without starting an engine.
 
 `dtype` is the HF backend's precision and `vllm_dtype` the vLLM engine's ("auto": fp32 and eager on CPU, bf16 and
-compiled on GPU, as measured);
-`vllm_data_parallel_size` other than 1 is refused when the config loads, naming the field, because vLLM's
-offline engine cannot run it in one process and would otherwise fail minutes later, at engine start.
+compiled on GPU, as measured). Several engines (`generate.engines`): tests/generation/test_engines.py.
 """
 
 from __future__ import annotations
@@ -40,7 +38,7 @@ def test_defaults_are_fp32_for_hf_on_cpu_and_per_platform_for_vllm() -> None:
     from stages.generation.device import resolve_dtype
 
     cfg = GenerateConfig()
-    assert (cfg.dtype, cfg.vllm_dtype, cfg.vllm_compile, cfg.vllm_data_parallel_size) == ("auto", "auto", "auto", 1)
+    assert (cfg.dtype, cfg.vllm_dtype, cfg.vllm_compile, cfg.engines) == ("auto", "auto", "auto", "auto")
     assert (resolve_dtype(cfg.dtype, "cpu"), resolve_dtype(cfg.dtype, "cuda:0")) == ("float32", "bfloat16")
 
 
@@ -75,14 +73,6 @@ def test_each_backend_gets_its_own_dtype(recorded: list[dict[str, Any]]) -> None
     ]
     make_backend("vllm", Path("/m"), GenerateConfig(vllm_dtype="auto", dtype="bfloat16"))
     assert recorded[-1]["dtype"] == "auto"  # resolved by the engine per platform; `dtype` does not leak in
-
-
-def test_data_parallel_above_one_is_refused_at_load_naming_the_field() -> None:
-    with pytest.raises(ConfigError) as error:
-        load_config(None, ["generate.vllm_data_parallel_size=2"])
-    message = str(error.value)
-    assert "generate.vllm_data_parallel_size" in message
-    assert "must be 1" in message and "vllm_tensor_parallel_size" in message and "(got 2)" in message
 
 
 def test_unknown_vllm_dtype_names_the_field() -> None:

@@ -110,25 +110,8 @@ def documented_hash(directory: Path) -> str:
     return hashlib.sha256(lines.encode()).hexdigest()
 
 
-class RecordingLLM:
-    def __init__(self, calls: list[str]) -> None:
-        self.calls = calls
-
-    def collective_rpc(self, method: str, kwargs: dict[str, Any]) -> None:
-        self.calls.append(f"{method} {Path(kwargs['weights_path']).name}")
-
-    def reset_prefix_cache(self) -> None:
-        self.calls.append("reset_prefix_cache")
-
-    def sleep(self, level: int) -> None:
-        self.calls.append(f"sleep level={level}")
-
-    def wake_up(self) -> None:
-        self.calls.append("wake_up")
-
-
 class RecordingEngine:
-    """Stands in for a VLLMBackend: its `llm` records sleep, wake-up and reload calls."""
+    """Stands in for a VLLMBackend: records start, reload, sleep and wake-up calls."""
 
     engine_settings = {"dtype": "float32"}
     deterministic = True
@@ -137,8 +120,16 @@ class RecordingEngine:
 
     def __init__(self, model_dir: Path, calls: list[str]) -> None:
         self.calls = calls
-        self.llm = RecordingLLM(calls)
         calls.append(f"start {model_dir.name}")
+
+    def reload_weights(self, model_dir: Path) -> None:
+        self.calls += [f"reload_weights {model_dir.name}", "reset_prefix_cache"]
+
+    def sleep(self, level: int) -> None:
+        self.calls.append(f"sleep level={level}")
+
+    def wake_up(self) -> None:
+        self.calls.append("wake_up")
 
     def generate(self, requests: list[GenerationRequest], sampling: SamplingSpec, progress: Any = None
                  ) -> list[Sample]:
