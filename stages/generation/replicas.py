@@ -50,11 +50,12 @@ THREADS_BIND = "VLLM_CPU_OMP_THREADS_BIND"
 
 def resolve_engines(setting: int | str, on_gpu: bool, tensor_parallel_size: int, visible_gpus: int) -> int:
     """The engine count for `generate.engines`: `auto` is the stage's GPUs / TP on GPU, 1 on CPU. More engines x
-    TP than the stage's GPUs is a ConfigError naming the field (stage exit 2)."""
+    TP than the stage's GPUs is a ConfigError naming the field (stage exit 2); for one engine the platform check
+    names the TP instead (vllm_backend.check_platform)."""
     if not on_gpu:
         return 1 if setting == "auto" else int(setting)
     engines = max(1, visible_gpus // tensor_parallel_size) if setting == "auto" else int(setting)
-    if engines * tensor_parallel_size > visible_gpus:
+    if engines > 1 and engines * tensor_parallel_size > visible_gpus:
         raise ConfigError(
             f"generate.engines={setting} x generate.vllm_tensor_parallel_size={tensor_parallel_size} needs "
             f"{engines * tensor_parallel_size} GPUs, but this stage sees {visible_gpus} (device: cuda:N narrows it "

@@ -55,6 +55,8 @@ def test_auto_is_gpus_over_tp_on_gpu_and_one_on_cpu() -> None:
     assert resolve_engines(3, on_gpu=True, tensor_parallel_size=2, visible_gpus=6) == 3
     with pytest.raises(ConfigError, match=r"generate\.engines=3 x generate\.vllm_tensor_parallel_size=2 needs 6 GPUs"):
         resolve_engines(3, on_gpu=True, tensor_parallel_size=2, visible_gpus=4)
+    # One engine too wide for the GPUs is the platform check's to name (generate.vllm_tensor_parallel_size).
+    assert resolve_engines("auto", on_gpu=True, tensor_parallel_size=2, visible_gpus=0) == 1
 
 
 def requests_of(group_sizes: list[int]) -> list[GenerationRequest]:

@@ -21,7 +21,8 @@ class FakeTokenizer:
         self.batch_encoding = batch_encoding
         self.calls: list[dict] = []
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool, tokenize: bool):  # noqa: ANN201
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool, tokenize: bool,  # noqa: ANN201
+                            tools: list[dict] | None = None):
         self.calls.append({"add_generation_prompt": add_generation_prompt, "tokenize": tokenize})
         ids = list(range(int(messages[0]["content"])))
         return FakeBatchEncoding(ids) if self.batch_encoding else ids
