@@ -74,7 +74,7 @@ def test_a_strict_run_keeps_its_keys_and_reports_no_staleness(run_layout) -> Non
         assert {(r["staleness_mean"], r["staleness_max"]) for r in rows_of(layout, "train_metrics", k)} == {(0.0, 0)}
         # the key every generate stage had before pipeline.max_staleness: its sections and checkpoint k-1
         generate_fields = config.model_dump(mode="json")["generate"]
-        for field in ("warm_engine", "warm_engine_min_free_gib", "warm_engine_idle_s"):
+        for field in ("warm_engine", "warm_engine_min_free_gib", "warm_engine_idle_s", "engines"):
             del generate_fields[field]
         previous = checkpoint_sha(layout, k - 1) if k else checkpoint_sha(layout, BASE)
         expected = stage_key("generate", {"generate": generate_fields, "seed": config.seed},
