@@ -38,7 +38,7 @@ from stages.generation.server import (
     receive_message,
     send_message,
 )
-from storage.process import release_freed_memory
+from storage.process import die_with_parent, release_freed_memory
 
 if TYPE_CHECKING:
     from schemas.config import GenerateConfig
@@ -129,7 +129,7 @@ class Replica:
         connection, child = socket.socketpair()
         with child:
             process = subprocess.Popen([*command, "--fd", str(child.fileno())], pass_fds=(child.fileno(),), env=env,
-                                       stdin=subprocess.DEVNULL)
+                                       stdin=subprocess.DEVNULL, preexec_fn=die_with_parent(os.getpid()))
         return cls(index, connection, process)
 
     def send(self, message: dict[str, Any]) -> None:
@@ -296,6 +296,7 @@ def serve(connection: socket.socket, backend: Any) -> None:  # noqa: ANN401 - a 
                     lambda done, tokens: send_message(connection, {"progress": [done, tokens]}))
                 answer: dict[str, Any] = {"samples": encode_samples(samples),
                                           "gpu_memory_used_mb": backend.gpu_memory_used_mb}
+                release_freed_memory()  # a long-lived engine: what the request freed goes back to the OS
             elif op == "reload":
                 backend.reload_weights(Path(message["model_dir"]))
                 answer = {}
@@ -312,7 +313,6 @@ def serve(connection: socket.socket, backend: Any) -> None:  # noqa: ANN401 - a 
             send_message(connection, {"ok": False, "error": traceback.format_exc(limit=8)})
             continue
         send_message(connection, {"ok": True, **answer})
-        release_freed_memory()  # a long-lived engine: what the request freed goes back to the OS
 
 
 def main(argv: list[str] | None = None) -> int:
