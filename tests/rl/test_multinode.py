@@ -132,7 +132,9 @@ def test_a_rank_killed_on_node_1_fails_the_stage_and_its_rerun_succeeds(
     directory holds neither the checkpoint nor a half-written temporary, there is no train_metrics table and the
     job's directory is gone; the stage run again whole, node 1's server still up, publishes the checkpoint."""
     make, _ = run_layout
-    layout = make(*two_nodes(_free_port()))
+    # Steps enough that node 1's rank is still training when the test sees it ready: one step on a quiet machine
+    # ends within the test's poll, and the stage then succeeded before the kill (CI, stop 35).
+    layout = make(*two_nodes(_free_port()), "train.epochs=40")
     for stage, work in (("generate", fake_generate), ("score", fake_score(False)), ("advantage", advantage.run)):
         run_stage_at(stage, layout, 0, work)
     marker = uuid.uuid4().hex
@@ -166,8 +168,9 @@ def test_a_rank_killed_on_node_1_fails_the_stage_and_its_rerun_succeeds(
         assert not list(jobs.iterdir())
 
         checkpoint, _ = run_stage_at("train", layout, 0, train_stage.run)  # in this process: no second start-up
-        assert checkpoint.metrics["nodes"] == 2 and (Path(layout.checkpoint_dir(0)) / "manifest.json").is_file()
-        assert pq.read_table(layout.table_path("train_metrics", 0)).num_rows == 1
+        assert (checkpoint.metrics["nodes"], checkpoint.metrics["steps"]) == (2, 40)
+        assert (Path(layout.checkpoint_dir(0)) / "manifest.json").is_file()
+        assert pq.read_table(layout.table_path("train_metrics", 0)).num_rows == 40
     finally:
         stop(node)
         for pid in marked_processes(MARK, marker):
