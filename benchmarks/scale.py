@@ -1,21 +1,20 @@
 """Scaling out in one run: two vLLM engines vs one in the generate stage, and score in two shards vs one process.
 
-Runs the real stages, each a child process forked from the stage server as `rlpipe run` does, on the default
-config cut down (one iteration, 8 prompt groups x 4 samples x <= 64 tokens); the run-level stages first, untimed:
-1. generate with generate.engines=1 (one engine on all the stage's cores) and =2 (on CPU each engine pinned to its
-   share of the cores, stages/generation/replicas.py; on GPU one GPU each) in two copies of one run, so the same
-   prompts and seeds: tokens/s over the manifests' generation time (engine start apart), the ratio, and whether
-   the rollouts tables are identical (else the largest logprob difference and the share of equal token rows).
-2. score in one process vs pipeline.shards={score: 2} (both shard processes at once, then the merge:
-   flows/runner/process.py `run_sharded`) on a copy of the same rollouts: programs/s over the stage's wall, the
-   ratio, and whether the merged table equals the unsharded one (less `sandbox_seconds`, a measured time).
-3. Sharding's own cost, as a share of the sharded stage's wall (target <= 2%): planning and dispatch (the wall
-   less the longest shard process and the merge process), the parts' writes (file and manifest, the harness timer
-   of the longest part) and the whole merge process (fork, reading the parts, the table's contract validation,
-   which the unsharded stage pays once too, writing it, removing the parts).
-Load average at start and end. Targets: 2 engines on 2 GPUs >= 1.8x one (needs a machine with 2 GPUs; on the
-2-core CPU the two engines share the same cores). Figures: docs/measurements.md.
-Run: `.venv/bin/python -m benchmarks.scale` (`--config`, `--set s.f=v`, `--root DIR` keeps the runs).
+The real stages, each a child process forked from the stage server as under `rlpipe run`, on the default config
+cut down (1 iteration, 8 prompt groups x 4 samples x <= 64 tokens); the run-level stages first, untimed.
+1. generate with generate.engines=1 (one engine on all the stage's cores) and =2 (on CPU each pinned to its share
+   of the cores, stages/generation/replicas.py; on GPU one GPU each) in two copies of one run (same prompts and
+   seeds): tokens/s over the manifests' generation time (engine start apart), the ratio, and whether the rollouts
+   tables are byte-identical (else the share of rows with equal tokens and their largest logprob difference).
+2. score in one process vs pipeline.shards={score: 2} (`run_sharded`: both shards at once, then the merge) on
+   copies of the same rollouts: programs/s over the stage's wall, the ratio, and whether the merged table equals
+   the unsharded one (less `sandbox_seconds`, a measured time).
+3. sharding's own cost as a share of the sharded stage's wall (target <= 2%): planning and dispatch (the wall less
+   the longest shard process and the merge process), the longest part's write (harness timer: part and manifest),
+   and the whole merge process (reading the parts, the table's contract validation, writing it, removing the parts).
+Load average at start and end. Target: 2 engines on 2 GPUs >= 1.8x one (on the CPU both share its cores). On
+2026-11-28, loaded: 6.35x, 0.48x, 4.6% (docs/measurements.md). Run: `.venv/bin/python -m benchmarks.scale`
+(`--config`, `--set s.f=v`; `--root DIR`, a new directory, keeps the runs).
 """
 
 from __future__ import annotations
