@@ -1,11 +1,13 @@
 """Scaling out in one run: two vLLM engines vs one in the generate stage, and score in two shards vs one process.
 
 The real stages, each a child process forked from the stage server as under `rlpipe run`, on the default config
-cut down (1 iteration, 8 prompt groups x 4 samples x <= 64 tokens); the run-level stages first, untimed.
+cut down (1 iteration, 8 prompt groups x 4 samples x <= 64 tokens, engines of the stage's own, not the warm
+server's); the run-level stages first, untimed.
 1. generate with generate.engines=1 (one engine on all the stage's cores) and =2 (on CPU each pinned to its share
    of the cores, stages/generation/replicas.py; on GPU one GPU each) in two copies of one run (same prompts and
-   seeds): tokens/s over the manifests' generation time (engine start apart), the ratio, and whether the rollouts
-   tables are byte-identical (else the share of rows with equal tokens and their largest logprob difference).
+   seeds): tokens/s over the manifests' generation time (engine start apart) and the ratio, the ratio of the stage
+   processes' walls (engine start in), and whether the rollouts tables are byte-identical (else the share of rows
+   with equal tokens and their largest logprob difference).
 2. score in one process vs pipeline.shards={score: 2} (`run_sharded`: both shards at once, then the merge) on
    copies of the same rollouts: programs/s over the stage's wall, the ratio, and whether the merged table equals
    the unsharded one (less `sandbox_seconds`, a measured time).
@@ -13,8 +15,8 @@ cut down (1 iteration, 8 prompt groups x 4 samples x <= 64 tokens); the run-leve
    the longest shard process and the merge process), the longest part's write (harness timer: part and manifest),
    and the whole merge process (reading the parts, the table's contract validation, writing it, removing the parts).
 Load average at start and end. Target: 2 engines on 2 GPUs >= 1.8x one (on the CPU both share its cores). On
-2026-11-28, loaded: 6.35x, 0.48x, 4.6% (docs/measurements.md). Run: `.venv/bin/python -m benchmarks.scale`
-(`--config`, `--set s.f=v`; `--root DIR`, a new directory, keeps the runs).
+2026-11-28, loaded: 4.85x (0.86x with engine start), 0.42x, 6.4% (docs/measurements.md).
+Run: `.venv/bin/python -m benchmarks.scale` (`--config`, `--set s.f=v`; `--root DIR`, a new directory, keeps the runs).
 """
 
 from __future__ import annotations
@@ -40,7 +42,9 @@ from storage.tables import read_table
 from tests.support.stages import clone
 from tests.support.table_digests import table_digest
 
-SIZE = ["iterations=1", "generate.prompts_per_iteration=8", "generate.n_samples=4", "generate.max_new_tokens=64"]
+SIZE = ["iterations=1", "generate.prompts_per_iteration=8", "generate.n_samples=4", "generate.max_new_tokens=64",
+        # each generate stage its own engines: with `auto` the warm server's use depends on the memory free then
+        "generate.warm_engine=off"]
 
 
 @dataclass
@@ -149,11 +153,12 @@ def main() -> None:
           f"load average at start {load_start[0]:.1f} {load_start[1]:.1f} {load_start[2]:.1f}", flush=True)
 
     rates: dict[int, float] = {}
+    walls: dict[int, float] = {}
     for engines, run in ((1, one), (2, two)):
         before = load1()
-        rates[engines], engine_start, wall = generate(run)
+        rates[engines], engine_start, walls[engines] = generate(run)
         print(f"generate, {engines} engine(s): {rates[engines]:7.1f} tok/s   engine start {engine_start:5.1f} s   "
-              f"process wall {wall:6.1f} s   load {before:.1f} -> {load1():.1f}", flush=True)
+              f"process wall {walls[engines]:6.1f} s   load {before:.1f} -> {load1():.1f}", flush=True)
     rollouts = Output("rollouts", 0)
     manifests = [manifest_of(run, rollouts) for run in (one, two)]
     if manifests[0].sha256 == manifests[1].sha256:
@@ -178,6 +183,7 @@ def main() -> None:
 
     print()
     print(f"generate: 2 engines / 1 engine = {rates[2] / rates[1]:.2f} ({rates[2]:.1f} / {rates[1]:.1f} tok/s); "
+          f"the whole stage, engine start in: {walls[1] / walls[2]:.2f} ({walls[2]:.1f} / {walls[1]:.1f} s); "
           f"{agreement_line}")
     single_rate, sharded_rate = programs / single_wall, programs / shards.wall
     print(f"score: 2 shards / 1 process = {sharded_rate / single_rate:.2f} ({sharded_rate:.1f} / {single_rate:.1f} "
