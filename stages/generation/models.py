@@ -328,6 +328,21 @@ def torch_dtype(name: str) -> Any:
     return getattr(torch, name)
 
 
+@contextlib.contextmanager
+def no_loading_bar() -> Iterator[None]:
+    """transformers' "Loading weights" progress bar off while a model loads: a stage's console shows the stage's
+    own progress only (the bar was two more lines on `rlpipe run`'s console in every generate and train stage)."""
+    from transformers.utils import logging as transformers_logging
+
+    was_on = transformers_logging.is_progress_bar_enabled()
+    transformers_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_on:
+            transformers_logging.enable_progress_bar()
+
+
 def load_model(
     model_dir: Path | str, dtype: str = "float32", device: str = "cpu", *, train: bool = False
 ) -> PreTrainedModel:
@@ -344,12 +359,13 @@ def load_model(
     kwargs: dict[str, Any] = {"dtype": torch_dtype(dtype)}
     if attention := attention_implementation(device):
         kwargs["attn_implementation"] = attention
-    try:
-        model = AutoModelForCausalLM.from_pretrained(model_dir, **kwargs)
-    except ValueError as error:  # transformers refuses an attention implementation the architecture lacks
-        if "attn_implementation" not in kwargs or attention not in str(error).lower():
-            raise
-        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=kwargs["dtype"])
+    with no_loading_bar():
+        try:
+            model = AutoModelForCausalLM.from_pretrained(model_dir, **kwargs)
+        except ValueError as error:  # transformers refuses an attention implementation the architecture lacks
+            if "attn_implementation" not in kwargs or attention not in str(error).lower():
+                raise
+            model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=kwargs["dtype"])
     model.to(device)
     model.train(train)
     return model

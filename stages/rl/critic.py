@@ -77,9 +77,12 @@ def load_value_model(checkpoint_dir: Path | None, init_dir: Path, device: str = 
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
+    from stages.generation.models import no_loading_bar
+
     saved = critic_dir(checkpoint_dir) if checkpoint_dir is not None else None
     source = saved if saved is not None and saved.is_dir() else Path(init_dir)
-    backbone = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
+    with no_loading_bar():
+        backbone = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
     backbone.config.use_cache = False
     head = torch.nn.Linear(backbone.config.hidden_size, 1)
     step = 0

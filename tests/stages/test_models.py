@@ -111,9 +111,10 @@ def test_second_resolve_is_fast_and_does_not_reconvert(smollm2_dir: Path) -> Non
     assert weights.stat().st_mtime_ns == before
 
 
-def test_load_model_modes_and_dtypes(smollm2_dir: Path) -> None:
+def test_load_model_modes_and_dtypes(smollm2_dir: Path, capfd: pytest.CaptureFixture[str]) -> None:
     model = load_model(smollm2_dir, dtype="bfloat16", train=True)
     assert model.training and model.dtype == torch.bfloat16
+    assert "Loading weights" not in capfd.readouterr().err  # transformers' bar: not on a stage's console
     with pytest.raises(ValueError, match="dtype must be one of"):
         load_model(smollm2_dir, dtype="float8")
 
