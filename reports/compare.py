@@ -41,15 +41,25 @@ from storage.manifest import code_version
 
 
 class UnknownRun(LookupError):
-    """A run named for comparison has no config under the root."""
+    """A run named for a report (one run's or a comparison) has no config under the root."""
+
+
+def require_runs(root: str, run_ids: list[str]) -> list[RunLayout]:
+    """The runs' layouts; UnknownRun names those without a config under `root` and the runs that are there (a
+    run whose `rlpipe run` was refused before it started, or a misspelt name, is not left out silently)."""
+    layouts = [RunLayout.create(root, run_id) for run_id in run_ids]
+    missing = [layout.run_id for layout in layouts if not layout.fs.exists(layout.config_path)]
+    if missing:
+        fs, runs_dir = layouts[0].fs, layouts[0].runs_dir
+        present = sorted(path.split("/")[-2] for path in fs.glob(join(runs_dir, "*", "config.yaml")))
+        raise UnknownRun(f"no run {', '.join(missing)} under {layouts[0].root} (no runs/<run>/config.yaml); "
+                         f"runs there: {', '.join(present) or 'none'}")
+    return layouts
 
 
 def collect_runs(root: str, run_ids: list[str]) -> list[ReportData]:
     """Each run's report numbers, in the order given, read through one catalog over all of them."""
-    layouts = [RunLayout.create(root, run_id) for run_id in run_ids]
-    missing = [layout.run_id for layout in layouts if not layout.fs.exists(layout.config_path)]
-    if missing:
-        raise UnknownRun(f"no run {', '.join(missing)} under {root} (no config.yaml)")
+    layouts = require_runs(root, run_ids)
     with Catalog(root, run_ids) as catalog:
         return [collect(catalog, layout.run_id, read_config(layout)) for layout in layouts]
 

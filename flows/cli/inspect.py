@@ -378,7 +378,7 @@ def cmd_lineage(args: argparse.Namespace) -> int:
 
 def cmd_report(args: argparse.Namespace) -> int:
     """One run: its report (runs/<run>/report.html). Several: their curves overlaid on one page."""
-    from reports.compare import UnknownRun, build_comparison, write_comparison
+    from reports.compare import UnknownRun, build_comparison, require_runs, write_comparison
     from reports.html import build_report, read_config, write_report
 
     root = _root(args)
@@ -386,8 +386,8 @@ def cmd_report(args: argparse.Namespace) -> int:
         err_console.print(f"[red]a run is named twice: {' '.join(args.runs)}[/]")
         return 2
     single = len(args.runs) == 1
-    layout = RunLayout.create(root, args.runs[0])
     try:
+        layout = require_runs(root, args.runs)[0]  # every run named exists, else one line and nothing written
         if args.out:
             text = build_report(layout, read_config(layout)) if single else build_comparison(root, args.runs)
             with open(args.out, "w", encoding="utf-8") as handle:
@@ -396,7 +396,7 @@ def cmd_report(args: argparse.Namespace) -> int:
         else:
             path = write_report(layout, read_config(layout)) if single else write_comparison(root, args.runs)
     except UnknownRun as error:
-        err_console.print(f"[red]{error}[/]")
+        err_console.print(str(error), style="red", soft_wrap=True, markup=False, highlight=False)
         return 2
     console.print(f"wrote {path}")
     return 0

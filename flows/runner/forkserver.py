@@ -23,6 +23,7 @@ import atexit
 import contextlib
 import importlib
 import json
+import logging.config
 import os
 import selectors
 import signal
@@ -194,10 +195,23 @@ def _preload() -> None:
 
         setproctitle.setproctitle(f"{sys.executable} -m flows.runner.forkserver (rlpipe stage server)")
     environment = dict(os.environ)  # as the caller gave it, before any library sets its own variables
+    _apply_vllm_logging_config()
     for module in PRELOAD:
         with contextlib.suppress(ImportError):
             importlib.import_module(module)
     _preload_project(environment)
+
+
+def _apply_vllm_logging_config() -> None:
+    """Apply the logging config VLLM_LOGGING_CONFIG_PATH names before vLLM is imported: vLLM (0.32) applies it
+    only when it starts an engine, so what it logs while being imported (Triton without a CPU backend) reached
+    the console through logging's last-resort handler; with it, it goes where the caller sends vLLM's lines
+    (`rlpipe run`: the run's logs/stage-server.log)."""
+    path = os.environ.get("VLLM_LOGGING_CONFIG_PATH")
+    if path and os.environ.get("VLLM_CONFIGURE_LOGGING", "1") != "0":
+        with contextlib.suppress(OSError, ValueError, TypeError):  # a bad config: vLLM names it when it applies it
+            with open(path, encoding="utf-8") as handle:
+                logging.config.dictConfig(json.load(handle))
 
 
 def _preload_project(environment: dict[str, str]) -> None:

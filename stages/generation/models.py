@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from schemas.config import ModelConfig
+from schemas.settings import set_environment
 from storage.checkpoints import sha256_local_file
 
 if TYPE_CHECKING:  # torch and transformers take seconds to import; only the loaders need them.
@@ -328,6 +329,27 @@ def torch_dtype(name: str) -> Any:
     return getattr(torch, name)
 
 
+@contextlib.contextmanager
+def quiet_model_io() -> Iterator[None]:
+    """While a stage loads or saves a model: transformers' progress bars ("Loading weights", "Writing model
+    shards") off, and DeepSpeed, which save_pretrained imports (accelerate's unwrap), told it is on a CPU where
+    there is no CUDA, its own fallback, without the warning it prints on finding none. A stage's console then shows
+    the stage's own progress only (these were five more lines in every generate and train stage of `rlpipe run`)."""
+    import torch
+    from transformers.utils import logging as transformers_logging
+
+    was_on = transformers_logging.is_progress_bar_enabled()
+    transformers_logging.disable_progress_bar()
+    restore = set_environment({} if torch.cuda.is_available() or "DS_ACCELERATOR" in os.environ
+                              else {"DS_ACCELERATOR": "cpu"})
+    try:
+        yield
+    finally:
+        restore()
+        if was_on:
+            transformers_logging.enable_progress_bar()
+
+
 def load_model(
     model_dir: Path | str, dtype: str = "float32", device: str = "cpu", *, train: bool = False
 ) -> PreTrainedModel:
@@ -344,12 +366,13 @@ def load_model(
     kwargs: dict[str, Any] = {"dtype": torch_dtype(dtype)}
     if attention := attention_implementation(device):
         kwargs["attn_implementation"] = attention
-    try:
-        model = AutoModelForCausalLM.from_pretrained(model_dir, **kwargs)
-    except ValueError as error:  # transformers refuses an attention implementation the architecture lacks
-        if "attn_implementation" not in kwargs or attention not in str(error).lower():
-            raise
-        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=kwargs["dtype"])
+    with quiet_model_io():
+        try:
+            model = AutoModelForCausalLM.from_pretrained(model_dir, **kwargs)
+        except ValueError as error:  # transformers refuses an attention implementation the architecture lacks
+            if "attn_implementation" not in kwargs or attention not in str(error).lower():
+                raise
+            model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=kwargs["dtype"])
     model.to(device)
     model.train(train)
     return model

@@ -134,6 +134,8 @@ def save_policy(
 ) -> float:
     """Write the trained policy (merged if LoRA) + tokenizer files + optimizer state + trainer state; returns
     the seconds the save waited for its files' content hashes."""
+    from stages.generation.models import quiet_model_io
+
     out_dir.mkdir(parents=True, exist_ok=True)
     to_save = model
     if hasattr(model, "merge_and_unload"):  # peft
@@ -141,7 +143,8 @@ def save_policy(
     to_save.config.use_cache = True
     # Each file is hashed while the next is written (the harness's content hash then reads none of them).
     with HashWhileWriting(out_dir) as hashes:
-        to_save.save_pretrained(out_dir, safe_serialization=True)
+        with quiet_model_io():
+            to_save.save_pretrained(out_dir, safe_serialization=True)
         copy_non_model_files(source_dir, out_dir)
         hashes.hash_written()
         if optimizer is not None:

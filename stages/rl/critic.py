@@ -77,9 +77,12 @@ def load_value_model(checkpoint_dir: Path | None, init_dir: Path, device: str = 
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
+    from stages.generation.models import quiet_model_io
+
     saved = critic_dir(checkpoint_dir) if checkpoint_dir is not None else None
     source = saved if saved is not None and saved.is_dir() else Path(init_dir)
-    backbone = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
+    with quiet_model_io():
+        backbone = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
     backbone.config.use_cache = False
     head = torch.nn.Linear(backbone.config.hidden_size, 1)
     step = 0
@@ -98,9 +101,12 @@ def save_value_model(
     """Write the critic into `<checkpoint_dir>/critic/`."""
     from safetensors.torch import save_file
 
+    from stages.generation.models import quiet_model_io
+
     out = critic_dir(checkpoint_dir)
     out.mkdir(parents=True, exist_ok=True)
-    model.backbone.save_pretrained(out, safe_serialization=True)
+    with quiet_model_io():
+        model.backbone.save_pretrained(out, safe_serialization=True)
     save_file({k: v.contiguous() for k, v in model.head.state_dict().items()}, out / HEAD_FILE)
     if optimizer is not None:
         torch.save(optimizer.state_dict(), out / OPTIMIZER_FILE)

@@ -254,3 +254,32 @@ def test_off_switch_starts_no_server(probe_dir: Path, monkeypatch: pytest.Monkey
     monkeypatch.setenv("RLPIPE_STAGE_FORK", "0")
     assert not forkserver.fork_enabled()
     assert forkserver.start(dict(os.environ)) is None
+
+
+def test_what_vllm_logs_while_imported_goes_to_the_callers_log_not_the_console(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]) -> None:
+    """`rlpipe run`'s console began with vLLM's import-time warning (`Triton is installed, but doesn't include CPU
+    backend`): vLLM applies VLLM_LOGGING_CONFIG_PATH only when it starts an engine, and the stage server imports it
+    long before. The server applies the config first; a line logged as vLLM logs at import lands in the file."""
+    import logging
+
+    from stages.generation.vllm_backend import vllm_logging_config
+
+    log = tmp_path / "logs" / "stage-server.log"
+    monkeypatch.setenv("VLLM_CONFIGURE_LOGGING", "1")
+    monkeypatch.setenv("VLLM_LOGGING_CONFIG_PATH", str(vllm_logging_config(log)))
+    vllm_logger = logging.getLogger("vllm")
+    saved = list(vllm_logger.handlers), vllm_logger.level, vllm_logger.propagate
+    try:
+        forkserver._apply_vllm_logging_config()
+        logging.getLogger("vllm.triton_utils.importing").warning("Triton is installed, but no CPU backend.")
+    finally:
+        for handler in list(vllm_logger.handlers):
+            handler.close()
+            vllm_logger.removeHandler(handler)
+        for handler in saved[0]:
+            vllm_logger.addHandler(handler)
+        vllm_logger.setLevel(saved[1])
+        vllm_logger.propagate = saved[2]
+    assert "Triton" not in capfd.readouterr().err
+    assert log.read_text().splitlines()[-1].endswith("Triton is installed, but no CPU backend.")

@@ -127,8 +127,21 @@ def test_report_command_compares_several_runs(root: Path, tmp_path: Path) -> Non
     out = tmp_path / "both.html"
     assert inspect_main(["report", "beta", "alpha", "--root", str(root), "--out", str(out)]) == 0
     assert 'data-runs="beta alpha"' in out.read_text()
-    assert inspect_main(["report", "alpha", "nope", "--root", str(root)]) == 2
     assert inspect_main(["report", "alpha", "alpha", "--root", str(root)]) == 2
+
+
+def test_a_run_that_is_not_under_the_root_is_one_line_and_nothing_written(
+        root: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """docs/your-own-job.md's `rlpipe report default mine mine-360m` where mine-360m was refused before it started
+    (its model not downloadable): the runs missing and the runs there, on one line; no page, no run directory."""
+    before = sorted(str(path) for path in root.rglob("*"))
+    for runs in (["alpha", "nope", "beta", "nope2"], ["nope"]):
+        assert inspect_main(["report", *runs, "--root", str(root)]) == 2
+        message = capsys.readouterr().err
+        missing = ", ".join(run for run in runs if run.startswith("nope"))
+        assert message == (f"no run {missing} under {root} (no runs/<run>/config.yaml); "
+                           "runs there: alpha, beta, gamma\n")
+    assert sorted(str(path) for path in root.rglob("*")) == before
 
 
 @pytest.mark.skipif(CHROMIUM is None, reason="needs Debian `chromium` (make system-deps installs it)")

@@ -111,9 +111,10 @@ def test_second_resolve_is_fast_and_does_not_reconvert(smollm2_dir: Path) -> Non
     assert weights.stat().st_mtime_ns == before
 
 
-def test_load_model_modes_and_dtypes(smollm2_dir: Path) -> None:
+def test_load_model_modes_and_dtypes(smollm2_dir: Path, capfd: pytest.CaptureFixture[str]) -> None:
     model = load_model(smollm2_dir, dtype="bfloat16", train=True)
     assert model.training and model.dtype == torch.bfloat16
+    assert "Loading weights" not in capfd.readouterr().err  # transformers' bar: not on a stage's console
     with pytest.raises(ValueError, match="dtype must be one of"):
         load_model(smollm2_dir, dtype="float8")
 
@@ -236,3 +237,29 @@ def test_a_damaged_conversion_is_redone(tmp_path: Path, monkeypatch: pytest.Monk
     monkeypatch.setattr(models, "convert_gguf", lambda gguf, out: fake_model_dir(out, b"fresh"))
     ensure_converted(gguf, target)
     assert (target / "model.safetensors").read_bytes() == b"fresh"
+
+
+def test_saving_and_loading_a_policy_print_nothing(tmp_path: Path) -> None:
+    """A fresh process (DeepSpeed warns once, at its first import): saving a policy as the train stage does and
+    loading it back put neither transformers' progress bars nor DeepSpeed's CPU-fallback warning on the console of
+    `rlpipe run` (the stage's stdout and stderr)."""
+    script = """
+import sys
+from pathlib import Path
+from transformers import LlamaConfig, LlamaForCausalLM
+from stages.generation.models import load_model
+from stages.rl.checkpoint import TrainerState, save_policy
+
+out, empty = Path(sys.argv[1]) / "policy", Path(sys.argv[1]) / "source"
+empty.mkdir()
+config = LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                     num_key_value_heads=2, vocab_size=64)
+save_policy(LlamaForCausalLM(config), None, empty, out, TrainerState(global_step=1, iteration=0))
+print(sum(p.numel() for p in load_model(out).parameters()))
+"""
+    done = subprocess.run([sys.executable, "-c", script, str(tmp_path)], capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2])))
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines()[-1] == str(64 * 16 * 2 + 4 * 16 * 16 + 3 * 16 * 32 + 3 * 16)  # embed, head, ...
+    for noise in ("Loading weights", "Writing model shards", "Setting accelerator"):  # DeepSpeed's is on stdout
+        assert noise not in done.stdout + done.stderr, done.stdout + done.stderr
