@@ -125,38 +125,71 @@ def _spawn(command: list[str], env: dict[str, str], log_path: Path | None, cwd: 
             output.close()
 
 
-# The reaper's program: read process group ids from stdin, one per line; at end of input (its starter is gone,
-# however it ended) SIGTERM each group, then SIGKILL what is left after the grace period.
+# The reaper's program: read process group ids from stdin, one per line; with a starter pid (argv[2]), note the
+# starter's children (pid, start time) four times a second. At end of input (its starter is gone, however it ended)
+# SIGTERM each group and each noted child still running, then SIGKILL what is left after the grace period. A
+# line `release` ends it at once, killing nothing (its starter ends its children itself).
 _REAPER = """
-import os, signal, sys, time
+import os, select, signal, sys, time
+import psutil
 for name in ("SIGINT", "SIGTERM", "SIGHUP"):
     signal.signal(getattr(signal, name), signal.SIG_IGN)
-groups = [int(line) for line in sys.stdin if line.strip()]
-def alive(group):
+grace_s, starter = float(sys.argv[1]), int(sys.argv[2]) if len(sys.argv) > 2 else None
+groups, children, pending = [], {}, b""
+while True:
+    if starter is not None:
+        try:
+            for child in psutil.Process(starter).children():
+                if child.pid != os.getpid():
+                    children.setdefault(child.pid, child)
+        except psutil.Error:
+            pass
+    if not select.select([sys.stdin], [], [], 0.25)[0]:
+        continue
+    chunk = os.read(sys.stdin.fileno(), 4096)
+    if not chunk:
+        break
+    *lines, pending = (pending + chunk).split(b"\\n")
+    if b"release" in lines:
+        sys.exit(0)
+    groups += [int(line) for line in lines if line.strip()]
+def group_alive(group):
     try:
         os.killpg(group, 0)
         return True
     except OSError:
         return False
+def living():
+    return [g for g in groups if group_alive(g)], [c for c in children.values() if c.is_running()]
 for sig in (signal.SIGTERM, signal.SIGKILL):
-    for group in filter(alive, groups):
+    alive_groups, alive_children = living()
+    for group in alive_groups:
         os.killpg(group, sig)
-    deadline = time.monotonic() + float(sys.argv[1])
-    while any(map(alive, groups)) and time.monotonic() < deadline:
+    for child in alive_children:
+        try:
+            child.send_signal(sig)
+        except psutil.Error:
+            pass
+    deadline = time.monotonic() + grace_s
+    while any(living()) and time.monotonic() < deadline:
         time.sleep(0.2)
 """
 
 
 class GroupReaper:
-    """A small process that outlives its starter only to end the process groups it was told about: the
-    pipe it reads from is held by the starter alone (not inherited by any child), so its end of input comes
-    exactly when the starter is gone, by exit, exception, signal or SIGKILL. It runs in a session of its own
-    (a terminal's Ctrl-C does not reach it) and ignores SIGINT, SIGTERM and SIGHUP. SIGKILL follows SIGTERM
-    after `grace_s`, 5 s by default: nothing outlives its starter by more than 10 s (docs/reliability.md)."""
+    """A small process that outlives its starter only to end what it was told about: the process groups written
+    to its pipe, and with `follow_children` every process the starter had started (noted every 0.25 s; a child
+    that a library starts, as Prefect its temporary server, has no other tie to us). The pipe it reads from is
+    held by the starter alone (not inherited by any child), so its end of input comes exactly when the starter is
+    gone, by exit, exception, signal or SIGKILL. It runs in a session of its own (a terminal's Ctrl-C does not
+    reach it) and ignores SIGINT, SIGTERM and SIGHUP. SIGKILL follows SIGTERM after `grace_s`, 5 s by default:
+    nothing outlives its starter by more than 10 s (docs/reliability.md). A child that was noted, then ended and
+    its pid reused, is not killed: psutil checks the start time."""
 
-    def __init__(self, grace_s: float = 5.0) -> None:
-        self.process = subprocess.Popen([sys.executable, "-c", _REAPER, str(grace_s)], stdin=subprocess.PIPE,
-                                        stdout=subprocess.DEVNULL, start_new_session=True)
+    def __init__(self, grace_s: float = 5.0, follow_children: bool = False) -> None:
+        command = [sys.executable, "-c", _REAPER, str(grace_s), *([str(os.getpid())] if follow_children else [])]
+        self.process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
+                                        start_new_session=True)
 
     def watch(self, process: subprocess.Popen) -> subprocess.Popen:
         """Have `process`'s group (it leads one: `_spawn`) ended with us; returns `process`."""
@@ -166,9 +199,16 @@ class GroupReaper:
         return process
 
     def close(self) -> None:
-        """End of input: the reaper ends what is left of the groups and exits."""
+        """End of input: the reaper ends what is left of the groups (and the children it noted) and exits."""
         if self.process.stdin is not None:
             self.process.stdin.close()
+        self.process.wait()
+
+    def release(self) -> None:
+        """The reaper exits killing nothing: the starter ends normally and stops its children itself."""
+        assert self.process.stdin is not None
+        self.process.stdin.write(b"release\n")
+        self.process.stdin.close()
         self.process.wait()
 
 

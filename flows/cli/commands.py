@@ -104,14 +104,27 @@ def _library_log_environment(run: Run, verbose: bool) -> dict[str, str]:
 def _drive(run: Run, debug: bool = False, new: bool = False, verbose: bool = False) -> int:
     """Run the loop flow on `run`; `new`: this command created the run, so a refusal before its base model
     removes it (a rerun then starts cleanly over instead of meeting the refused config)."""
+    from flows.deploy import GroupReaper
+    from storage.sharing import verify_run_shares
+
+    verify_run_shares(run.layout)  # a fork's shared outputs, re-hashed: lost or changed ones are refused by name
+    # Ends what this process started if it is killed (SIGTERM, SIGKILL): Prefect's temporary server, started by
+    # Prefect with no tie to us, outlived a killed `rlpipe run` for good (2026-11-28). Released on a normal end,
+    # where Prefect stops its server at exit.
+    reaper = GroupReaper(follow_children=True)
+    try:
+        return _drive_flow(run, debug, new, verbose)
+    finally:
+        reaper.release()
+
+
+def _drive_flow(run: Run, debug: bool, new: bool, verbose: bool) -> int:
     from flows.cli.status import status_table
     from flows.prefect_env import configure_prefect
     from flows.runner import forkserver
     from flows.runner.process import StageFailed, resolve_dispatch, stage_environment
     from storage.lock import RunLocked, run_lock
-    from storage.sharing import verify_run_shares
 
-    verify_run_shares(run.layout)  # a fork's shared outputs, re-hashed: lost or changed ones are refused by name
     with settings.environment(_library_log_environment(run, verbose)):
         if resolve_dispatch(None) == "local":
             # Started before Prefect is imported and its temporary server comes up, so that the stage server's
