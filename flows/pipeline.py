@@ -43,6 +43,7 @@ from flows.runner.process import (  # noqa: E402
     StageOutcome,
     dynamic_sampling_rounds,
     next_iteration,
+    recorded_since,
     resolve_dispatch,
     run_sharded,
     run_stage_process,
@@ -130,7 +131,7 @@ def _stage_flow_run(run: Run, target: StageInstance, merge: bool = False) -> Non
     if merge:
         parameters["merge"] = True
     lease = stage_lock_path(run.layout, target)  # a shard's own; the merge's is the instance's
-    earlier = lease_holder(lease)[1]
+    earlier, dispatched_at = lease_holder(lease)[1], time.time()
     flow_run = run_deployment(stage_deployment(target.stage), parameters=parameters, timeout=0)
     poll_s = settings.seconds(settings.DISPATCH_POLL_S)
     with get_client(sync_client=True) as client:
@@ -138,7 +139,8 @@ def _stage_flow_run(run: Run, target: StageInstance, merge: bool = False) -> Non
             if flow_run.state is not None and flow_run.state.is_running() and _died_holding(lease, earlier):
                 why = f"its process died holding the lease {lease}"
                 client.set_flow_run_state(flow_run.id, Crashed(message=why), force=True)
-                record_failure(run.layout, target.whole, 1, f"{target.shard.name}: {why}" if target.shard else why)
+                if not recorded_since(run.layout, target.whole, dispatched_at):  # the stage's own record says more
+                    record_failure(run.layout, target.whole, 1, f"{target.shard.name}: {why}" if target.shard else why)
                 raise DispatchedStageFailed(target, flow_run.name, f"Crashed ({why})")
             time.sleep(poll_s)
     if not flow_run.state.is_completed():
@@ -147,7 +149,10 @@ def _stage_flow_run(run: Run, target: StageInstance, merge: bool = False) -> Non
 
 def _died_holding(lease: str, earlier: dict[str, Any] | None) -> bool:
     """Whether the lease at `lease` was taken since `earlier` (its holder record then) and its holder died."""
-    state, holder = lease_holder(lease)
+    try:
+        state, holder = lease_holder(lease)
+    except Exception:  # noqa: BLE001 - storage unreachable for now: judged at the next poll, never a failure
+        return False
     return state == "abandoned" and holder is not None and holder.get("token") != (earlier or {}).get("token")
 
 
