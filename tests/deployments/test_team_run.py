@@ -33,7 +33,7 @@ from typing import Any
 import httpx
 import pytest
 
-from flows.deploy import REPO_ROOT, deployment_pools, load_spec, start_worker, stop_processes
+from flows.deploy import REPO_ROOT, GroupReaper, deployment_pools, load_spec, start_worker, stop_processes
 from schemas import settings
 from stages.registry import ITERATION_STAGES, RUN_STAGES, STAGES, instance, stage_state
 from storage.layout import BASE, RunLayout
@@ -135,7 +135,8 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     with scratch_dir(tmp_path_factory, "cluster") as logs, contextlib.ExitStack() as stop:
         # `rlpipe server` stops its server and workers on SIGTERM; after 3 s (Ctrl-C stops the suite within 10 s)
         # it is killed, its reaper ends their groups, and anything left is killed outright. A pytest that is
-        # killed runs none of this: the two die with it (spawn_tied), and `rlpipe server`'s children with it.
+        # killed runs none of this: the two die with it (spawn_tied), and `rlpipe server`'s children with it (as the
+        # second workers below do, with their flow runs).
         stop.callback(kill_marked, MARKER_VARIABLE, marker)
         stop.callback(lambda: stop_processes(reversed(processes), grace_s=3))
         moto, endpoint = start_moto(logs)
@@ -165,10 +166,13 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
 
         wait_for(ready, 480, "the Prefect server and one online worker per pool", interval_s=2)
         # A second worker per pool, as a second machine would start it (docs/team.md step 3): one flow run at a
-        # time on gpu, so that two gpu flow runs at once are on two workers.
+        # time on gpu, so that two gpu flow runs at once are on two workers. Its flow runs are in its process
+        # group, which a reaper ends once pytest is gone however it ended, as `rlpipe server`'s reaper does its own.
+        reaper = GroupReaper(grace_s=3)
+        stop.callback(reaper.close)
         worker_env = {**env, settings.HOME.name: str(REPO_ROOT)}
-        second_workers = {pool: start_worker(pool, worker_env, log_path=logs / f"worker-{pool}-second.log",
-                                             limit=1 if pool == "gpu" else None, name=f"{pool}-second")
+        second_workers = {pool: reaper.watch(start_worker(pool, worker_env, log_path=logs / f"worker-{pool}-second.log",
+                                                          limit=1 if pool == "gpu" else None, name=f"{pool}-second"))
                           for pool in ("gpu", "cpu")}
         processes.extend(second_workers.values())
         wait_for(lambda: all(len(online_workers(api, pool)) == 2 for pool in ("gpu", "cpu")), 300,
