@@ -1,5 +1,6 @@
 """A team's setup on one machine, real parts only: S3 (moto's server), `rlpipe server` (a Prefect server on
-127.0.0.1, pools `gpu` and `cpu`, one process worker each), `rlpipe deploy`, and the real tiny pipeline.
+127.0.0.1, pools `gpu` and `cpu`, one process worker each, and a second one per pool that the test starts),
+`rlpipe deploy`, and the real tiny pipeline.
 
 Two triggers of the scheduled deployment are fired at the same instant: one advances the run by iteration 0
 with every stage dispatched to a worker of its pool, the other finds the run lease held and ends `Skipped`.
@@ -9,7 +10,7 @@ iteration 0 runs again and iteration 1 is done. Then a run with `pipeline.max_st
 `loop` deployment: its two lanes dispatch stages to both pools at once. Everything is torn down even when an
 assertion fails.
 
-Each pool has a second worker, started by the test as a second machine would start it. A run with
+The second workers are started as a second machine would start them. A run with
 `pipeline.shards: {generate: 2}` has its two shards taken by the two gpu workers and run at once; the test's
 gpu worker, SIGKILLed with its flow run mid-shard, costs only that shard: the rerun dispatches it alone, and the
 merged table equals the unsharded one.
