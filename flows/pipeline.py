@@ -43,6 +43,7 @@ from flows.runner.process import (  # noqa: E402
     StageOutcome,
     dynamic_sampling_rounds,
     next_iteration,
+    recorded_since,
     resolve_dispatch,
     run_sharded,
     run_stage_process,
@@ -54,9 +55,10 @@ from schemas.config import ConfigError, load_config, parse_config  # noqa: E402
 from stages.registry import RUN_STAGES, instance, is_done_now, iteration_stages, shards_of  # noqa: E402
 from stages.retention import prune_checkpoints  # noqa: E402
 from stages.rl.advantages import check_estimator_fits  # noqa: E402
+from storage.failure import record_failure  # noqa: E402
 from storage.fs import filesystem, is_remote  # noqa: E402
 from storage.layout import BASE, Shard, StageInstance, iteration_name  # noqa: E402
-from storage.lock import RunLocked, run_lock  # noqa: E402
+from storage.lock import RunLocked, lease_holder, run_lock, stage_lock_path  # noqa: E402
 from storage.run import Run, RunRef  # noqa: E402
 
 STAGE_FLOW = "stage"
@@ -100,7 +102,8 @@ def dispatch_stage(run: Run, target: StageInstance) -> StageOutcome:
         return StageOutcome(target, ran=False, seconds=0.0)
     started = time.monotonic()
     if shards_of(run.config, target):
-        run_sharded(run, target, lambda part: _stage_flow_run(run, part),
+        # A shard with a valid part (a rerun after a failed shard) gets no flow run at all.
+        run_sharded(run, target, lambda part: is_done_now(run, part) or _stage_flow_run(run, part),
                     lambda whole: _stage_flow_run(run, whole, merge=True))
     else:
         _stage_flow_run(run, target)
@@ -108,7 +111,16 @@ def dispatch_stage(run: Run, target: StageInstance) -> StageOutcome:
 
 
 def _stage_flow_run(run: Run, target: StageInstance, merge: bool = False) -> None:
+    """One flow run of the stage's deployment (a shard, or with `merge` the merge), waited for until it ends.
+
+    A flow run whose process died with its machine or worker stays Running in Prefect for good. It is known dead
+    once the stage lease its process took is abandoned (storage/lock.py: a dead process of this host at once, on
+    S3 after the lease's ttl): the flow run is then set Crashed and the stage fails, so that the dispatching flow
+    ends and a rerun (a retry, the next trigger) takes the stage again. A holder that died before this flow run
+    started (the attempt a rerun replaces) is not its process."""
+    from prefect.client.orchestration import get_client
     from prefect.deployments import run_deployment
+    from prefect.states import Crashed
 
     parameters: dict[str, Any] = {"run": RunRef(root=run.root, run_id=run.run_id), "stage": target.stage,
                                   "iteration": target.iteration}
@@ -118,10 +130,30 @@ def _stage_flow_run(run: Run, target: StageInstance, merge: bool = False) -> Non
         parameters["shard"] = f"{target.shard.index}/{target.shard.count}"
     if merge:
         parameters["merge"] = True
-    flow_run = run_deployment(stage_deployment(target.stage), parameters=parameters, timeout=None,
-                              poll_interval=settings.seconds(settings.DISPATCH_POLL_S))
-    if flow_run.state is None or not flow_run.state.is_completed():
-        raise DispatchedStageFailed(target, flow_run.name, flow_run.state.name if flow_run.state else "?")
+    lease = stage_lock_path(run.layout, target)  # a shard's own; the merge's is the instance's
+    earlier, dispatched_at = lease_holder(lease)[1], time.time()
+    flow_run = run_deployment(stage_deployment(target.stage), parameters=parameters, timeout=0)
+    poll_s = settings.seconds(settings.DISPATCH_POLL_S)
+    with get_client(sync_client=True) as client:
+        while (flow_run := client.read_flow_run(flow_run.id)).state is None or not flow_run.state.is_final():
+            if flow_run.state is not None and flow_run.state.is_running() and _died_holding(lease, earlier):
+                why = f"its process died holding the lease {lease}"
+                client.set_flow_run_state(flow_run.id, Crashed(message=why), force=True)
+                if not recorded_since(run.layout, target.whole, dispatched_at):  # the stage's own record says more
+                    record_failure(run.layout, target.whole, 1, f"{target.shard.name}: {why}" if target.shard else why)
+                raise DispatchedStageFailed(target, flow_run.name, f"Crashed ({why})")
+            time.sleep(poll_s)
+    if not flow_run.state.is_completed():
+        raise DispatchedStageFailed(target, flow_run.name, flow_run.state.name)
+
+
+def _died_holding(lease: str, earlier: dict[str, Any] | None) -> bool:
+    """Whether the lease at `lease` was taken since `earlier` (its holder record then) and its holder died."""
+    try:
+        state, holder = lease_holder(lease)
+    except Exception:  # noqa: BLE001 - storage unreachable for now: judged at the next poll, never a failure
+        return False
+    return state == "abandoned" and holder is not None and holder.get("token") != (earlier or {}).get("token")
 
 
 def start_from_config(config_path: str, root: str | None, run_id: str | None, iterations: int | None) -> Run:

@@ -410,24 +410,31 @@ def lease_state(path: str) -> LeaseState:
     "held", "free" (released, or never taken), or "abandoned": its holder died holding it (a record names a
     process of this host that is gone, or an S3 lease expired). A holder on another host holds a local lock
     as far as this host can tell. For a process that follows a run's driver (the generation server)."""
+    return lease_holder(path)[0]
+
+
+def lease_holder(path: str) -> tuple[LeaseState, dict[str, Any] | None]:
+    """`lease_state` and the record of the holder it judged (None when free): its `token` tells one holder from
+    the next (a dispatcher follows the process its flow run started, not one that died before)."""
     if is_remote(path):
         observed = S3Lease(path, DEFAULT_TTL_S).read()
         if observed is None:
-            return "free"
+            return "free", None
         holder = observed.holder
         if observed.expired:
-            return "abandoned"
+            return "abandoned", holder
     else:
         try:
             with open(path) as handle:
                 holder = json.loads(handle.read() or "null")
         except (FileNotFoundError, json.JSONDecodeError):
-            return "free"  # none, released, or a record being written this instant
+            return "free", None  # none, released, or a record being written this instant
         if not isinstance(holder, dict):
-            return "free"
+            return "free", None
     if holder.get("host") != socket.gethostname():
-        return "held"
-    return "held" if _process_alive_since(int(holder.get("pid", 0)), str(holder.get("since", ""))) else "abandoned"
+        return "held", holder
+    alive = _process_alive_since(int(holder.get("pid", 0)), str(holder.get("since", "")))
+    return ("held" if alive else "abandoned"), holder
 
 
 def _process_alive_since(pid: int, since: str) -> bool:

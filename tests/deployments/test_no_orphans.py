@@ -1,11 +1,11 @@
 """No orphan, ever (issue 29): a test run that is killed takes everything it started along.
 
 Two pytest processes run the team deployment module (tests/deployments/test_team_run.py: moto's S3, `rlpipe
-server` with its Prefect server and two workers, flow runs of the real tiny pipeline), side by side to keep the
-drill short. Once each has a flow run going, one gets SIGTERM (a CI job cancelled) and the other SIGKILL (no
-teardown of any kind runs). Each pytest carries a marker in its environment, which every process below it
-inherits; 10 s after a pytest ended, no process with its marker may be left. Whatever happens, the drill kills
-every marked process before it ends.
+server` with its Prefect server and two workers, two more workers the module starts, flow runs of the real tiny
+pipeline), side by side to keep the drill short. Once each has a flow run going, one gets SIGTERM (a CI job
+cancelled) and the other SIGKILL (no teardown of any kind runs). Each pytest carries a marker in its
+environment, which every process below it inherits; 10 s after a pytest ended, no process with its marker may be
+left. Whatever happens, the drill kills every marked process before it ends.
 """
 
 from __future__ import annotations

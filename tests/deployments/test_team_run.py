@@ -1,5 +1,6 @@
 """A team's setup on one machine, real parts only: S3 (moto's server), `rlpipe server` (a Prefect server on
-127.0.0.1, pools `gpu` and `cpu`, one process worker each), `rlpipe deploy`, and the real tiny pipeline.
+127.0.0.1, pools `gpu` and `cpu`, one process worker each, and a second one per pool that the test starts),
+`rlpipe deploy`, and the real tiny pipeline.
 
 Two triggers of the scheduled deployment are fired at the same instant: one advances the run by iteration 0
 with every stage dispatched to a worker of its pool, the other finds the run lease held and ends `Skipped`.
@@ -8,6 +9,11 @@ its manifest; the iteration must have published its metrics artifact. A third tr
 iteration 0 runs again and iteration 1 is done. Then a run with `pipeline.max_staleness: 1` goes through the
 `loop` deployment: its two lanes dispatch stages to both pools at once. Everything is torn down even when an
 assertion fails.
+
+The second workers are started as a second machine would start them. A run with
+`pipeline.shards: {generate: 2}` has its two shards taken by the two gpu workers and run at once; the test's
+gpu worker, SIGKILLed with its flow run mid-shard, costs only that shard: the rerun dispatches it alone, and the
+merged table equals the unsharded one.
 """
 
 from __future__ import annotations
@@ -28,7 +34,8 @@ from typing import Any
 import httpx
 import pytest
 
-from flows.deploy import REPO_ROOT, deployment_pools, load_spec, stop_processes
+from flows.deploy import REPO_ROOT, GroupReaper, deployment_pools, load_spec, start_worker, stop_processes
+from schemas import settings
 from stages.registry import ITERATION_STAGES, RUN_STAGES, STAGES, instance, stage_state
 from storage.layout import BASE, RunLayout
 from storage.run import Run, read_run_config
@@ -52,6 +59,7 @@ class Cluster:
     root: str
     env: dict[str, str]
     logs: Path
+    second_workers: dict[str, subprocess.Popen]  # pool -> the worker the test started beside `rlpipe server`'s
 
 
 def start_moto(log_dir: Path) -> tuple[subprocess.Popen, str]:
@@ -128,7 +136,8 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     with scratch_dir(tmp_path_factory, "cluster") as logs, contextlib.ExitStack() as stop:
         # `rlpipe server` stops its server and workers on SIGTERM; after 3 s (Ctrl-C stops the suite within 10 s)
         # it is killed, its reaper ends their groups, and anything left is killed outright. A pytest that is
-        # killed runs none of this: the two die with it (spawn_tied), and `rlpipe server`'s children with it.
+        # killed runs none of this: the two die with it (spawn_tied), and `rlpipe server`'s children with it (as the
+        # second workers below do, with their flow runs).
         stop.callback(kill_marked, MARKER_VARIABLE, marker)
         stop.callback(lambda: stop_processes(reversed(processes), grace_s=3))
         moto, endpoint = start_moto(logs)
@@ -157,13 +166,25 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
             return bool(online_workers(api, "gpu") and online_workers(api, "cpu"))
 
         wait_for(ready, 480, "the Prefect server and one online worker per pool", interval_s=2)
+        # A second worker per pool, as a second machine would start it (docs/team.md step 3): one flow run at a
+        # time on gpu, so that two gpu flow runs at once are on two workers. Its flow runs are in its process
+        # group, which a reaper ends once pytest is gone however it ended, as `rlpipe server`'s reaper does its own.
+        reaper = GroupReaper(grace_s=3)
+        stop.callback(reaper.close)
+        worker_env = {**env, settings.HOME.name: str(REPO_ROOT)}
+        second_workers = {pool: reaper.watch(start_worker(pool, worker_env, log_path=logs / f"worker-{pool}-second.log",
+                                                          limit=1 if pool == "gpu" else None, name=f"{pool}-second"))
+                          for pool in ("gpu", "cpu")}
+        processes.extend(second_workers.values())
+        wait_for(lambda: all(len(online_workers(api, pool)) == 2 for pool in ("gpu", "cpu")), 300,
+                 "two online workers per pool", interval_s=2)
         root = f"s3://{BUCKET}/team"
         deployed = rlpipe(env, "deploy", "--api-url", api, "--run-id", RUN_ID, "--root", root, "--config", str(CONFIG))
         assert deployed.returncode == 0, deployed.stdout[-3000:] + deployed.stderr[-3000:]
         with pytest.MonkeyPatch.context() as patch:
             for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION", "RLPIPE_S3_ENDPOINT_URL"):
                 patch.setenv(name, env[name])
-            yield Cluster(api=api, root=root, env=env, logs=logs)
+            yield Cluster(api=api, root=root, env=env, logs=logs, second_workers=second_workers)
 
 
 def trigger(api_url: str, deployment: str, parameters: dict[str, Any] | None = None) -> str:
@@ -189,7 +210,7 @@ def wait_finished(cluster: Cluster, run_ids: list[str], timeout_s: float) -> lis
     try:
         return wait_for(finished, timeout_s, f"flow runs {run_ids}", interval_s=3)
     except AssertionError:
-        worker_logs = "".join(p.read_text()[-3000:] for p in (cluster.logs / "server-home").glob("worker-*.log"))
+        worker_logs = "".join(p.read_text()[-3000:] for p in cluster.logs.glob("**/worker-*.log"))
         raise AssertionError(f"flow runs did not finish; worker logs:\n{worker_logs}") from None
 
 
@@ -286,8 +307,7 @@ def test_two_pools_s3_root_overlapping_triggers_then_resume(cluster: Cluster) ->
 def test_an_overlapped_run_dispatches_to_both_pools_at_once(cluster: Cluster) -> None:
     """Two iterations with max_staleness 1 through the `loop` deployment: generate 1 is sampled by the base model
     (not checkpoint 0), and stages of the two lanes ran as flow runs on different pools at the same time (in
-    strict order no two stage runs of a run overlap). The gpu worker runs one flow run at a time (`rlpipe server
-    --gpu-limit 1`), so generate and train, both gpu stages, still take turns."""
+    strict order no two stage runs of a run overlap)."""
     from schemas.config import load_config
 
     api, run_id = cluster.api, "overlapped"
@@ -302,9 +322,6 @@ def test_an_overlapped_run_dispatches_to_both_pools_at_once(cluster: Cluster) ->
     expected_pool = deployment_pools(load_spec())
     assert all(run["work_pool_name"] == expected_pool[run["parameters"]["stage"]] for run in stages)
 
-    def window(run: dict) -> tuple[datetime, datetime]:
-        return datetime.fromisoformat(run["start_time"]), datetime.fromisoformat(run["end_time"])
-
     together = [(a["name"], b["name"]) for a in stages for b in stages
                 if a["work_pool_name"] == "gpu" and b["work_pool_name"] == "cpu"
                 and window(a)[0] < window(b)[1] and window(b)[0] < window(a)[1]]
@@ -314,3 +331,146 @@ def test_an_overlapped_run_dispatches_to_both_pools_at_once(cluster: Cluster) ->
     policy_steps = {k: {row["policy_step"] for row in table_rows(layout, "rollouts", k)} for k in (0, 1)}
     assert policy_steps == {0: {0}, 1: {0}}  # both sampled by the base model; strict order would give {1} for 1
     assert {row["staleness_max"] for row in table_rows(layout, "train_metrics", 1)} == {1}
+
+
+# The dispatching part of the `iteration` flow (`dispatch_stage`, as its stage task calls it) for one stage, under
+# the run lease as a flow holds it; exit 1 naming the failure when the stage fails.
+DISPATCHER = """
+import sys
+from flows.pipeline import dispatch_stage
+from flows.runner.process import StageFailed
+from stages.registry import instance
+from storage.layout import RunLayout
+from storage.lock import run_lock
+from storage.run import Run
+layout = RunLayout.create(sys.argv[1], sys.argv[2])
+with run_lock(layout):
+    try:
+        dispatch_stage(Run.at(layout), instance(sys.argv[3], int(sys.argv[4])))
+    except StageFailed as error:
+        sys.exit(f"dispatch failed: {error}")
+"""
+
+
+def dispatch(cluster: Cluster, run_id: str, stage: str, iteration: int, log: Path) -> subprocess.Popen:
+    with open(log, "ab") as output:
+        return spawn_tied([sys.executable, "-c", DISPATCHER, cluster.root, run_id, stage, str(iteration)],
+                          env=cluster.env, cwd=REPO_ROOT, stdout=output, stderr=subprocess.STDOUT)
+
+
+def worker_name(flow_run: dict) -> str:
+    """The `--name` of the worker that started the flow run's process (its `infrastructure_pid`, "[host:]pid")."""
+    import psutil
+
+    process: psutil.Process | None = psutil.Process(int(str(flow_run["infrastructure_pid"]).rsplit(":", 1)[-1]))
+    while process is not None:
+        command = process.cmdline()
+        if "worker" in command and "--name" in command:
+            return command[command.index("--name") + 1]
+        process = process.parent()
+    raise AssertionError(f"flow run {flow_run['name']} was started by no worker")
+
+
+def kill_tree(process: subprocess.Popen) -> None:
+    """SIGKILL a worker and every process under it (its flow runs' processes and their stages), as a machine
+    that dies takes them all at once."""
+    import psutil
+
+    tree = [psutil.Process(process.pid), *psutil.Process(process.pid).children(recursive=True)]
+    for member in tree:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            member.kill()
+    process.wait()
+
+
+def window(run: dict) -> tuple[datetime, datetime]:
+    return datetime.fromisoformat(run["start_time"]), datetime.fromisoformat(run["end_time"])
+
+
+@pytest.mark.timeout(WAIT_S)
+def test_shards_run_on_two_workers_at_once_and_a_killed_worker_costs_only_its_shard(cluster: Cluster) -> None:
+    """pipeline.shards {generate: 2} through the deployments: the dispatcher (the `iteration` flow's
+    `dispatch_stage`, in a process of the test's, so the iteration's other stages do not run) makes one flow run
+    per shard; the two gpu workers (one flow run at a time each) take one each, and both shards run at once. The
+    test's own gpu worker is then SIGKILLed with its flow run's process mid-shard: the dispatcher sees that
+    shard's lease abandoned, sets its flow run Crashed and fails once the other shard has finished. A rerun
+    dispatches the killed shard alone, then the merge: the finished shard's part is not redone, and the merged
+    rollouts equal the unsharded generate's of the same run."""
+    from schemas.config import load_config
+    from stages.registry import outputs_of
+    from storage.layout import Shard
+    from storage.lock import lease_state, stage_lock_path
+    from storage.manifest import read_manifest
+    from tests.reliability.test_shards import rows_without_timing
+
+    api, run_id = cluster.api, "sharded"
+    # Half tiny's samples, each half as long, no trainer-side logprob check: a shard still runs for its model's
+    # load (hf shards: one request at a time, generate.batch_size 1).
+    overrides = [f"run_id={run_id}", "iterations=1", "generate.batch_size=1", "generate.n_samples=2",
+                 "generate.max_new_tokens=4", "generate.mismatch_samples=0"]
+    layout = Run.start(load_config(CONFIG, overrides), cluster.root).layout
+    ref = {"root": cluster.root, "run_id": run_id}
+
+    # The reference: generate of iteration 0 unsharded (one flow run), after the run-level stages it reads.
+    setup = [trigger(api, f"stage/{stage}", {"run": ref}) for stage in ("prompts", "base_model")]
+    setup = wait_finished(cluster, setup, timeout_s=WAIT_S)
+    assert all(run["state"]["name"] == "Completed" for run in setup), describe_failures(api, setup)
+    [unsharded] = wait_finished(cluster, [trigger(api, "stage/generate", {"run": ref, "iteration": 0})], WAIT_S)
+    assert unsharded["state"]["name"] == "Completed", describe_failures(api, [unsharded])
+    reference = rows_without_timing(layout, "rollouts")
+    assert len(reference) == 4  # 2 prompts x 2 samples
+    for output in outputs_of(instance("generate", 0)):  # forgotten: generate 0 is to do again, sharded
+        layout.fs.rm(output.manifest_path(layout))
+    Run.start(load_config(CONFIG, [*overrides, "pipeline.shards={generate: 2}"]), cluster.root, replace_config=True)
+
+    whole = instance("generate", 0)
+    shards = [whole.part(k, 2) for k in range(2)]
+    started = time.monotonic()
+    first = dispatch(cluster, run_id, "generate", 0, cluster.logs / "dispatch-1.log")
+
+    def both_mid_shard() -> dict[str, dict] | None:
+        runs = {run["parameters"]["shard"]: run for run in stage_runs(api, run_id) if run["parameters"].get("shard")}
+        assert first.poll() is None, (cluster.logs / "dispatch-1.log").read_text()[-3000:]
+        assert not [run["name"] for run in runs.values() if run["state"]["type"] in TERMINAL], "a shard ended first"
+        running = len(runs) == 2 and all(run["state"]["type"] == "RUNNING" for run in runs.values())
+        held = running and all(lease_state(stage_lock_path(layout, shard)) == "held" for shard in shards)
+        return runs if held else None
+
+    runs = wait_for(both_mid_shard, WAIT_S, "both shards running, each holding its lease", interval_s=2)
+    workers = {shard: worker_name(run) for shard, run in runs.items()}
+    assert sorted(workers.values()) == sorted(online["name"] for online in online_workers(api, "gpu")), workers
+    [killed] = [shard for shard, name in workers.items() if name == "gpu-second"]
+    [kept] = [shard for shard in workers if shard != killed]
+    kill_tree(cluster.second_workers["gpu"])
+
+    assert first.wait(timeout=WAIT_S) == 1, (cluster.logs / "dispatch-1.log").read_text()[-3000:]
+    print(f"sharded generate to the kill's failure: {time.monotonic() - started:.0f}s")
+    runs = {run["parameters"]["shard"]: run for run in stage_runs(api, run_id) if run["parameters"].get("shard")}
+    assert runs[killed]["state"]["type"] == "CRASHED" and "died holding the lease" in runs[killed]["state"]["message"]
+    assert runs[kept]["state"]["name"] == "Completed", describe_failures(api, [runs[kept]])
+    (a_start, a_end), (b_start, b_end) = window(runs[killed]), window(runs[kept])
+    assert a_start < b_end and b_start < a_end  # the two flow runs' times overlap
+    run = Run(layout, read_run_config(layout))
+    layout.fs.invalidate_cache()
+    kept_shard, killed_shard = Shard.parse(kept), Shard.parse(killed)
+    assert stage_state(run, whole.part(kept_shard.index, 2)).done
+    assert not stage_state(run, whole.part(killed_shard.index, 2)).done and not stage_state(run, whole).done
+    [kept_part] = outputs_of(whole.part(kept_shard.index, 2))
+    kept_manifest = read_manifest(layout.fs, kept_part.manifest_path(layout))
+    assert kept_manifest is not None
+
+    # The rerun: the killed shard alone, on the gpu worker left, then the merge.
+    before = {run["id"] for run in stage_runs(api, run_id)}
+    second = dispatch(cluster, run_id, "generate", 0, cluster.logs / "dispatch-2.log")
+    assert second.wait(timeout=WAIT_S) == 0, (cluster.logs / "dispatch-2.log").read_text()[-3000:]
+    print(f"sharded generate with the rerun: {time.monotonic() - started:.0f}s")
+    rerun = [run for run in stage_runs(api, run_id) if run["id"] not in before]
+    assert sorted((run["parameters"].get("shard", ""), run["parameters"].get("merge", False)) for run in rerun) == [
+        ("", True), (killed, False)]
+    assert all(run["state"]["name"] == "Completed" for run in rerun), describe_failures(api, rerun)
+    layout.fs.invalidate_cache()
+    assert stage_state(Run(layout, read_run_config(layout)), whole).done
+    merged = read_manifest(layout.fs, outputs_of(whole)[0].manifest_path(layout))
+    assert merged is not None
+    assert merged.metrics["shards"][kept_shard.index]["started_at"] == kept_manifest.started_at  # not redone
+    assert rows_without_timing(layout, "rollouts") == reference
