@@ -15,7 +15,8 @@ server's); the run-level stages first, untimed.
    the longest shard process and the merge process), the longest part's write (harness timer: part and manifest),
    and the whole merge process (reading the parts, the table's contract validation, writing it, removing the parts).
 Load average at start and end. Target: 2 engines on 2 GPUs >= 1.8x one (on the CPU both share its cores). On
-2026-11-28, loaded: 4.85x (0.86x with engine start), 0.42x, 6.4% (docs/measurements.md).
+2026-11-29, quiet, `--set generate.prompts_per_iteration=64`: 0.84x (0.73x with engine start), 1.05x, 6.2% of a 4 s
+score stage (0.25 s, fixed); loaded, the defaults: 4.85x, 0.42x, 6.4% (docs/measurements.md).
 Run: `.venv/bin/python -m benchmarks.scale` (`--config`, `--set s.f=v`; `--root DIR`, a new directory, keeps the runs).
 """
 
