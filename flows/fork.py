@@ -7,9 +7,12 @@ generation rounds included), gets the key NEW's config gives it over NEW's input
 and is shared when every output RUN has for it carries that key: at no copy, by hard links on a local root and
 by a manifest that refers to RUN's files on S3 (storage/sharing.py). An instance whose key differs is not shared,
 and so neither is anything that reads its output: GRPO vs RLOO on the same rollouts shares prompts, base model,
-generate and score, and computes advantage onward. A shared output that RUN has lost or
-pruned is refused by name (the key says it would be shared; the bytes are gone). NEW's config.yaml is written
-last, so a fork killed while sharing leaves a directory without one, which the next fork replaces.
+generate and score, and computes advantage onward. A shared output that RUN has lost is refused by name (the key
+says it would be shared; the bytes are gone). Checkpoints retention pruned before the newest one shared are shared
+as RUN has them, pruned (tables and manifest kept, any later use refused by name), so a run with
+`train.keep_checkpoints` can be forked at its kept checkpoint; that newest one, which NEW continues from, must have
+its weights, and its optimizer state when NEW trains again. NEW's config.yaml is written last, so a fork killed
+while sharing leaves a directory without one, which the next fork replaces; a refused fork leaves nothing.
 """
 
 from __future__ import annotations
@@ -90,8 +93,7 @@ def _share(source: Run, new: Run, target: StageInstance) -> bool:
     # recorded paths), or, for RUN's own share by reference, the origin's files its manifest names
     located = [manifest if manifest.by_reference else replace(manifest, path=output.path(source.layout))
                for output, manifest in zip(outputs, originals, strict=True)]
-    for manifest in located:
-        require_unpruned(manifest)  # a checkpoint whose weights retention deleted: refused, naming its iteration
+    for manifest in located:  # a pruned checkpoint's manifest lists only the files it kept
         if (damage := output_damage(source.fs, manifest)) is not None:
             raise InputError(f"run {source.run_id}'s {target.label} output is lost or pruned ({damage}): it "
                              f"cannot be shared; fork at an earlier iteration than {target.iteration}")
@@ -116,5 +118,21 @@ def fork(source: Run, config: RunConfig, at: int) -> Fork:
     if layout.fs.exists(layout.run_dir):  # a fork killed before its config.yaml: start it over
         layout.fs.rm(layout.run_dir, recursive=True)
     new = Run(layout, config)
-    shared = [target for target in fork_instances(source, config, at) if _share(source, new, target)]
+    try:
+        shared = [target for target in fork_instances(source, config, at) if _share(source, new, target)]
+        require_continuable(new, shared)
+    except InputError:  # refused: nothing of NEW stays (its shares are links or manifests of its own)
+        if layout.fs.exists(layout.run_dir):
+            layout.fs.rm(layout.run_dir, recursive=True)
+        raise
     return Fork(Run.start(config, source.root), shared)
+
+
+def require_continuable(new: Run, shared: list[StageInstance]) -> None:
+    """CheckpointPruned, naming the iteration, when the newest checkpoint NEW shares (the one it samples from and
+    trains on next) lost its weights to RUN's retention, or its optimizer state while NEW has iterations to train."""
+    trained = [target.iteration for target in shared if target.stage == "train"]
+    if not trained:  # NEW continues from the base model, which is never pruned
+        return
+    newest = read_manifest(new.fs, Output("checkpoint", max(trained)).manifest_path(new.layout))
+    require_unpruned(newest, optimizer=max(trained) + 1 < new.config.iterations)

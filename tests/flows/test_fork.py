@@ -7,8 +7,9 @@ object at all under the fork's prefix, its manifests naming grpo's files), and c
 its advantages are checked against RLOO and GRPO worked by hand on the stand-in's rewards (0, 1, 0, 1 in every
 group). The catalog reads a shared table once per run that has it, each time with that run's id; a fork of the fork
 shares from both runs; a shared output lost or changed is refused by name, never redone; the origin pruning a
-checkpoint a fork shares leaves a local fork's data and is refused by name on S3; a fork killed in a stage resumes
-to the uninterrupted fork's bytes; bad input is one line and exit 2.
+checkpoint a fork shares leaves a local fork's data and is refused by name on S3; a run whose earlier checkpoints
+retention pruned forks at its kept one; a fork killed in a stage resumes to the uninterrupted fork's bytes; bad
+input is one line and exit 2.
 """
 
 from __future__ import annotations
@@ -297,6 +298,30 @@ def test_a_fork_at_an_iteration_whose_checkpoint_retention_pruned_is_refused_by_
     assert not pruned.run.fs.exists(join(root, "runs", "from-pruned", "config.yaml"))
     grpo.fs.invalidate_cache()
     assert output_intact(grpo.fs, checkpoint_manifest(grpo))  # the fork's prune deleted none of grpo's files
+
+
+def test_a_run_whose_earlier_checkpoints_retention_pruned_forks_at_its_kept_one(root: str) -> None:
+    """keep_checkpoints 1 after two iterations: checkpoint 0 pruned, 1 whole. Forking at 1 to train on shares
+    checkpoint 0 as pruned and trains iteration 2 from 1; with 1's optimizer state pruned too, the same fork is
+    refused naming iteration 1 and leaves nothing, while a fork that trains no more goes through."""
+    longer = fork_of(Run.open(root, "grpo"), "longer", []).run  # iteration 0 shared, 1 computed here
+    run_iteration(longer.layout, 1)
+    prune_checkpoint(longer.fs, Output("checkpoint", 0).manifest_path(longer.layout), "checkpoint")
+
+    extended = fork_of(longer, "extended", ["iterations=3"], at=1)
+    assert [t.label for t in extended.shared][-4:] == ["generate iter=1", "score iter=1", "advantage iter=1",
+                                                       "train iter=1"]
+    assert checkpoint_manifest(extended.run, 0).pruned == "checkpoint"  # as in `longer`: its tables stay
+    assert not checkpoint_manifest(extended.run, 1).pruned
+    run_iteration(extended.run.layout, 2)  # samples from checkpoint 1 and trains on with its optimizer state
+    assert checkpoint_manifest(extended.run, 2).inputs["policy"] == checkpoint_manifest(longer, 1).sha256
+
+    prune_checkpoint(longer.fs, Output("checkpoint", 1).manifest_path(longer.layout), "optimizer")
+    with pytest.raises(CheckpointPruned, match=r"the checkpoint of iteration 1 \(.*\) cannot be used: its optimizer "
+                                               r"state was pruned \(train.keep_optimizer_states\)"):
+        fork_of(longer, "refused", ["iterations=3"], at=1)
+    assert not longer.fs.exists(join(root, "runs", "refused"))
+    assert fork_of(longer, "copied", [], at=1).shared[-1].label == "train iter=1"  # trains no more: goes through
 
 
 def test_the_origin_pruning_a_checkpoint_its_fork_shares(root: str, tmp_path: Path) -> None:
