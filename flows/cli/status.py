@@ -216,7 +216,7 @@ def held_out_table(run: Run) -> Group:
         run.fs.exists(prompts_path)) else []
     clusters, sources = clusters_of(prompts_rows), data_sources_of(prompts_rows)
     for label, iteration, state in evaluated_checkpoints(run):
-        rows = read_table(run.fs, located(run.fs, run.layout.table_path("eval", iteration)), TABLES["eval"]).to_pylist()
+        rows = eval_rows(run, iteration)
         metrics = state.manifests[-1].metrics
         # the evaluate stage records per-data_source summaries only where they differ from the per-dataset ones
         by_source = {data_source_label(name): summary for name, summary in metrics.get("data_sources", {}).items()}
@@ -231,7 +231,7 @@ def held_out_table(run: Run) -> Group:
         source_rows = [{**row, "dataset": data_source_label(sources.get(row["prompt_id"], row["dataset"]))}
                        for row in rows] if by_source else []
         if iteration == BASE:
-            base_rows, base_by_source = _by_dataset(rows), _by_dataset(source_rows)
+            base_rows, base_by_source = by_dataset(rows), by_dataset(source_rows)
         else:
             compared = checkpoint_gains(base_rows, rows, clusters)
             if by_source:  # each source on its own; pooled, they are the datasets' "all held out" row
@@ -281,7 +281,12 @@ def _with_interval(summary: dict, metric: str) -> str:
     return f"{summary[metric]:.3f}{interval}"
 
 
-def _by_dataset(rows: list[dict]) -> dict[str, list[dict]]:
+def eval_rows(run: Run, iteration: int) -> list[dict]:
+    """The eval table of `iteration` (BASE: the base model's) as rows, wherever its manifest says it is."""
+    return read_table(run.fs, located(run.fs, run.layout.table_path("eval", iteration)), TABLES["eval"]).to_pylist()
+
+
+def by_dataset(rows: list[dict]) -> dict[str, list[dict]]:
     grouped: dict[str, list[dict]] = {}
     for row in rows:
         grouped.setdefault(row["dataset"], []).append(row)
