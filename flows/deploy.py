@@ -11,7 +11,9 @@ pieces the commands start, and tear them down: every child is started in its own
 `stop_processes` ends each group, never anything by name. The children die with the process that started
 them whatever ends it: each gets a parent-death signal (SIGKILL, set before it runs anything), and a
 `GroupReaper` process kills their whole process groups (the flow runs a worker started included) once the
-starter is gone, even when that was a SIGKILL, which no `finally` sees.
+starter is gone, even when that was a SIGKILL, which no `finally` sees. A flow run whose machine dies stays
+Running in Prefect: its heartbeats (PREFECT_FLOWS_HEARTBEAT_FREQUENCY in prefect.yaml's job env) stop, and the
+automation `rlpipe deploy` creates, Prefect's documented one for zombie flow runs, sets it Crashed.
 """
 
 from __future__ import annotations
@@ -39,6 +41,8 @@ PREFECT_YAML = REPO_ROOT / "deployments" / "prefect.yaml"
 # The deployment a schedule drives: the `iteration` flow with no iteration advances the run by the next one.
 SCHEDULED_DEPLOYMENT = "advance"
 PREFECT_QUIET = {"PREFECT_SERVER_ANALYTICS_ENABLED": "false", "DO_NOT_TRACK": "1"}
+UNRESPONSIVE_AUTOMATION = "rlpipe: crash unresponsive flow runs"
+HEARTBEAT_S = 30  # PREFECT_FLOWS_HEARTBEAT_FREQUENCY of prefect.yaml's job env: Prefect's minimum
 
 
 class DeployError(RuntimeError):
@@ -341,8 +345,55 @@ def expected_names(spec: dict[str, Any]) -> set[str]:
     return {f"{entrypoint_flow(d['entrypoint']).name}/{d['name']}" for d in spec["deployments"]}
 
 
+def unresponsive_run_automation(flow_names: Iterable[str], silence_s: float) -> Any:  # noqa: ANN401
+    """Prefect's automation for zombie flow runs (docs.prefect.io, "detect zombie flows"), on the flows named:
+    a flow run of theirs that sent a heartbeat and then nothing, not even a final state, for `silence_s` is set
+    Crashed. The dispatching flow then sees a final state and fails the stage (flows/pipeline.py)."""
+    from datetime import timedelta
+
+    from prefect.automations import Automation
+    from prefect.client.schemas.objects import StateType
+    from prefect.events.actions import ChangeFlowRunState
+    from prefect.events.schemas.automations import EventTrigger, Posture
+    from prefect.events.schemas.events import ResourceSpecification
+
+    final = {f"prefect.flow-run.{state}" for state in ("Completed", "Failed", "Cancelled", "Crashed")}
+    return Automation(
+        name=UNRESPONSIVE_AUTOMATION,
+        description=f"A flow run of {', '.join(sorted(flow_names))} silent for {silence_s:.0f} s (its machine or "
+                    "worker died) is set Crashed, so that the flow waiting on it goes on (flows/deploy.py).",
+        trigger=EventTrigger(
+            after={"prefect.flow-run.heartbeat"},
+            expect={"prefect.flow-run.heartbeat", *final},
+            match=ResourceSpecification({"prefect.resource.id": ["prefect.flow-run.*"]}),
+            match_related=ResourceSpecification({"prefect.resource.role": "flow",
+                                                 "prefect.resource.name": sorted(flow_names)}),
+            for_each={"prefect.resource.id"},
+            posture=Posture.Proactive,
+            threshold=1,
+            within=timedelta(seconds=silence_s),
+        ),
+        actions=[ChangeFlowRunState(state=StateType.CRASHED,
+                                    message=f"no heartbeat for {silence_s:.0f} s: its process, machine or worker "
+                                            "died (automation: " + UNRESPONSIVE_AUTOMATION + ")")],
+    )
+
+
+def ensure_unresponsive_run_automation(flow_names: Iterable[str], silence_s: float = 3 * HEARTBEAT_S) -> None:
+    """Create `unresponsive_run_automation` on the server ($PREFECT_API_URL), or replace the one of that name."""
+    from prefect.automations import Automation
+
+    wanted = unresponsive_run_automation(flow_names, silence_s)
+    try:
+        Automation.read(name=UNRESPONSIVE_AUTOMATION).delete()  # an earlier deploy's (other flows, other silence)
+    except ValueError:  # none yet
+        pass
+    wanted.create()
+
+
 def deploy(api_url: str, spec: dict[str, Any], pool_type: str = "process") -> set[str]:
-    """Create the pools `spec` names, deploy every deployment, check the server lists them all."""
+    """Create the pools `spec` names, deploy every deployment, check the server lists them all, and create the
+    automation that crashes their flow runs whose heartbeats stopped."""
     env = client_environment(api_url)
     os.environ.update({"PREFECT_API_URL": api_url, "PREFECT_SERVER_EPHEMERAL_ENABLED": "false"})
     ensure_work_pools(pool_names(spec), pool_type)
@@ -350,4 +401,5 @@ def deploy(api_url: str, spec: dict[str, Any], pool_type: str = "process") -> se
     missing = expected_names(spec) - deployed_names(api_url)
     if missing:
         raise DeployError(f"prefect deploy finished, but the server lacks deployments {sorted(missing)}")
+    ensure_unresponsive_run_automation({name.partition("/")[0] for name in expected_names(spec)})
     return expected_names(spec)

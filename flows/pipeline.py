@@ -117,7 +117,8 @@ def _stage_flow_run(run: Run, target: StageInstance, merge: bool = False) -> Non
     once the stage lease its process took is abandoned (storage/lock.py: a dead process of this host at once, on
     S3 after the lease's ttl): the flow run is then set Crashed and the stage fails, so that the dispatching flow
     ends and a rerun (a retry, the next trigger) takes the stage again. A holder that died before this flow run
-    started (the attempt a rerun replaces) is not its process."""
+    started (the attempt a rerun replaces) is not its process. One that died before taking the lease stops sending
+    heartbeats, and `rlpipe deploy`'s automation sets it Crashed: a final state, so this returns too."""
     from prefect.client.orchestration import get_client
     from prefect.deployments import run_deployment
     from prefect.states import Crashed
@@ -143,8 +144,9 @@ def _stage_flow_run(run: Run, target: StageInstance, merge: bool = False) -> Non
                     record_failure(run.layout, target.whole, 1, f"{target.shard.name}: {why}" if target.shard else why)
                 raise DispatchedStageFailed(target, flow_run.name, f"Crashed ({why})")
             time.sleep(poll_s)
-    if not flow_run.state.is_completed():
-        raise DispatchedStageFailed(target, flow_run.name, flow_run.state.name)
+    if not flow_run.state.is_completed():  # e.g. Crashed by the automation for silent flow runs (flows/deploy.py)
+        message = f" ({flow_run.state.message})" if flow_run.state.message else ""
+        raise DispatchedStageFailed(target, flow_run.name, flow_run.state.name + message)
 
 
 def _died_holding(lease: str, earlier: dict[str, Any] | None) -> bool:
