@@ -351,14 +351,13 @@ def unresponsive_run_automation(flow_names: Iterable[str], silence_s: float) -> 
     Crashed. The dispatching flow then sees a final state and fails the stage (flows/pipeline.py)."""
     from datetime import timedelta
 
-    from prefect.automations import Automation
     from prefect.client.schemas.objects import StateType
     from prefect.events.actions import ChangeFlowRunState
-    from prefect.events.schemas.automations import EventTrigger, Posture
+    from prefect.events.schemas.automations import AutomationCore, EventTrigger, Posture
     from prefect.events.schemas.events import ResourceSpecification
 
     final = {f"prefect.flow-run.{state}" for state in ("Completed", "Failed", "Cancelled", "Crashed")}
-    return Automation(
+    return AutomationCore(
         name=UNRESPONSIVE_AUTOMATION,
         description=f"A flow run of {', '.join(sorted(flow_names))} silent for {silence_s:.0f} s (its machine or "
                     "worker died) is set Crashed, so that the flow waiting on it goes on (flows/deploy.py).",
@@ -379,16 +378,26 @@ def unresponsive_run_automation(flow_names: Iterable[str], silence_s: float) -> 
     )
 
 
-def ensure_unresponsive_run_automation(flow_names: Iterable[str], silence_s: float = 3 * HEARTBEAT_S) -> None:
-    """Create `unresponsive_run_automation` on the server ($PREFECT_API_URL), or replace the one of that name."""
-    from prefect.automations import Automation
+def ensure_unresponsive_run_automation(flow_names: Iterable[str], silence_s: float = 3 * HEARTBEAT_S,
+                                       attempts: int = 3) -> None:
+    """Make `unresponsive_run_automation` the one automation of its name on the server ($PREFECT_API_URL): an
+    earlier deploy's (other flows, another silence) is replaced. A request that times out (a loaded server) is
+    tried again from the start, so a creation that went through unseen is deleted, not doubled."""
+    import httpx
+    from prefect.client.orchestration import get_client
 
     wanted = unresponsive_run_automation(flow_names, silence_s)
-    try:
-        Automation.read(name=UNRESPONSIVE_AUTOMATION).delete()  # an earlier deploy's (other flows, other silence)
-    except ValueError:  # none yet
-        pass
-    wanted.create()
+    for attempt in range(1, attempts + 1):
+        try:
+            with get_client(sync_client=True) as client:
+                for existing in client.read_automations_by_name(UNRESPONSIVE_AUTOMATION):
+                    client.delete_automation(existing.id)
+                client.create_automation(wanted)
+            return
+        except httpx.TimeoutException as error:
+            if attempt == attempts:
+                raise DeployError(f"the Prefect server did not answer in time creating the automation "
+                                  f"{UNRESPONSIVE_AUTOMATION!r} ({attempts} attempts): {error!r}") from error
 
 
 def deploy(api_url: str, spec: dict[str, Any], pool_type: str = "process") -> set[str]:

@@ -6,6 +6,7 @@ heartbeat, so the living run is never crashed. A dispatching flow waits on exact
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -15,6 +16,8 @@ from pathlib import Path
 from uuid import UUID
 
 import pytest
+from prefect.client.orchestration import get_client
+from prefect.settings import PREFECT_API_URL, temporary_settings
 
 from flows.deploy import (
     HEARTBEAT_S,
@@ -45,8 +48,6 @@ sleeper()
 
 
 def flow_run_state(run_id: UUID) -> tuple[str, str]:
-    from prefect.client.orchestration import get_client
-
     with get_client(sync_client=True) as client:
         state = client.read_flow_run(run_id).state
     return state.type.value, state.message or ""
@@ -57,25 +58,23 @@ def test_deployments_send_heartbeats_that_the_automation_expects() -> None:
         assert int(variables["env"]["PREFECT_FLOWS_HEARTBEAT_FREQUENCY"]) == HEARTBEAT_S
 
 
-def test_a_flow_run_that_stops_sending_heartbeats_is_crashed_and_a_living_one_is_not(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_a_flow_run_that_stops_sending_heartbeats_is_crashed_and_a_living_one_is_not(tmp_path: Path) -> None:
     port = free_port()
     api_url = api_url_for("127.0.0.1", port)
     server = start_server("127.0.0.1", port, tmp_path / "prefect-home", tmp_path / "server.log")
     sleepers: list[subprocess.Popen] = []
+    stack = contextlib.ExitStack()
     try:
         wait_healthy(api_url, 180, server)
-        monkeypatch.setenv("PREFECT_API_URL", api_url)
-        monkeypatch.setenv("PREFECT_SERVER_EPHEMERAL_ENABLED", "false")
+        # Prefect in this process keeps the settings it had when first imported (an earlier test's server)
+        stack.enter_context(temporary_settings({PREFECT_API_URL: api_url}))
         ensure_unresponsive_run_automation([FLOW_NAME], silence_s=40)
         ensure_unresponsive_run_automation([FLOW_NAME], silence_s=40)  # a second deploy replaces it: still one
-        from prefect.client.orchestration import get_client
-
         with get_client(sync_client=True) as client:
             assert len(client.read_automations_by_name(UNRESPONSIVE_AUTOMATION)) == 1
 
-        env = {**os.environ, "PREFECT_FLOWS_HEARTBEAT_FREQUENCY": str(HEARTBEAT_S)}
+        env = {**os.environ, "PREFECT_API_URL": api_url, "PREFECT_SERVER_EPHEMERAL_ENABLED": "false",
+               "PREFECT_FLOWS_HEARTBEAT_FREQUENCY": str(HEARTBEAT_S)}
         for _ in range(2):
             sleepers.append(spawn_tied([sys.executable, "-c", SLEEPER], env=env, stdout=subprocess.PIPE, text=True))
         dead, living = (UUID(sleeper.stdout.readline().strip()) for sleeper in sleepers)  # both running their flow
@@ -90,6 +89,7 @@ def test_a_flow_run_that_stops_sending_heartbeats_is_crashed_and_a_living_one_is
         assert 40 - HEARTBEAT_S <= time.monotonic() - killed_at  # not before its silence could have been 40 s
         assert flow_run_state(living)[0] == "RUNNING"  # its heartbeats kept coming
     finally:
+        stack.close()
         for sleeper in sleepers:
             if sleeper.poll() is None:
                 os.killpg(sleeper.pid, signal.SIGKILL)
