@@ -19,14 +19,11 @@ from dataclasses import dataclass
 import numpy as np
 from scipy import stats
 
-from flows.cli.status import POOLED, by_dataset, checkpoint_gains, eval_rows, evaluated_checkpoints
-from schemas.tables import TABLES
+from flows.cli.status import POOLED, by_dataset, checkpoint_gains, eval_rows, evaluated_checkpoints, prompt_rows
 from stages.evaluation.metrics import clusters_of
 from storage.catalog import Catalog
 from storage.layout import BASE
-from storage.manifest import located
 from storage.run import Run
-from storage.tables import read_table
 
 
 @dataclass
@@ -56,8 +53,8 @@ def seed_result(root: str, run_id: str) -> SeedResult:
     if len(evaluated) < 2 or evaluated[0][1] != BASE:
         raise SystemExit(f"run {run_id} has no evaluated checkpoint beside the base model: nothing to compare")
     label, iteration, _ = evaluated[-1]
-    prompts = read_table(run.fs, located(run.fs, run.layout.prompts_path), TABLES["prompts"]).to_pylist()
-    compared = checkpoint_gains(by_dataset(eval_rows(run, BASE)), eval_rows(run, iteration), clusters_of(prompts))
+    compared = checkpoint_gains(by_dataset(eval_rows(run, BASE)), eval_rows(run, iteration),
+                                clusters_of(prompt_rows(run)))
     with Catalog(root, [run_id]) as catalog:
         rewards = {row["iter"]: row["reward"] for row in catalog.rows(
             "SELECT iter, avg(reward) AS reward FROM scores GROUP BY iter")}

@@ -407,8 +407,8 @@ def deploy(api_url: str, spec: dict[str, Any], pool_type: str = "process") -> se
     os.environ.update({"PREFECT_API_URL": api_url, "PREFECT_SERVER_EPHEMERAL_ENABLED": "false"})
     ensure_work_pools(pool_names(spec), pool_type)
     run_prefect_deploy(spec, env)
-    missing = expected_names(spec) - deployed_names(api_url)
-    if missing:
+    expected = expected_names(spec)
+    if missing := expected - deployed_names(api_url):
         raise DeployError(f"prefect deploy finished, but the server lacks deployments {sorted(missing)}")
-    ensure_unresponsive_run_automation({name.partition("/")[0] for name in expected_names(spec)})
-    return expected_names(spec)
+    ensure_unresponsive_run_automation({name.partition("/")[0] for name in expected})
+    return expected

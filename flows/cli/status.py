@@ -211,9 +211,7 @@ def held_out_table(run: Run) -> Group:
         gains.add_column(column, no_wrap=column == "checkpoint")
     base_rows: dict[str, list[dict]] = {}
     base_by_source: dict[str, list[dict]] = {}
-    prompts_path = located(run.fs, run.layout.prompts_path)
-    prompts_rows = read_table(run.fs, prompts_path, TABLES["prompts"]).to_pylist() if (
-        run.fs.exists(prompts_path)) else []
+    prompts_rows = prompt_rows(run)
     clusters, sources = clusters_of(prompts_rows), data_sources_of(prompts_rows)
     for label, iteration, state in evaluated_checkpoints(run):
         rows = eval_rows(run, iteration)
@@ -279,6 +277,12 @@ def _with_interval(summary: dict, metric: str) -> str:
     interval = f" [{summary[metric + '_ci_low']:.3f}, {summary[metric + '_ci_high']:.3f}]" if (
         metric + "_ci_low" in summary) else ""
     return f"{summary[metric]:.3f}{interval}"
+
+
+def prompt_rows(run: Run) -> list[dict]:
+    """The run's prompts table as rows (none before its prompts stage ran), wherever its manifest says it is."""
+    path = located(run.fs, run.layout.prompts_path)
+    return read_table(run.fs, path, TABLES["prompts"]).to_pylist() if run.fs.exists(path) else []
 
 
 def eval_rows(run: Run, iteration: int) -> list[dict]:
