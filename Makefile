@@ -69,7 +69,7 @@ run: install
 	$(VENV)/bin/rlpipe run --config $(CONFIG)
 
 test: install
-	$(VENV)/bin/python -m pytest -q -ra
+	$(VENV)/bin/python -m pytest -q -ra --durations=40
 
 # Peers that benchmarks/ compare against, never dependencies of rlpipe: TRL for benchmarks/peer_trl.py.
 bench-deps: install
