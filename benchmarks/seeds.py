@@ -6,8 +6,9 @@ checkpoint over the base model per held-out dataset and pooled, each with the pa
 seconds, a fork's shared ones included: a forked run's wall clock does not say what the whole run costs). Then
 per dataset the mean gain over the seeds with a Student-t 95% interval over them (n - 1 degrees of freedom: with
 three seeds the half-width is 4.30 standard errors), and how many seeds' own intervals lie above 0. Prints
-markdown tables, ready for docs/measurements.md.
-Run: `.venv/bin/python -m benchmarks.seeds --root ROOT RUN [RUN ...]`.
+markdown tables, ready for docs/measurements.md. With `--peer=-peer-trl`, the same over the peer's final models
+(`benchmarks/peer_trl.py` evaluates TRL's model of run R as run `R-peer-trl`) against each run's base model.
+Run: `.venv/bin/python -m benchmarks.seeds --root ROOT [--peer SUFFIX] RUN [RUN ...]`.
 """
 
 from __future__ import annotations
@@ -31,9 +32,9 @@ class SeedResult:
     run_id: str
     seed: int
     checkpoint: str  # the last evaluated checkpoint, e.g. "iter 7"
-    reward_first: float  # mean training reward at iteration 0
-    reward_last: float  # and at the last iteration
-    stage_minutes: float
+    reward_first: float | None  # mean training reward at iteration 0 (None: a peer's, not in our tables)
+    reward_last: float | None  # and at the last iteration
+    stage_minutes: float | None
     gains: dict[str, tuple[float, float, float]]  # dataset (and POOLED) -> pass@1 (gain, low, high)
 
 
@@ -65,6 +66,19 @@ def seed_result(root: str, run_id: str) -> SeedResult:
                       seconds["s"] / 60, {dataset: gain["pass@1"] for dataset, gain in compared if "pass@1" in gain})
 
 
+def peer_result(root: str, run_id: str, suffix: str) -> SeedResult:
+    """The peer's final model, evaluated as run `run_id + suffix`, against run `run_id`'s base model: the pairs
+    and families `peer_trl` compares on."""
+    run, peer = Run.open(root, run_id), Run.open(root, run_id + suffix)
+    compared = checkpoint_gains(by_dataset(eval_rows(run, BASE)), eval_rows(peer, BASE), clusters_of(prompt_rows(run)))
+    return SeedResult(run_id + suffix, run.config.seed, "peer's final model", None, None, None,
+                      {dataset: gain["pass@1"] for dataset, gain in compared if "pass@1" in gain})
+
+
+def _figure(value: float | None, unit: str = "") -> str:
+    return "n/a" if value is None else f"{value:.{1 if unit else 3}f}{unit}"
+
+
 def signed(gain: float, low: float, high: float) -> str:
     return f"{gain:+.3f} [{low:+.3f}, {high:+.3f}]"
 
@@ -73,16 +87,18 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("runs", nargs="+", help="finished runs of one recipe, one per seed")
     parser.add_argument("--root", default="./rlpipe-data")
+    parser.add_argument("--peer", default=None, help="the peer's final models instead: run RUN + PEER each")
     args = parser.parse_args()
-    results = [seed_result(args.root, run_id) for run_id in args.runs]
+    results = [peer_result(args.root, run_id, args.peer) if args.peer else seed_result(args.root, run_id)
+               for run_id in args.runs]
     datasets = sorted({d for r in results for d in r.gains} - {POOLED}) + [POOLED]
     datasets = [d for d in datasets if all(d in r.gains for r in results)]
     print("| run | seed | checkpoint | train reward, first → last | stage time | "
           + " | ".join(f"pass@1 gain, {d}" for d in datasets) + " |")
     print("|---" * (5 + len(datasets)) + "|")
     for r in results:
-        print(f"| {r.run_id} | {r.seed} | {r.checkpoint} | {r.reward_first:.3f} → {r.reward_last:.3f} | "
-              f"{r.stage_minutes:.1f} min | " + " | ".join(signed(*r.gains[d]) for d in datasets) + " |")
+        print(f"| {r.run_id} | {r.seed} | {r.checkpoint} | {_figure(r.reward_first)} → {_figure(r.reward_last)} | "
+              f"{_figure(r.stage_minutes, ' min')} | " + " | ".join(signed(*r.gains[d]) for d in datasets) + " |")
     if len(results) < 2:
         return
     cells = []
@@ -90,9 +106,12 @@ def main() -> None:
         mean, low, high = mean_over_seeds([r.gains[d][0] for r in results])
         above = sum(r.gains[d][1] > 0 for r in results)
         cells.append(f"{signed(mean, low, high)}, {above}/{len(results)} above 0")
-    print(f"| mean over {len(results)} seeds (t interval) | | | "
-          f"{np.mean([r.reward_first for r in results]):.3f} → {np.mean([r.reward_last for r in results]):.3f} | "
-          f"{np.mean([r.stage_minutes for r in results]):.1f} min | " + " | ".join(cells) + " |")
+    def mean(values: list[float | None]) -> float | None:
+        return None if None in values else float(np.mean(values))
+
+    rewards = f"{_figure(mean([r.reward_first for r in results]))} → {_figure(mean([r.reward_last for r in results]))}"
+    minutes = _figure(mean([r.stage_minutes for r in results]), " min")
+    print(f"| mean over {len(results)} seeds (t interval) | | | {rewards} | {minutes} | " + " | ".join(cells) + " |")
 
 
 if __name__ == "__main__":
