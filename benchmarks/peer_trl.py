@@ -201,6 +201,8 @@ def evaluate_with_rlpipe(config: Any, root: str, model_dir: Path, run_id: str) -
 
     values = config.model_dump(mode="json") | {"run_id": run_id}
     values["model"] = values["model"] | {"name_or_path": str(model_dir)}
+    # One stage, run by hand: an engine of its own, not a warm server left idling for `warm_engine_idle_s` after.
+    values["generate"] = values["generate"] | {"warm_engine": "off"}
     peer_config = type(config).model_validate(values)
     run = Run.start(peer_config, root)
     layout = run.layout
