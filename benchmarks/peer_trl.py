@@ -259,10 +259,9 @@ def main() -> None:
     ours, config, base_rows = rlpipe_side(args.root, args.run)
     if args.budget_minutes:
         ours.budget_s = args.budget_minutes * 60
-    budget_s = ours.budget_s
     out_dir = Path(args.out or Path(args.root) / "peer-trl" / args.run)
     load_before = os.getloadavg()[0]
-    peer = train_with_trl(config, args.root, args.run, budget_s, out_dir)
+    peer = train_with_trl(config, args.root, args.run, ours.budget_s, out_dir)
     peer.before = ours.before  # the same base model, prompts and seeds: one evaluation serves both
     peer.after, peer.after_rows = evaluate_with_rlpipe(config, args.root, out_dir / "model", f"{args.run}-peer-trl")
     load_after = os.getloadavg()[0]

@@ -54,8 +54,6 @@ def seed_result(root: str, run_id: str) -> SeedResult:
     if len(evaluated) < 2 or evaluated[0][1] != BASE:
         raise SystemExit(f"run {run_id} has no evaluated checkpoint beside the base model: nothing to compare")
     label, iteration, _ = evaluated[-1]
-    compared = checkpoint_gains(by_dataset(eval_rows(run, BASE)), eval_rows(run, iteration),
-                                clusters_of(prompt_rows(run)))
     with Catalog(root, [run_id]) as catalog:
         rewards = {row["iter"]: row["reward"] for row in catalog.rows(
             "SELECT iter, avg(reward) AS reward FROM scores GROUP BY iter")}
@@ -63,16 +61,26 @@ def seed_result(root: str, run_id: str) -> SeedResult:
         (seconds,) = catalog.rows("SELECT sum(s) AS s FROM (SELECT max(seconds) AS s FROM manifests "
                                   "GROUP BY stage, iter, round)")
     return SeedResult(run_id, run.config.seed, label, rewards[min(rewards)], rewards[max(rewards)],
-                      seconds["s"] / 60, {dataset: gain["pass@1"] for dataset, gain in compared if "pass@1" in gain})
+                      seconds["s"] / 60, pass_at_1_gains(run, eval_rows(run, iteration)))
 
 
 def peer_result(root: str, run_id: str, suffix: str) -> SeedResult:
     """The peer's final model, evaluated as run `run_id + suffix`, against run `run_id`'s base model: the pairs
     and families `peer_trl` compares on."""
     run, peer = Run.open(root, run_id), Run.open(root, run_id + suffix)
-    compared = checkpoint_gains(by_dataset(eval_rows(run, BASE)), eval_rows(peer, BASE), clusters_of(prompt_rows(run)))
     return SeedResult(run_id + suffix, run.config.seed, "peer's final model", None, None, None,
-                      {dataset: gain["pass@1"] for dataset, gain in compared if "pass@1" in gain})
+                      pass_at_1_gains(run, eval_rows(peer, BASE)))
+
+
+def pass_at_1_gains(run: Run, rows: list[dict]) -> dict[str, tuple[float, float, float]]:
+    """dataset (and POOLED) -> pass@1 (gain, low, high) of the eval `rows` over `run`'s base model, paired, with
+    the families of `run`'s prompts (as `rlpipe status` compares a checkpoint)."""
+    compared = checkpoint_gains(by_dataset(eval_rows(run, BASE)), rows, clusters_of(prompt_rows(run)))
+    return {dataset: gain["pass@1"] for dataset, gain in compared if "pass@1" in gain}
+
+
+def _mean(values: list[float | None]) -> float | None:
+    return None if None in values else float(np.mean(values))
 
 
 def _figure(value: float | None, unit: str = "") -> str:
@@ -106,11 +114,9 @@ def main() -> None:
         mean, low, high = mean_over_seeds([r.gains[d][0] for r in results])
         above = sum(r.gains[d][1] > 0 for r in results)
         cells.append(f"{signed(mean, low, high)}, {above}/{len(results)} above 0")
-    def mean(values: list[float | None]) -> float | None:
-        return None if None in values else float(np.mean(values))
-
-    rewards = f"{_figure(mean([r.reward_first for r in results]))} → {_figure(mean([r.reward_last for r in results]))}"
-    minutes = _figure(mean([r.stage_minutes for r in results]), " min")
+    first, last = _mean([r.reward_first for r in results]), _mean([r.reward_last for r in results])
+    rewards = f"{_figure(first)} → {_figure(last)}"
+    minutes = _figure(_mean([r.stage_minutes for r in results]), " min")
     print(f"| mean over {len(results)} seeds (t interval) | | | {rewards} | {minutes} | " + " | ".join(cells) + " |")
 
 
