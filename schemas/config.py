@@ -161,6 +161,11 @@ class ToolEntry(BaseModel):
         return fn
 
 
+def on_off_from_yaml(value: object) -> object:
+    """YAML 1.1 (PyYAML, `--set`) reads a bare on / off as true / false: give the words back."""
+    return ("on" if value else "off") if isinstance(value, bool) else value
+
+
 class MultiTurnConfig(Section):
     """Multi-turn rollouts in generate and evaluate: a code-interpreter tool or test-feedback retries."""
 
@@ -168,6 +173,7 @@ class MultiTurnConfig(Section):
         "off", description="`off`: one response per sample; `tool`: a code-interpreter loop; `feedback`: retries "
         "with what failed (`feedback_tests`)."
     )
+    _mode_off = field_validator("mode", mode="before")(on_off_from_yaml)
     max_turns: int = Field(4, ge=1, le=64, description="Model turns per conversation at most.")
     max_tool_calls: int = Field(3, ge=0, description="Code blocks run per conversation at most (tool mode).")
     max_response_tokens: int = Field(
@@ -357,11 +363,7 @@ class GenerateConfig(Section):
         """The longest response a sample can have: the conversation budget when multi-turn, else max_new_tokens."""
         return self.multi_turn.max_response_tokens if self.multi_turn.mode != "off" else self.max_new_tokens
 
-    @field_validator("warm_engine", mode="before")
-    @classmethod
-    def _on_off_from_yaml(cls, value: object) -> object:
-        # YAML 1.1 (PyYAML, `--set`) reads a bare on / off as true / false.
-        return ("on" if value else "off") if isinstance(value, bool) else value
+    _warm_engine_on_off = field_validator("warm_engine", mode="before")(on_off_from_yaml)
 
     @model_validator(mode="before")
     @classmethod

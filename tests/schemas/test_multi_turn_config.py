@@ -14,6 +14,15 @@ def test_defaults_are_single_turn() -> None:
     assert config.generate.response_token_limit == config.generate.max_new_tokens == 96
 
 
+def test_a_bare_off_turns_multi_turn_off_as_in_yaml_files() -> None:
+    # `--set generate.multi_turn.mode=off` reaches the model as False (YAML 1.1); the recipe's word is meant
+    recipe = "deployments/configs/code-feedback-cpu.yaml"
+    assert load_config(recipe).generate.multi_turn.mode == "feedback"
+    assert load_config(recipe, ["generate.multi_turn.mode=off"]).generate.multi_turn.mode == "off"
+    with pytest.raises(ConfigError, match="generate.multi_turn.mode.*got 'on'"):
+        load_config(None, ["generate.multi_turn.mode=on"])
+
+
 @pytest.mark.parametrize(("overrides", "message"), [
     (["generate.multi_turn.mode=tool", "generate.multi_turn.max_tool_calls=0"], "never runs a tool"),
     (["generate.multi_turn.mode=feedback", "generate.multi_turn.max_turns=1"], "no turn after the first"),
