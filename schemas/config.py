@@ -450,6 +450,11 @@ class ScoreConfig(Section):
         "fraction", description="`fraction`: share of tests passed; `binary`: 1 when all pass, else 0."
     )
     no_code_penalty: float = Field(0.0, le=0.0, description="Reward of a response with no code in it (<= 0).")
+    math_answer: Literal["strict", "flexible"] = Field(
+        "strict", description="Where the `math` verifier finds a response's answer: `strict`, the last `\\boxed{}` "
+        "(else the last `<answer>...</answer>`); `flexible`, those, else the last number of the final message (verl's "
+        "gsm8k `method`). A small model that computes the right number but never boxes it scores 0 under `strict`."
+    )
     isolation: Literal["auto", "native", "bwrap", "uid", "minimal"] = Field(
         "auto",
         description="Job isolation: `native` (namespaces + cgroups, as root), `bwrap` (bubblewrap), `uid` (as root "

@@ -48,6 +48,9 @@ NAMES: tuple[Name, ...] = (
          "actor_rollout_ref.rollout.gpu_memory_utilization", "GiB of KV cache here, a fraction of GPU memory there"),
     Name("score.rewards", "reward_funcs / reward_weights", "custom_reward_function.path + .name",
          "a list of {fn, weight}; fn takes either peer's signature"),
+    Name("score.math_answer", "", "",
+         "verl's gsm8k reward takes `method`: strict (its answer format only) or flexible (the last number); "
+         "rlpipe's strict answer is the last \\boxed{} or <answer>"),
     Name("advantage.estimator", "scale_rewards / loss_type", "algorithm.adv_estimator",
          "rlpipe names the estimator (grpo, dr_grpo, rloo, ...); TRL's dr_grpo is scale_rewards=false"),
     Name("advantage.drop_zero_variance_groups", "", "algorithm.filter_groups.enable",

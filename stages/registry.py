@@ -98,6 +98,9 @@ class StageSpec:
 SCHEDULING_FIELDS = {"evaluate": ("every",),
                      "generate": ("warm_engine", "warm_engine_min_free_gib", "warm_engine_idle_s", "engines"),
                      "train": ("keep_checkpoints", "keep_optimizer_states", "master_addr", "master_port")}
+# Fields added after runs existed, at the value that computes what the code did before them: left out of the key
+# at that value, so an older run's finished stages stay finished after an upgrade (any other value is in it).
+UNKEYED_DEFAULTS = {"score": {"math_answer": "strict"}}
 
 
 def _sections(*names: str) -> Callable[[RunConfig], dict[str, Any]]:
@@ -109,6 +112,8 @@ def _sections(*names: str) -> Callable[[RunConfig], dict[str, Any]]:
             value = dumped[section][field] if field else dumped[section]
             if name in SCHEDULING_FIELDS:
                 value = {k: v for k, v in value.items() if k not in SCHEDULING_FIELDS[name]}
+            if name in UNKEYED_DEFAULTS:
+                value = {k: v for k, v in value.items() if UNKEYED_DEFAULTS[name].get(k, object()) != v}
             values[name] = value
         return values
 

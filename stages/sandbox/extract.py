@@ -67,3 +67,13 @@ def extract_answer(response_text: str) -> str | None:
         # <answer>\boxed{5}</answer> is common; the box is the answer either way.
         return _last_boxed(inner) or inner
     return None
+
+
+# A number as written in prose: an optional sign, digits with thousands commas, an optional decimal part.
+_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
+
+
+def last_number(response_text: str) -> str | None:
+    """The last number of a response, commas dropped ("1,234.5" -> "1234.5"): verl's gsm8k `flexible` answer."""
+    numbers = _NUMBER.findall(response_text)
+    return numbers[-1].replace(",", "") if numbers else None

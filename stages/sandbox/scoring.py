@@ -24,7 +24,7 @@ from typing import Any
 from schemas.config import ScoreConfig
 
 from .checks import CheckPlan, CheckSpecError, call_program, plan_calls, plan_checks
-from .extract import extract_answer, extract_code
+from .extract import extract_answer, extract_code, last_number
 from .isolation import Isolation, SpawnError
 from .judge import JobTimeout, TestOutcome, run_checks, summarize
 from .process import PipeChannel, frame, pump
@@ -385,10 +385,11 @@ def _run_response(status: str, message: str) -> dict:
 
 def score_math(text: str, spec: dict, cfg: ScoreConfig, started: float) -> Result:
     answer = extract_answer(text)
+    if answer is None and cfg.math_answer == "flexible":
+        answer = last_number(text)
     if answer is None:
-        return make_result(
-            cfg, "no_code", [TestOutcome("answer", "fail", "no \\boxed{} or <answer>")], None, started
-        )
+        missing = "no \\boxed{}, <answer> or number" if cfg.math_answer == "flexible" else "no \\boxed{} or <answer>"
+        return make_result(cfg, "no_code", [TestOutcome("answer", "fail", missing)], None, started)
     ok, message = math_equal(answer, str(spec.get("answer", "")), cfg.timeout_s)
     outcome = TestOutcome("answer", "ok" if ok else "fail", message)
     return make_result(cfg, "ok" if ok else "fail", [outcome], answer, started)

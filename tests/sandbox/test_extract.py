@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from stages.sandbox import extract_answer, extract_code
+from stages.sandbox.extract import last_number
 
 
 def test_last_python_block_wins():
@@ -42,3 +43,10 @@ def test_answer_tag_and_precedence():
     assert extract_answer(r"\boxed{3} and <answer>4</answer>") == "3"  # \boxed is looked for first
     assert extract_answer("no answer here") is None
     assert extract_answer(r"\boxed{unclosed") is None
+
+
+def test_last_number_as_written_in_prose():
+    assert last_number("48271 * 9173 = 442,789,883.") == "442789883"
+    assert last_number("it fell to -3.5 then rose") == "-3.5"
+    assert last_number("step 2: x = 10, so 12") == "12"
+    assert last_number("no digits") is None

@@ -181,6 +181,21 @@ def test_math_answers(sandbox: Sandbox):
     assert results[0].code == r"\frac{1}{2}"
 
 
+def test_flexible_math_answers_fall_back_to_the_last_number():
+    cfg = ScoreConfig(workers=1, timeout_s=2.0, math_answer="flexible")
+    product = {"kind": "math", "answer": "442789883"}
+    with Sandbox.from_config(cfg) as sandbox:
+        results = sandbox.score([ScoreJob(text, spec) for text, spec in [
+            ("The output is: 442,789,883.", product),  # what the packaged model says after running the tool
+            ("48271 * 9173 = 3948538820", product),  # the last number is the (wrong) one graded
+            (r"\boxed{0.25}, or 0.5", MATH),  # a boxed answer still comes first
+            ("It is one half.", MATH),
+        ]])
+    assert [(r.status, r.code) for r in results] == [
+        ("ok", "442789883"), ("fail", "3948538820"), ("fail", "0.25"), ("no_code", None)]
+    assert results[3].tests[0]["message"] == "no \\boxed{}, <answer> or number"
+
+
 def test_binary_reward_and_no_code_penalty():
     cfg = ScoreConfig(workers=1, timeout_s=2.0, reward="binary", no_code_penalty=-0.5)
     with Sandbox.from_config(cfg) as sandbox:

@@ -163,6 +163,17 @@ def test_evaluation_keys_follow_the_generate_settings_evaluation_uses(stage: str
         assert payload(load_config(None, [change])) == base, change
 
 
+@pytest.mark.parametrize("stage", ["score", "evaluate", "evaluate_base"])
+def test_a_field_added_later_keeps_older_runs_keys_at_its_default(stage: str) -> None:
+    """score.math_answer came after runs existed: at `strict` (what scoring did before it) the key is the one the
+    older code computed from a score section without the field, so upgrading does not make finished stages stale;
+    `flexible` grades differently and is in the key."""
+    payload = STAGES[stage].config_payload
+    older = {k: v for k, v in load_config(None, []).model_dump(mode="json")["score"].items() if k != "math_answer"}
+    assert payload(load_config(None, []))["score"] == older
+    assert payload(load_config(None, ["score.math_answer=flexible"]))["score"] == {**older, "math_answer": "flexible"}
+
+
 def test_stage_processes_never_import_prefect() -> None:
     """Prefect with no server starts a temporary one per process (~15 s): only the flow process may import it.
     Every stage module (and the storage and schema code they use) imports without pulling Prefect in."""
