@@ -127,7 +127,7 @@ def main() -> None:
     parser.add_argument("pairs", nargs="+", help="MULTI:SINGLE run ids")
     parser.add_argument("--root", default="./rlpipe-data")
     args = parser.parse_args()
-    run_ids = [run_id for pair in args.pairs for run_id in pair.split(":")]
+    run_ids = list(dict.fromkeys(run_id for pair in args.pairs for run_id in pair.split(":")))
     for run_id in run_ids:
         mode = Run.open(args.root, run_id).config.generate.multi_turn.mode
         print("\n".join(training_table(args.root, run_id, mode)) + "\n")
