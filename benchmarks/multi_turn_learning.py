@@ -19,7 +19,7 @@ import argparse
 
 import numpy as np
 
-from benchmarks.seeds import SeedResult, seed_result, signed
+from benchmarks.seeds import SeedResult, figure, seed_result, signed
 from flows.cli.status import POOLED, by_dataset, checkpoint_gains, eval_rows, evaluated_checkpoints, prompt_rows
 from stages.evaluation.metrics import answer_counts, bootstrap_mean_gain, clusters_of, pass_at_k
 from storage.catalog import Catalog
@@ -40,10 +40,6 @@ FROM manifests WHERE name = 'batch' AND round = 0
 """
 
 
-def _figure(value: float | None) -> str:
-    return "n/a" if value is None else f"{value:.3f}"
-
-
 def training_table(root: str, run_id: str, mode: str) -> list[str]:
     """Markdown rows of one run's training by iteration."""
     with Catalog(root, [run_id]) as catalog:
@@ -54,23 +50,19 @@ def training_table(root: str, run_id: str, mode: str) -> list[str]:
     header = ["iteration", "answers", "mean reward", "solved", "groups kept", *extra]
     lines = [f"{run_id}:", "", "| " + " | ".join(header) + " |", "|---" * len(header) + "|"]
     for row in rows:
-        cells = [str(row["iter"]), str(row["answers"]), _figure(row["reward"]), _figure(row["solved"]),
+        cells = [str(row["iter"]), str(row["answers"]), figure(row["reward"]), figure(row["solved"]),
                  kept.get(row["iter"], "")]
         if mode == "tool":
-            cells += [f"{row['turns']:.2f}", _figure(row["calls_per_answer"]), _figure(row["tool_error_rate"])]
+            cells += [f"{row['turns']:.2f}", figure(row["calls_per_answer"]), figure(row["tool_error_rate"])]
         elif mode == "feedback":
-            cells += [f"{row['turns']:.2f}", str(row["retried"]), _figure(row["solved_after_retry"])]
+            cells += [f"{row['turns']:.2f}", str(row["retried"]), figure(row["solved_after_retry"])]
         lines.append("| " + " | ".join(cells) + " |")
     return lines
 
 
 def pass_at_1(rows: list[dict]) -> float:
     """Mean over problems of the unbiased pass@1 of their sampled answers."""
-    problems: dict[str, list[bool]] = {}
-    for row in rows:
-        if row["mode"] == "sampled":
-            problems.setdefault(row["prompt_id"], []).append(bool(row["correct"]))
-    return sum(pass_at_k(len(c), sum(c), 1) for c in problems.values()) / len(problems)
+    return float(np.mean([pass_at_k(n, c, 1) for n, c in answer_counts(rows).values()]))
 
 
 def of_dataset(rows: list[dict], dataset: str) -> list[dict]:
@@ -103,12 +95,13 @@ def held_out_rows(root: str, run_id: str) -> list[str]:
     clusters = clusters_of(prompt_rows(run))
     mode = run.config.generate.multi_turn.mode
     graded = [("final answer", base, last)]
+    lines = []
     if mode == "feedback":
         graded.append(("first answer", first_answers(base), first_answers(last)))
-    lines = []
-    if mode == "feedback":  # the retry's share at test time: the final answer over the first, same answers
+        # the retry's share at test time: the final answer over the first, same answers
         for checkpoint, rows in (("base", base), (label, last)):
-            for dataset in [*sorted(by_dataset(rows)), *([POOLED] if len(by_dataset(rows)) > 1 else [])]:
+            datasets = sorted(by_dataset(rows))
+            for dataset in [*datasets, *([POOLED] if len(datasets) > 1 else [])]:
                 first, final, gain = retry_gain(of_dataset(rows, dataset), clusters)
                 lines.append(f"| {run_id} | {mode} | retry: final over first answer, {checkpoint} | {dataset} | "
                              f"{first:.3f} | {final:.3f} | {signed(*gain)} |")
@@ -139,7 +132,7 @@ def main() -> None:
     results: list[SeedResult] = [seed_result(args.root, run_id) for run_id in run_ids]
     for result in results:
         print(f"{result.run_id}: stage time {result.stage_minutes:.1f} min, training reward "
-              f"{_figure(result.reward_first)} -> {_figure(result.reward_last)}")
+              f"{figure(result.reward_first)} -> {figure(result.reward_last)}")
 
 
 if __name__ == "__main__":

@@ -83,7 +83,7 @@ def _mean(values: list[float | None]) -> float | None:
     return None if None in values else float(np.mean(values))
 
 
-def _figure(value: float | None, unit: str = "") -> str:
+def figure(value: float | None, unit: str = "") -> str:
     return "n/a" if value is None else f"{value:.{1 if unit else 3}f}{unit}"
 
 
@@ -105,8 +105,8 @@ def main() -> None:
           + " | ".join(f"pass@1 gain, {d}" for d in datasets) + " |")
     print("|---" * (5 + len(datasets)) + "|")
     for r in results:
-        print(f"| {r.run_id} | {r.seed} | {r.checkpoint} | {_figure(r.reward_first)} → {_figure(r.reward_last)} | "
-              f"{_figure(r.stage_minutes, ' min')} | " + " | ".join(signed(*r.gains[d]) for d in datasets) + " |")
+        print(f"| {r.run_id} | {r.seed} | {r.checkpoint} | {figure(r.reward_first)} → {figure(r.reward_last)} | "
+              f"{figure(r.stage_minutes, ' min')} | " + " | ".join(signed(*r.gains[d]) for d in datasets) + " |")
     if len(results) < 2:
         return
     cells = []
@@ -115,8 +115,8 @@ def main() -> None:
         above = sum(r.gains[d][1] > 0 for r in results)
         cells.append(f"{signed(mean, low, high)}, {above}/{len(results)} above 0")
     first, last = _mean([r.reward_first for r in results]), _mean([r.reward_last for r in results])
-    rewards = f"{_figure(first)} → {_figure(last)}"
-    minutes = _figure(_mean([r.stage_minutes for r in results]), " min")
+    rewards = f"{figure(first)} → {figure(last)}"
+    minutes = figure(_mean([r.stage_minutes for r in results]), " min")
     print(f"| mean over {len(results)} seeds (t interval) | | | {rewards} | {minutes} | " + " | ".join(cells) + " |")
 
 
