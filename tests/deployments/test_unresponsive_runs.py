@@ -17,6 +17,7 @@ from uuid import UUID
 
 import pytest
 from prefect.client.orchestration import get_client
+from prefect.events.filters import EventFilter, EventNameFilter, EventResourceFilter
 from prefect.settings import PREFECT_API_URL, temporary_settings
 
 from flows.deploy import (
@@ -45,6 +46,21 @@ def sleeper() -> None:
 
 sleeper()
 """
+
+
+def wait_for_a_heartbeat(run_id: UUID, timeout_s: float = 60) -> None:
+    """Until the server holds a heartbeat event of the run: the automation's silence counts from one. The
+    first is sent as the flow starts but reaches the server later (Prefect's events client, a websocket); a
+    run killed before that is never crashed by the automation (seen on a loaded CI machine)."""
+    def wanted() -> EventFilter:  # made anew: its window ends at the time it is made
+        return EventFilter(event=EventNameFilter(name=["prefect.flow-run.heartbeat"]),
+                           resource=EventResourceFilter(id=[f"prefect.flow-run.{run_id}"]))
+
+    deadline = time.monotonic() + timeout_s
+    with get_client(sync_client=True) as client:
+        while not client.read_events(wanted(), limit=1).events:
+            assert time.monotonic() < deadline, f"no heartbeat of flow run {run_id} reached the server"
+            time.sleep(0.5)
 
 
 def flow_run_state(run_id: UUID) -> tuple[str, str]:
@@ -79,6 +95,7 @@ def test_a_flow_run_that_stops_sending_heartbeats_is_crashed_and_a_living_one_is
             sleepers.append(spawn_tied([sys.executable, "-c", SLEEPER], env=env, stdout=subprocess.PIPE, text=True))
         dead, living = (UUID(sleeper.stdout.readline().strip()) for sleeper in sleepers)  # both running their flow
         assert flow_run_state(dead)[0] == flow_run_state(living)[0] == "RUNNING"
+        wait_for_a_heartbeat(dead)
         os.killpg(sleepers[0].pid, signal.SIGKILL)  # no final state, no more heartbeats: a machine gone
         killed_at = time.monotonic()
 
