@@ -13,7 +13,8 @@ them whatever ends it: each gets a parent-death signal (SIGKILL, set before it r
 `GroupReaper` process kills their whole process groups (the flow runs a worker started included) once the
 starter is gone, even when that was a SIGKILL, which no `finally` sees. A flow run whose machine dies stays
 Running in Prefect: its heartbeats (PREFECT_FLOWS_HEARTBEAT_FREQUENCY in prefect.yaml's job env) stop, and the
-automation `rlpipe deploy` creates, Prefect's documented one for zombie flow runs, sets it Crashed.
+automation `rlpipe deploy` creates, Prefect's documented one for zombie flow runs, sets it Crashed; a second
+one crashes a run that went Pending and never sent a heartbeat (its worker died starting it).
 """
 
 from __future__ import annotations
@@ -42,7 +43,9 @@ PREFECT_YAML = REPO_ROOT / "deployments" / "prefect.yaml"
 SCHEDULED_DEPLOYMENT = "advance"
 PREFECT_QUIET = {"PREFECT_SERVER_ANALYTICS_ENABLED": "false", "DO_NOT_TRACK": "1"}
 UNRESPONSIVE_AUTOMATION = "rlpipe: crash unresponsive flow runs"
+UNSTARTED_AUTOMATION = "rlpipe: crash flow runs that never started"
 HEARTBEAT_S = 30  # PREFECT_FLOWS_HEARTBEAT_FREQUENCY of prefect.yaml's job env: Prefect's minimum
+START_ALLOWANCE_S = 600  # Pending to the first heartbeat: a process start, or an image pull on a container pool
 
 
 class DeployError(RuntimeError):
@@ -345,6 +348,9 @@ def expected_names(spec: dict[str, Any]) -> set[str]:
     return {f"{entrypoint_flow(d['entrypoint']).name}/{d['name']}" for d in spec["deployments"]}
 
 
+FINAL_EVENTS = frozenset(f"prefect.flow-run.{state}" for state in ("Completed", "Failed", "Cancelled", "Crashed"))
+
+
 def unresponsive_run_automation(flow_names: Iterable[str], silence_s: float) -> Any:  # noqa: ANN401
     """Prefect's automation for zombie flow runs (docs.prefect.io, "detect zombie flows"), on the flows named:
     a flow run of theirs that sent a heartbeat and then nothing, not even a final state, for `silence_s` is set
@@ -356,14 +362,13 @@ def unresponsive_run_automation(flow_names: Iterable[str], silence_s: float) -> 
     from prefect.events.schemas.automations import AutomationCore, EventTrigger, Posture
     from prefect.events.schemas.events import ResourceSpecification
 
-    final = {f"prefect.flow-run.{state}" for state in ("Completed", "Failed", "Cancelled", "Crashed")}
     return AutomationCore(
         name=UNRESPONSIVE_AUTOMATION,
         description=f"A flow run of {', '.join(sorted(flow_names))} silent for {silence_s:.0f} s (its machine or "
                     "worker died) is set Crashed, so that the flow waiting on it goes on (flows/deploy.py).",
         trigger=EventTrigger(
             after={"prefect.flow-run.heartbeat"},
-            expect={"prefect.flow-run.heartbeat", *final},
+            expect={"prefect.flow-run.heartbeat", *FINAL_EVENTS},
             match=ResourceSpecification({"prefect.resource.id": ["prefect.flow-run.*"]}),
             match_related=ResourceSpecification({"prefect.resource.role": "flow",
                                                  "prefect.resource.name": sorted(flow_names)}),
@@ -378,31 +383,72 @@ def unresponsive_run_automation(flow_names: Iterable[str], silence_s: float) -> 
     )
 
 
-def ensure_unresponsive_run_automation(flow_names: Iterable[str], silence_s: float = 3 * HEARTBEAT_S,
-                                       attempts: int = 3) -> None:
-    """Make `unresponsive_run_automation` the one automation of its name on the server ($PREFECT_API_URL): an
-    earlier deploy's (other flows, another silence) is replaced. A request that times out (a loaded server) is
-    tried again from the start, so a creation that went through unseen is deleted, not doubled."""
+def unstarted_run_automation(flow_names: Iterable[str], allowance_s: float) -> Any:  # noqa: ANN401
+    """The case the zombie automation cannot see: a flow run of a deployment of the flows named that went Pending
+    (a worker took it) and then sent no heartbeat and reached no final state within `allowance_s` is set Crashed.
+    Its worker died before the run's process started, or the process died before its first heartbeat reached the
+    server. Deployment runs only: they send heartbeats (prefect.yaml's job env); a flow run started by hand may
+    not. The allowance covers a process start (seconds for a process pool; an image pull or a node scaling up on
+    Docker or Kubernetes pools, whose workers also watch their own starts)."""
+    from datetime import timedelta
+
+    from prefect.client.schemas.objects import StateType
+    from prefect.events.actions import ChangeFlowRunState
+    from prefect.events.schemas.automations import AutomationCore, EventTrigger, Posture
+    from prefect.events.schemas.events import ResourceSpecification
+
+    return AutomationCore(
+        name=UNSTARTED_AUTOMATION,
+        description=f"A deployment's flow run of {', '.join(sorted(flow_names))} Pending and without a heartbeat "
+                    f"for {allowance_s:.0f} s (its worker or process died starting it) is set Crashed, so that the "
+                    "flow waiting on it goes on (flows/deploy.py).",
+        trigger=EventTrigger(
+            after={"prefect.flow-run.Pending"},
+            expect={"prefect.flow-run.heartbeat", *FINAL_EVENTS},
+            match=ResourceSpecification({"prefect.resource.id": ["prefect.flow-run.*"]}),
+            match_related=[ResourceSpecification({"prefect.resource.role": "flow",
+                                                  "prefect.resource.name": sorted(flow_names)}),
+                           ResourceSpecification({"prefect.resource.role": "deployment"})],
+            for_each={"prefect.resource.id"},
+            posture=Posture.Proactive,
+            threshold=1,
+            within=timedelta(seconds=allowance_s),
+        ),
+        actions=[ChangeFlowRunState(state=StateType.CRASHED,
+                                    message=f"no heartbeat within {allowance_s:.0f} s of going Pending: its worker "
+                                            "or its process died starting it (automation: " + UNSTARTED_AUTOMATION
+                                            + ")")],
+    )
+
+
+def ensure_run_automations(flow_names: Iterable[str], silence_s: float = 3 * HEARTBEAT_S,
+                           allowance_s: float = START_ALLOWANCE_S, attempts: int = 3) -> None:
+    """Make `unresponsive_run_automation` and `unstarted_run_automation` the one automation of each name on the
+    server ($PREFECT_API_URL): an earlier deploy's (other flows, other times) is replaced. A request that times
+    out (a loaded server) is tried again from the start, so a creation that went through unseen is deleted, not
+    doubled."""
     import httpx
     from prefect.client.orchestration import get_client
 
-    wanted = unresponsive_run_automation(flow_names, silence_s)
+    flow_names = sorted(flow_names)
+    wanted = [unresponsive_run_automation(flow_names, silence_s), unstarted_run_automation(flow_names, allowance_s)]
     for attempt in range(1, attempts + 1):
         try:
             with get_client(sync_client=True) as client:
-                for existing in client.read_automations_by_name(UNRESPONSIVE_AUTOMATION):
-                    client.delete_automation(existing.id)
-                client.create_automation(wanted)
+                for automation in wanted:
+                    for existing in client.read_automations_by_name(automation.name):
+                        client.delete_automation(existing.id)
+                    client.create_automation(automation)
             return
         except httpx.TimeoutException as error:
             if attempt == attempts:
-                raise DeployError(f"the Prefect server did not answer in time creating the automation "
-                                  f"{UNRESPONSIVE_AUTOMATION!r} ({attempts} attempts): {error!r}") from error
+                raise DeployError(f"the Prefect server did not answer in time creating the automations "
+                                  f"{[a.name for a in wanted]} ({attempts} attempts): {error!r}") from error
 
 
 def deploy(api_url: str, spec: dict[str, Any], pool_type: str = "process") -> set[str]:
     """Create the pools `spec` names, deploy every deployment, check the server lists them all, and create the
-    automation that crashes their flow runs whose heartbeats stopped."""
+    automations that crash their flow runs whose heartbeats stopped or never came."""
     env = client_environment(api_url)
     os.environ.update({"PREFECT_API_URL": api_url, "PREFECT_SERVER_EPHEMERAL_ENABLED": "false"})
     ensure_work_pools(pool_names(spec), pool_type)
@@ -410,5 +456,5 @@ def deploy(api_url: str, spec: dict[str, Any], pool_type: str = "process") -> se
     expected = expected_names(spec)
     if missing := expected - deployed_names(api_url):
         raise DeployError(f"prefect deploy finished, but the server lacks deployments {sorted(missing)}")
-    ensure_unresponsive_run_automation({name.partition("/")[0] for name in expected})
+    ensure_run_automations({name.partition("/")[0] for name in expected})
     return expected

@@ -1,7 +1,10 @@
-"""A flow run whose process dies without a word (its machine or its worker gone) is set Crashed by the automation
-`rlpipe deploy` makes (flows/deploy.py), on a real Prefect server: two real flow runs send heartbeats every 30 s;
-one is SIGKILLed, the other lives on. The silence allowed is cut to 40 s here (deploy's: 90 s), still above the
-heartbeat, so the living run is never crashed. A dispatching flow waits on exactly this state (flows/pipeline.py).
+"""A flow run whose process dies without a word (its machine or its worker gone) is set Crashed by the automations
+`rlpipe deploy` makes (flows/deploy.py), on a real Prefect server. Three flow runs of a deployment, each set Pending
+as a worker sets it before starting the run's process: two are started as a process worker starts them (`python
+-m prefect.flow_engine`), sending heartbeats every 30 s; one of those is SIGKILLed, the other lives on; the third
+is never started (its worker died in between). The silence allowed is cut to 40 s here (deploy's: 90 s), still
+above the heartbeat, and the start allowance to 60 s (deploy's: 600 s), so the living run is never crashed. A
+dispatching flow waits on exactly these states (flows/pipeline.py).
 """
 
 from __future__ import annotations
@@ -19,12 +22,14 @@ import pytest
 from prefect.client.orchestration import get_client
 from prefect.events.filters import EventFilter, EventNameFilter, EventResourceFilter
 from prefect.settings import PREFECT_API_URL, temporary_settings
+from prefect.states import Pending
 
 from flows.deploy import (
     HEARTBEAT_S,
     UNRESPONSIVE_AUTOMATION,
+    UNSTARTED_AUTOMATION,
     api_url_for,
-    ensure_unresponsive_run_automation,
+    ensure_run_automations,
     load_spec,
     start_server,
     stop_processes,
@@ -37,14 +42,11 @@ pytestmark = pytest.mark.slow
 FLOW_NAME = "rlpipe-test-sleeper"
 SLEEPER = f"""
 import time
-from prefect import flow, runtime
+from prefect import flow
 
 @flow(name="{FLOW_NAME}")
 def sleeper() -> None:
-    print(runtime.flow_run.id, flush=True)
     time.sleep(600)
-
-sleeper()
 """
 
 
@@ -74,41 +76,57 @@ def test_deployments_send_heartbeats_that_the_automation_expects() -> None:
         assert int(variables["env"]["PREFECT_FLOWS_HEARTBEAT_FREQUENCY"]) == HEARTBEAT_S
 
 
-def test_a_flow_run_that_stops_sending_heartbeats_is_crashed_and_a_living_one_is_not(tmp_path: Path) -> None:
+def test_flow_runs_that_stop_or_never_send_heartbeats_are_crashed_and_a_living_one_is_not(tmp_path: Path) -> None:
     port = free_port()
     api_url = api_url_for("127.0.0.1", port)
     server = start_server("127.0.0.1", port, tmp_path / "prefect-home", tmp_path / "server.log")
-    sleepers: list[subprocess.Popen] = []
+    (tmp_path / "sleeper.py").write_text(SLEEPER)
+    processes: list[subprocess.Popen] = []
     stack = contextlib.ExitStack()
     try:
         wait_healthy(api_url, 180, server)
         # Prefect in this process keeps the settings it had when first imported (an earlier test's server)
         stack.enter_context(temporary_settings({PREFECT_API_URL: api_url}))
-        ensure_unresponsive_run_automation([FLOW_NAME], silence_s=40)
-        ensure_unresponsive_run_automation([FLOW_NAME], silence_s=40)  # a second deploy replaces it: still one
+        ensure_run_automations([FLOW_NAME], silence_s=40, allowance_s=60)
+        ensure_run_automations([FLOW_NAME], silence_s=40, allowance_s=60)  # a second deploy replaces them
         with get_client(sync_client=True) as client:
-            assert len(client.read_automations_by_name(UNRESPONSIVE_AUTOMATION)) == 1
+            for name in (UNRESPONSIVE_AUTOMATION, UNSTARTED_AUTOMATION):
+                assert len(client.read_automations_by_name(name)) == 1
+            deployment = client.create_deployment(client.create_flow_from_name(FLOW_NAME), "test",
+                                                  entrypoint="sleeper.py:sleeper", path=str(tmp_path))
+            silent, living, unstarted = (client.create_flow_run_from_deployment(deployment).id for _ in range(3))
+            for run_id in (silent, living, unstarted):
+                assert client.set_flow_run_state(run_id, Pending()).status.value == "ACCEPT"  # a worker took it
+        pending_at = time.monotonic()
 
         env = {**os.environ, "PREFECT_API_URL": api_url, "PREFECT_SERVER_EPHEMERAL_ENABLED": "false",
                "PREFECT_FLOWS_HEARTBEAT_FREQUENCY": str(HEARTBEAT_S)}
-        for _ in range(2):
-            sleepers.append(spawn_tied([sys.executable, "-c", SLEEPER], env=env, stdout=subprocess.PIPE, text=True))
-        dead, living = (UUID(sleeper.stdout.readline().strip()) for sleeper in sleepers)  # both running their flow
-        assert flow_run_state(dead)[0] == flow_run_state(living)[0] == "RUNNING"
-        wait_for_a_heartbeat(dead)
-        os.killpg(sleepers[0].pid, signal.SIGKILL)  # no final state, no more heartbeats: a machine gone
+        for run_id in (silent, living):  # what a process worker runs for a flow run
+            processes.append(spawn_tied([sys.executable, "-m", "prefect.flow_engine", "sleeper.py:sleeper"],
+                                        env={**env, "PREFECT__FLOW_RUN_ID": str(run_id)}, cwd=tmp_path))
+        wait_for_a_heartbeat(silent)
+        wait_for_a_heartbeat(living)
+        assert flow_run_state(silent)[0] == flow_run_state(living)[0] == "RUNNING"
+        os.killpg(processes[0].pid, signal.SIGKILL)  # no final state, no more heartbeats: a machine gone
         killed_at = time.monotonic()
 
-        while (state := flow_run_state(dead))[0] == "RUNNING" and time.monotonic() - killed_at < 120:
+        def ended() -> bool:
+            return all(flow_run_state(run_id)[0] not in ("RUNNING", "PENDING") for run_id in (silent, unstarted))
+
+        while not ended() and time.monotonic() - killed_at < 150:
             time.sleep(2)
+        state, started_state = flow_run_state(silent), flow_run_state(unstarted)
         assert state[0] == "CRASHED", state
         assert "no heartbeat for 40 s" in state[1]
         assert 40 - HEARTBEAT_S <= time.monotonic() - killed_at  # not before its silence could have been 40 s
+        assert started_state[0] == "CRASHED", started_state
+        assert "no heartbeat within 60 s of going Pending" in started_state[1]
+        assert time.monotonic() - pending_at >= 60
         assert flow_run_state(living)[0] == "RUNNING"  # its heartbeats kept coming
     finally:
         stack.close()
-        for sleeper in sleepers:
-            if sleeper.poll() is None:
-                os.killpg(sleeper.pid, signal.SIGKILL)
-            sleeper.wait()
+        for process in processes:
+            if process.poll() is None:
+                os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
         stop_processes([server])
