@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Iterator
+from typing import Any
 
 from rich.console import Group
 from rich.markup import escape
@@ -242,19 +243,36 @@ def held_out_table(run: Run) -> Group:
 
 
 def multi_turn_table(run: Run) -> Table | None:
-    """With generate.multi_turn on: each evaluated checkpoint's turns, tool calls per answer, tool error rate and
-    solved-after-retry per held-out dataset (the eval manifests' figures; `n/a` where the mode has none)."""
+    """With generate.multi_turn on: turns, tool calls per answer and tool error rate of each iteration's rollouts
+    (every generation round; the generate manifests' figures), then of each evaluated checkpoint per held-out
+    dataset, with solved-after-retry (the eval manifests'); `n/a` where the mode or the stage has none."""
     mode = run.config.generate.multi_turn.mode
     if mode == "off":
         return None
-    table = Table(title=f"multi-turn evaluation ({mode} mode)")
+    table = Table(title=f"multi-turn rollouts and evaluation ({mode} mode)")
     for column in ("checkpoint", "dataset", *MULTI_TURN_COLUMNS):
         table.add_column(column, no_wrap=column == "checkpoint")
+    for k in range(run.config.iterations):
+        for round_idx in [0, *extra_rounds(run, k)]:
+            state = stage_state(run, instance("generate", k, round_idx))
+            figures = state.manifests[-1].metrics.get("multi_turn") if state.done else None
+            if figures:
+                label = f"rollouts {k}.{round_idx}" if round_idx else f"rollouts {k}"
+                table.add_row(label, "train", *multi_turn_cells(rollout_summary(figures), mode))
     for label, _, state in evaluated_checkpoints(run):
         for dataset, summary in sorted(state.manifests[-1].metrics.items()):
             if isinstance(summary, dict) and "prompts" in summary:
                 table.add_row(label, dataset, *multi_turn_cells(summary, mode))
     return table
+
+
+def rollout_summary(figures: dict[str, Any]) -> dict[str, Any]:
+    """A generate manifest's `multi_turn` figures in an evaluation summary's terms (multi_turn_cells): tool calls
+    per answer over the rows (every finish reason counted once). Training answers are graded after the stage, so
+    there is no solved-after-retry."""
+    answers = sum(figures.get("finish_reasons", {}).values())
+    return {"mean_turns": figures["mean_turns"], "tool_error_rate": figures.get("tool_error_rate"),
+            "tool_calls_per_answer": figures["tool_calls"] / answers if answers else None}
 
 
 def evaluated_checkpoints(run: Run) -> Iterator[tuple[str, int, StageState]]:

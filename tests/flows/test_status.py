@@ -73,4 +73,4 @@ def test_a_multi_turn_run_shows_its_multi_turn_table(tmp_path: Path) -> None:
         config = load_config(None, [f"run_id={name}", "iterations=1", *overrides])
         console = Console(width=200, record=True)
         console.print(status_table(Run(start_run(config, str(tmp_path / name)), config)))
-        assert ("multi-turn evaluation (tool mode)" in console.export_text()) is bool(overrides)
+        assert ("multi-turn rollouts and evaluation (tool mode)" in console.export_text()) is bool(overrides)

@@ -9,7 +9,9 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
+from rich.console import Console
 
+from flows.cli.status import multi_turn_table
 from schemas.config import load_config
 from stages.registry import instance, stage_state
 from storage.layout import BASE
@@ -69,3 +71,14 @@ def test_tool_mode_through_the_stages(tmp_path: Path) -> None:
     (dataset,) = {r["dataset"] for r in ev}
     assert eval_metrics[dataset]["mean_turns"] == ev[0]["num_turns"]
     assert eval_metrics[dataset]["tool_calls_per_answer"] == ev[0]["tool_calls"]
+
+    # `rlpipe status` shows both: the iteration's rollouts and the evaluated base model, from the tables' rows
+    console = Console(width=200, record=True)
+    console.print(multi_turn_table(run))
+    cells = {line.split("│")[1].strip(): [cell.strip() for cell in line.split("│")[3:-1]]
+             for line in console.export_text().splitlines() if line.count("│") == 7}
+    errors = sum(r["tool_errors"] for r in rollouts)
+    calls = sum(r["tool_calls"] for r in rollouts)
+    assert cells["rollouts 0"][:3] == [f"{sum(r['num_turns'] for r in rollouts) / 2:.2f}", f"{calls / 2:.3f}",
+                                       f"{errors / calls:.3f}" if calls else "n/a"]
+    assert cells["base"][:2] == [f"{ev[0]['num_turns']:.2f}", f"{ev[0]['tool_calls']:.3f}"]
