@@ -1,7 +1,7 @@
 """The inspection commands of `rlpipe`: query, show, lineage, report, export. Read-only over the run history.
 
     rlpipe query "SQL" [--run RUN ...] [--out FILE.csv|FILE.parquet] [--max-rows N] [--root ROOT]
-    rlpipe show RUN ITER PROMPT SAMPLE [--round R] [--root ROOT]
+    rlpipe show RUN ITER [PROMPT [SAMPLE]] [--round R] [--root ROOT]
     rlpipe lineage RUN [ITER] [--quick] [--json] [--root ROOT]
     rlpipe report RUN [RUN ...] [--out FILE] [--root ROOT]
     rlpipe export RUN --format sft|dpo|verl|hf --out FOLDER [--where SQL] [--overwrite] [--root ROOT]
@@ -20,6 +20,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+from rich import box
 from rich.console import Console, Group
 from rich.markup import escape
 from rich.panel import Panel
@@ -154,6 +155,65 @@ def sample_story(root: str, run_id: str, iteration: int, prompt: str, sample_idx
                              + (f" in round {round_}" if round_ is not None else ""))
     filter_metric = run_filter_metric(RunLayout.create(root, run_id))
     return [row | {"filter_metric": filter_metric} for row in rows]
+
+
+def sample_list(root: str, run_id: str, iteration: int, prompt: str | None = None,
+                round_: int | None = None) -> list[dict[str, Any]]:
+    """One row per sample of an iteration (of the prompts whose id starts with `prompt`, when given): what a user
+    picks a sample to `show` by. Reward and status come from its score, advantage and `kept` from the batch
+    (None before those stages ran); turns and tool calls are 1 and 0 for single-turn rollouts."""
+    from storage.catalog import Catalog
+
+    with Catalog(root, [run_id]) as catalog:
+        rows = catalog.rows(
+            """SELECT prompt_id, sample_idx, round, reward, status, advantage, kept, num_tokens, finish_reason,
+                      num_turns, tool_calls
+               FROM samples
+               WHERE run_id = $run AND iter = $it AND iteration = $it  -- iter: Hive pruning of files
+                 AND starts_with(prompt_id, $prompt) AND ($round IS NULL OR round = $round)
+               ORDER BY prompt_id, round, sample_idx""",
+            {"run": run_id, "it": iteration, "prompt": prompt or "", "round": round_})
+    if not rows:
+        of = f" of a prompt {prompt!r}" if prompt else ""
+        raise SampleNotFound(f"run {run_id} iteration {iteration} has no rollouts{of}"
+                             + (f" in round {round_}" if round_ is not None else ""))
+    return rows
+
+
+def shortest_unique_prefixes(ids: list[str], least: int = 6) -> dict[str, str]:
+    """Each id's shortest prefix of at least `least` characters that no other id of `ids` starts with."""
+    unique = sorted(set(ids))
+    prefixes = {}
+    for position, full in enumerate(unique):
+        neighbours = unique[max(position - 1, 0):position] + unique[position + 1:position + 2]
+        common = max((next((i for i, (a, b) in enumerate(zip(full, other, strict=False)) if a != b),
+                           min(len(full), len(other))) for other in neighbours), default=0)
+        prefixes[full] = full[:max(least, common + 1)]
+    return prefixes
+
+
+def render_sample_list(run_id: str, iteration: int, rows: list[dict[str, Any]]) -> Group:
+    """The samples of `sample_list` as a table, with the command that shows one of them."""
+    prefixes = shortest_unique_prefixes([row["prompt_id"] for row in rows])
+    multi_turn = any(row["num_turns"] and row["num_turns"] > 1 or row["tool_calls"] for row in rows)
+    rounds = any(row["round"] for row in rows)
+    prompts = f"{len(prefixes)} prompt" + ("s" if len(prefixes) > 1 else "")
+    table = Table(title=f"run {run_id} iteration {iteration}: {len(rows)} samples of {prompts}",
+                  box=box.SIMPLE_HEAD)
+    columns = ["prompt", "sample", *(["round"] if rounds else []), "reward", "status", "advantage", "tokens", "finish",
+               *(["turns", "tool calls"] if multi_turn else [])]
+    for column in columns:
+        table.add_column(column, justify="left" if column in ("prompt", "status", "finish") else "right")
+    for row in rows:
+        advantage = ("-" if row["kept"] is None else "dropped" if not row["kept"] else f"{row['advantage']:+.3f}")
+        table.add_row(prefixes[row["prompt_id"]], str(row["sample_idx"]), *([str(row["round"])] if rounds else []),
+                      "-" if row["reward"] is None else f"{row['reward']:.3f}", row["status"] or "-", advantage,
+                      str(row["num_tokens"]), row["finish_reason"],
+                      *([str(row["num_turns"]), str(row["tool_calls"])] if multi_turn else []))
+    first = rows[0]
+    hint = Text(f"one sample's story: rlpipe show {run_id} {iteration} {prefixes[first['prompt_id']]} "
+                f"{first['sample_idx']}", style="dim")
+    return Group(table, hint)
 
 
 def run_filter_metric(layout: RunLayout) -> str | None:
@@ -296,6 +356,13 @@ def render_story(row: dict[str, Any]) -> Group:
 
 def cmd_show(args: argparse.Namespace) -> int:
     try:
+        if args.sample is None:  # which samples there are, to pick one
+            listed = sample_list(_root(args), args.run, args.iter, args.prompt, args.round)
+            listing = render_sample_list(args.run, args.iter, listed)
+            # never squeezed into "...": wider than the terminal (a pipe counts as 80 columns) rather than cut
+            needed = console.measure(listing.renderables[0], options=console.options.update(max_width=1000)).maximum
+            Console(width=max(console.width, needed)).print(listing)
+            return 0
         rows = sample_story(_root(args), args.run, args.iter, args.prompt, args.sample, args.round)
     except SampleNotFound as error:
         err_console.print(f"[red]{error}[/]")
@@ -436,11 +503,12 @@ def add_inspect_commands(
     common(query)
     query.set_defaults(func=cmd_query)
 
-    show = commands.add_parser("show", help="one sample's full story")
+    show = commands.add_parser("show", help="one sample's full story (without a sample: the iteration's samples)")
     show.add_argument("run")
     show.add_argument("iter", type=int)
-    show.add_argument("prompt", help="prompt id (a unique prefix is enough)")
-    show.add_argument("sample", type=int, help="sample index")
+    show.add_argument("prompt", nargs="?", help="prompt id (a unique prefix is enough); without it, every prompt's "
+                                                "samples are listed")
+    show.add_argument("sample", type=int, nargs="?", help="sample index; without it, the prompt's samples are listed")
     show.add_argument("--round", type=int, help="generation round (default: all)")
     common(show)
     show.set_defaults(func=cmd_show)

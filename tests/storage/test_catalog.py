@@ -17,7 +17,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from flows.cli.inspect import main as inspect_main
-from flows.cli.inspect import run_query, sample_story
+from flows.cli.inspect import run_query, sample_story, shortest_unique_prefixes
 from schemas.tables import TABLES
 from storage.catalog import TABLE_VIEWS, Catalog
 from storage.fs import filesystem
@@ -253,6 +253,36 @@ def test_show_tells_one_samples_story(history: Path, capsys: pytest.CaptureFixtu
         assert text in out, text
     assert inspect_main(["show", "a", "1", "zzzz", "0", "--root", str(history)]) == 2
     assert "no rollouts of a prompt 'zzzz'" in capsys.readouterr().err
+
+
+def test_show_without_a_sample_lists_the_iterations_samples(history: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    scores = pq.read_table(history / "runs" / "a" / "iter=0001" / "scores.parquet").to_pylist()
+    batch = {(r["prompt_id"], r["sample_idx"]): r for r in
+             pq.read_table(history / "runs" / "a" / "iter=0001" / "batch.parquet").to_pylist()}
+    assert inspect_main(["show", "a", "1", "--root", str(history)]) == 0
+    out = capsys.readouterr().out
+    assert f"run a iteration 1: {len(scores)} samples of {len({r['prompt_id'] for r in scores})} prompts" in out
+    listed = [line.split() for line in out.splitlines() if line.strip()[:6] in {r["prompt_id"][:6] for r in scores}]
+    expected = sorted(scores, key=lambda r: (r["prompt_id"], r["sample_idx"]))
+    assert len(listed) == len(expected)
+    for cells, row in zip(listed, expected, strict=True):
+        kept = batch[(row["prompt_id"], row["sample_idx"])]
+        assert row["prompt_id"].startswith(cells[0]) and int(cells[1]) == row["sample_idx"]
+        assert cells[2:4] == [f"{row['reward']:.3f}", row["status"]]
+        assert cells[4] == (f"{kept['advantage']:+.3f}" if kept["kept"] else "dropped")
+    # one prompt's samples by a prefix, and the command that shows one of them
+    prefix = expected[0]["prompt_id"][:6]
+    assert inspect_main(["show", "a", "1", prefix, "--root", str(history)]) == 0
+    out = capsys.readouterr().out
+    assert "4 samples of 1 prompt " in out and f"rlpipe show a 1 {prefix}" in out
+    assert inspect_main(["show", "a", "7", "--root", str(history)]) == 2
+    assert "run a iteration 7 has no rollouts" in capsys.readouterr().err
+
+
+def test_shortest_unique_prefixes() -> None:
+    assert shortest_unique_prefixes(["abcdef12", "abcdef34", "zz"], least=2) == {
+        "abcdef12": "abcdef1", "abcdef34": "abcdef3", "zz": "zz"}
+    assert shortest_unique_prefixes(["abcdefgh", "abcdefgh"], least=6) == {"abcdefgh": "abcdef"}
 
 
 # --- S3 (moto's S3 server: the real S3 API, no AWS) ----------------------------------------------------------
