@@ -105,6 +105,16 @@ def comparison_charts(runs: list[ReportData]) -> list[str]:
                 colour=colours[run.run_id]) for run in runs],
         "iteration", "tokens", y_range=(0.0, None), x_labels=labels,
     ))
+    if multi_turn := [run for run in runs if run.multi_turn]:
+        charts.append(line_chart(
+            "chart-multi-turn", "Tool calls per answer in the rollouts (turns dashed)",
+            [series for run in multi_turn for series in (
+                Series(run.run_id, [float(r["iteration"]) for r in run.multi_turn],
+                       [r["tool_calls"] for r in run.multi_turn], colour=colours[run.run_id]),
+                Series(f"{run.run_id} turns", [float(r["iteration"]) for r in run.multi_turn],
+                       [r["turns"] for r in run.multi_turn], colour=colours[run.run_id], dashed=True))],
+            "iteration", "per answer", y_range=(0.0, None), x_labels=labels,
+        ))
     kl = []
     for run in runs:
         trained = [r for r in run.train if not r.get("skipped")]

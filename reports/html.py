@@ -75,6 +75,8 @@ class ReportData:
     # iteration, function, calls, errors, error_frac, mean, first_error: the score stages' reward_functions
     reward_functions: list[dict[str, Any]] = field(default_factory=list)
     failure: StageFailure | None = None  # the run's failure record: it stopped at this stage (storage/failure.py)
+    # iteration, turns, tool_calls (per answer), tool_error_rate (None without a call): multi-turn runs only
+    multi_turn: list[dict[str, Any]] = field(default_factory=list)
 
 
 def read_config(layout: RunLayout) -> RunConfig | None:
@@ -250,6 +252,11 @@ def collect(catalog: Catalog, run_id: str, config: RunConfig | None) -> ReportDa
         data.best = catalog.rows(query.format(order="DESC"), params)
         data.worst = catalog.rows(query.format(order="ASC"), params)
     data.devices = _devices(catalog, run_id)
+    if config is not None and config.generate.multi_turn.mode != "off":
+        data.multi_turn = catalog.rows(
+            f"""SELECT iteration, avg(num_turns) AS turns, avg(tool_calls) AS tool_calls,
+                      sum(tool_errors) / nullif(sum(tool_calls), 0) AS tool_error_rate
+               FROM rollouts WHERE run_id = $run AND {SAMPLED} GROUP BY iteration ORDER BY iteration""", run)
     # One row per iteration and function: an iteration's generation rounds pooled (mean over the calls with a value).
     data.reward_functions = catalog.rows(
         """SELECT iter AS iteration, function, sum(calls) AS calls, sum(errors) AS errors,
@@ -375,6 +382,16 @@ def _charts(data: ReportData) -> list[str]:
         [Series("truncated", len_xs, [r["truncated"] for r in data.lengths])],
         "iteration", "fraction", y_range=(0.0, None), x_labels=labels,
     ))
+    if data.multi_turn:  # how the agent loop's use moves with training
+        mt_xs = [float(r["iteration"]) for r in data.multi_turn]
+        charts.append(line_chart(
+            "chart-multi-turn", "Multi-turn rollouts: turns and tool calls per answer",
+            [Series("turns", mt_xs, [r["turns"] for r in data.multi_turn]),
+             Series("tool calls", mt_xs, [r["tool_calls"] for r in data.multi_turn]),
+             Series("tool error rate (errors / calls)", mt_xs, [r["tool_error_rate"] for r in data.multi_turn],
+                    dashed=True)],
+            "iteration", "per answer", y_range=(0.0, None), x_labels=labels,
+        ))
     trained = [r for r in data.train if not r.get("skipped")]
     steps = [float(r["step"]) for r in trained]
 

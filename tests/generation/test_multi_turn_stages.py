@@ -12,8 +12,10 @@ import pytest
 from rich.console import Console
 
 from flows.cli.status import multi_turn_table
+from reports.html import collect, read_config, render
 from schemas.config import load_config
 from stages.registry import instance, stage_state
+from storage.catalog import Catalog
 from storage.layout import BASE
 from storage.run import Run
 from tests.support.stages import run_stage_at, start_run
@@ -82,3 +84,11 @@ def test_tool_mode_through_the_stages(tmp_path: Path) -> None:
     assert cells["rollouts 0"][:3] == [f"{sum(r['num_turns'] for r in rollouts) / 2:.2f}", f"{calls / 2:.3f}",
                                        f"{errors / calls:.3f}" if calls else "n/a"]
     assert cells["base"][:2] == [f"{ev[0]['num_turns']:.2f}", f"{ev[0]['tool_calls']:.3f}"]
+
+    # the HTML report draws the same per-iteration figures, read through the catalog
+    with Catalog(layout.root, ["mt"]) as catalog:
+        data = collect(catalog, "mt", read_config(layout))
+    assert data.multi_turn == [{"iteration": 0, "turns": pytest.approx(sum(r["num_turns"] for r in rollouts) / 2),
+                                "tool_calls": pytest.approx(calls / 2),
+                                "tool_error_rate": pytest.approx(errors / calls) if calls else None}]
+    assert "chart-multi-turn" in render(data)
