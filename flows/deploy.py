@@ -351,10 +351,12 @@ def expected_names(spec: dict[str, Any]) -> set[str]:
 FINAL_EVENTS = frozenset(f"prefect.flow-run.{state}" for state in ("Completed", "Failed", "Cancelled", "Crashed"))
 
 
-def unresponsive_run_automation(flow_names: Iterable[str], silence_s: float) -> Any:  # noqa: ANN401
-    """Prefect's automation for zombie flow runs (docs.prefect.io, "detect zombie flows"), on the flows named:
-    a flow run of theirs that sent a heartbeat and then nothing, not even a final state, for `silence_s` is set
-    Crashed. The dispatching flow then sees a final state and fails the stage (flows/pipeline.py)."""
+def crash_without_heartbeat(name: str, description: str, after: str, related: list[dict[str, Any]], within_s: float,
+                            message: str) -> Any:  # noqa: ANN401
+    """Prefect's pattern for zombie flow runs (docs.prefect.io, "detect zombie flows"): after an `after` event of a
+    flow run whose related resources match each of `related`, neither a heartbeat nor a final state within
+    `within_s` sets it Crashed with `message`. The dispatching flow then sees a final state and fails the stage
+    (flows/pipeline.py)."""
     from datetime import timedelta
 
     from prefect.client.schemas.objects import StateType
@@ -363,24 +365,32 @@ def unresponsive_run_automation(flow_names: Iterable[str], silence_s: float) -> 
     from prefect.events.schemas.events import ResourceSpecification
 
     return AutomationCore(
-        name=UNRESPONSIVE_AUTOMATION,
-        description=f"A flow run of {', '.join(sorted(flow_names))} silent for {silence_s:.0f} s (its machine or "
-                    "worker died) is set Crashed, so that the flow waiting on it goes on (flows/deploy.py).",
+        name=name,
+        description=description,
         trigger=EventTrigger(
-            after={"prefect.flow-run.heartbeat"},
+            after={after},
             expect={"prefect.flow-run.heartbeat", *FINAL_EVENTS},
             match=ResourceSpecification({"prefect.resource.id": ["prefect.flow-run.*"]}),
-            match_related=ResourceSpecification({"prefect.resource.role": "flow",
-                                                 "prefect.resource.name": sorted(flow_names)}),
+            match_related=[ResourceSpecification(labels) for labels in related],
             for_each={"prefect.resource.id"},
             posture=Posture.Proactive,
             threshold=1,
-            within=timedelta(seconds=silence_s),
+            within=timedelta(seconds=within_s),
         ),
-        actions=[ChangeFlowRunState(state=StateType.CRASHED,
-                                    message=f"no heartbeat for {silence_s:.0f} s: its process, machine or worker "
-                                            "died (automation: " + UNRESPONSIVE_AUTOMATION + ")")],
+        actions=[ChangeFlowRunState(state=StateType.CRASHED, message=f"{message} (automation: {name})")],
     )
+
+
+def unresponsive_run_automation(flow_names: Iterable[str], silence_s: float) -> Any:  # noqa: ANN401
+    """A flow run of the flows named that sent a heartbeat and then nothing, not even a final state, for
+    `silence_s` is set Crashed: its process, machine or worker died."""
+    flows = sorted(flow_names)
+    return crash_without_heartbeat(
+        UNRESPONSIVE_AUTOMATION,
+        f"A flow run of {', '.join(flows)} silent for {silence_s:.0f} s (its machine or worker died) is set "
+        "Crashed, so that the flow waiting on it goes on (flows/deploy.py).",
+        "prefect.flow-run.heartbeat", [{"prefect.resource.role": "flow", "prefect.resource.name": flows}],
+        silence_s, f"no heartbeat for {silence_s:.0f} s: its process, machine or worker died")
 
 
 def unstarted_run_automation(flow_names: Iterable[str], allowance_s: float) -> Any:  # noqa: ANN401
@@ -390,35 +400,16 @@ def unstarted_run_automation(flow_names: Iterable[str], allowance_s: float) -> A
     server. Deployment runs only: they send heartbeats (prefect.yaml's job env); a flow run started by hand may
     not. The allowance covers a process start (seconds for a process pool; an image pull or a node scaling up on
     Docker or Kubernetes pools, whose workers also watch their own starts)."""
-    from datetime import timedelta
-
-    from prefect.client.schemas.objects import StateType
-    from prefect.events.actions import ChangeFlowRunState
-    from prefect.events.schemas.automations import AutomationCore, EventTrigger, Posture
-    from prefect.events.schemas.events import ResourceSpecification
-
-    return AutomationCore(
-        name=UNSTARTED_AUTOMATION,
-        description=f"A deployment's flow run of {', '.join(sorted(flow_names))} Pending and without a heartbeat "
-                    f"for {allowance_s:.0f} s (its worker or process died starting it) is set Crashed, so that the "
-                    "flow waiting on it goes on (flows/deploy.py).",
-        trigger=EventTrigger(
-            after={"prefect.flow-run.Pending"},
-            expect={"prefect.flow-run.heartbeat", *FINAL_EVENTS},
-            match=ResourceSpecification({"prefect.resource.id": ["prefect.flow-run.*"]}),
-            match_related=[ResourceSpecification({"prefect.resource.role": "flow",
-                                                  "prefect.resource.name": sorted(flow_names)}),
-                           ResourceSpecification({"prefect.resource.role": "deployment"})],
-            for_each={"prefect.resource.id"},
-            posture=Posture.Proactive,
-            threshold=1,
-            within=timedelta(seconds=allowance_s),
-        ),
-        actions=[ChangeFlowRunState(state=StateType.CRASHED,
-                                    message=f"no heartbeat within {allowance_s:.0f} s of going Pending: its worker "
-                                            "or its process died starting it (automation: " + UNSTARTED_AUTOMATION
-                                            + ")")],
-    )
+    flows = sorted(flow_names)
+    return crash_without_heartbeat(
+        UNSTARTED_AUTOMATION,
+        f"A deployment's flow run of {', '.join(flows)} Pending and without a heartbeat for {allowance_s:.0f} s "
+        "(its worker or process died starting it) is set Crashed, so that the flow waiting on it goes on "
+        "(flows/deploy.py).",
+        "prefect.flow-run.Pending",
+        [{"prefect.resource.role": "flow", "prefect.resource.name": flows}, {"prefect.resource.role": "deployment"}],
+        allowance_s, f"no heartbeat within {allowance_s:.0f} s of going Pending: its worker or its process died "
+                     "starting it")
 
 
 def ensure_run_automations(flow_names: Iterable[str], silence_s: float = 3 * HEARTBEAT_S,
