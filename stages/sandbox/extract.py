@@ -8,30 +8,35 @@ from __future__ import annotations
 
 import re
 
-# A fence opens with ``` and an optional info string on the same line; the block runs to the next fence
-# on a line of its own or, for a response cut off by the token limit, to the end of the text.
-_FENCE = re.compile(r"^[ \t]*```[ \t]*([^\n`]*)\n(.*?)(?:^[ \t]*```[ \t]*$|\Z)", re.DOTALL | re.MULTILINE)
+# A fence opens with ``` and an optional info string on the same line; the block runs to the next fence on a line
+# of its own (group 3: closed) or, for a response cut off by the token limit, to the end of the text.
+_FENCE = re.compile(r"^[ \t]*```[ \t]*([^\n`]*)\n(.*?)(?:(^[ \t]*```[ \t]*$)|\Z)", re.DOTALL | re.MULTILINE)
 _PYTHON_TAGS = {"python", "py", "python3", "py3"}
 
 
 def extract_code(response_text: str) -> str | None:
-    """The last ```python block of a markdown response, else the last untagged ``` block, else None.
+    """The last complete ```python block of a markdown response, else the last untagged ``` block, else None.
 
-    Blocks tagged with another language (```bash, ```text) never count: running shell text as Python
-    would only turn a formatting slip into a syntax error. An empty block counts as no code.
+    Complete: closed by its fence. A block the token limit cut off counts only where no complete block of its
+    kind comes before it (an answer cut inside its only block is still graded): a solution followed by an
+    "Example usage" block cut mid-line is graded on the solution, as the peers' extractors do (they take the
+    last closed block). Blocks tagged with another language (```bash, ```text) never count: running shell
+    text as Python would only turn a formatting slip into a syntax error. An empty block counts as no code.
     """
-    python_blocks: list[str] = []
-    plain_blocks: list[str] = []
+    python_blocks: list[tuple[str, bool]] = []
+    plain_blocks: list[tuple[str, bool]] = []
     for match in _FENCE.finditer(response_text):
         tag = match.group(1).strip().lower().split(" ")[0] if match.group(1).strip() else ""
-        body = match.group(2)
+        block = (match.group(2), match.group(3) is not None)
         if tag in _PYTHON_TAGS:
-            python_blocks.append(body)
+            python_blocks.append(block)
         elif tag == "":
-            plain_blocks.append(body)
+            plain_blocks.append(block)
     for blocks in (python_blocks, plain_blocks):
-        if blocks and blocks[-1].strip():
-            return blocks[-1].rstrip() + "\n"
+        complete = [body for body, closed in blocks if closed]
+        body = complete[-1] if complete else blocks[-1][0] if blocks else ""
+        if body.strip():
+            return body.rstrip() + "\n"
     return None
 
 

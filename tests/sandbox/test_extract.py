@@ -33,6 +33,20 @@ def test_tag_variants_and_truncated_block():
     assert extract_code("Here:\n```python\ndef g():\n    return 1") == "def g():\n    return 1\n"
 
 
+def test_a_block_cut_off_after_a_complete_one_is_not_graded():
+    # a solution, then an example the token limit cut mid-line (seen in humaneval-cpu runs, graded `error`)
+    text = ("```python\ndef f(x):\n    return x + 1\n```\n\nExample usage:\n```python\nprint(f(1))  # Output: 2\n"
+            "print(f(")
+    assert extract_code(text) == "def f(x):\n    return x + 1\n"
+    # the same for untagged blocks, and a complete python block still wins over a later untagged one
+    assert extract_code("```\nprint(1)\n```\nthen\n```\nprint(") == "print(1)\n"
+    assert extract_code("```python\nprint(1)\n```\n```\nprint(2)") == "print(1)\n"
+    # a cut python block with no complete python block before it is still the python code
+    assert extract_code("```\nprint(1)\n```\n```python\nprint(2)") == "print(2)\n"
+    # a fence closed at the very end of the text closes its block
+    assert extract_code("```python\nx = 1\n```\n```python\ny = 2\n```") == "y = 2\n"
+
+
 def test_boxed_answer_with_nested_braces_last_wins():
     assert extract_answer(r"first \boxed{1} then \boxed{\frac{1}{2}}") == r"\frac{1}{2}"
 
