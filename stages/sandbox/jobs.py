@@ -10,7 +10,7 @@ STATUSES = ("ok", "fail", "timeout", "error", "no_code")
 
 @dataclass
 class ScoreJob:
-    response_text: str  # the model's full response (markdown); the code is its last ```python block
+    response_text: str  # the model's full response (markdown); the code is its last complete ```python block
     reward_spec: dict[str, Any]  # {"kind": "code_tests" | "code_stdio" | "math", ...}
 
     def as_dict(self) -> dict[str, Any]:
