@@ -46,6 +46,7 @@ UNRESPONSIVE_AUTOMATION = "rlpipe: crash unresponsive flow runs"
 UNSTARTED_AUTOMATION = "rlpipe: crash flow runs that never started"
 HEARTBEAT_S = 30  # PREFECT_FLOWS_HEARTBEAT_FREQUENCY of prefect.yaml's job env: Prefect's minimum
 START_ALLOWANCE_S = 600  # Pending to the first heartbeat: a process start, or an image pull on a container pool
+SKIPPED_STATE = "Skipped"  # the Completed state of a scheduled trigger that found its run driven (flows/pipeline.py)
 
 
 class DeployError(RuntimeError):
@@ -348,7 +349,9 @@ def expected_names(spec: dict[str, Any]) -> set[str]:
     return {f"{entrypoint_flow(d['entrypoint']).name}/{d['name']}" for d in spec["deployments"]}
 
 
-FINAL_EVENTS = frozenset(f"prefect.flow-run.{state}" for state in ("Completed", "Failed", "Cancelled", "Crashed"))
+# A state's event is named by the state's name, and a trigger that finds its run driven ends Completed, named so
+FINAL_EVENTS = frozenset(f"prefect.flow-run.{state}"
+                         for state in ("Completed", SKIPPED_STATE, "Failed", "Cancelled", "Crashed"))
 
 
 def crash_without_heartbeat(name: str, description: str, after: str, related: list[dict[str, Any]], within_s: float,

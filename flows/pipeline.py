@@ -35,6 +35,7 @@ from prefect.runtime import flow_run as current_flow_run  # noqa: E402
 from prefect.states import Completed, State  # noqa: E402
 
 from flows.artifacts import publish_iteration_artifacts, report_link  # noqa: E402
+from flows.deploy import SKIPPED_STATE  # noqa: E402
 from flows.runner.forkserver import stage_server  # noqa: E402
 from flows.runner.generation_server import generation_server  # noqa: E402
 from flows.runner.overlap import drive, overlap_plan  # noqa: E402
@@ -307,7 +308,7 @@ def iteration_flow(
         if iteration is not None:
             raise
         get_run_logger().warning("skipped: %s", error)
-        return Completed(name="Skipped", message=str(error))
+        return Completed(name=SKIPPED_STATE, message=str(error))
 
 
 @flow(name="loop", flow_run_name=lambda: _run_name("loop"))
