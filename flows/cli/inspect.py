@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -186,8 +187,7 @@ def shortest_unique_prefixes(ids: list[str], least: int = 6) -> dict[str, str]:
     prefixes = {}
     for position, full in enumerate(unique):
         neighbours = unique[max(position - 1, 0):position] + unique[position + 1:position + 2]
-        common = max((next((i for i, (a, b) in enumerate(zip(full, other, strict=False)) if a != b),
-                           min(len(full), len(other))) for other in neighbours), default=0)
+        common = max((len(os.path.commonprefix([full, other])) for other in neighbours), default=0)
         prefixes[full] = full[:max(least, common + 1)]
     return prefixes
 
